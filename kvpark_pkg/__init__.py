@@ -1,0 +1,1 @@
+"""kvpark: a Kubernetes-native LLM server that parks KV instead of failing."""

@@ -1,0 +1,468 @@
+"""Starlette routes: OpenAI chat/completions, llama.cpp /completion, /health, /slots, /metrics.
+
+The engine runs on its own thread; each request gets a `RequestStream` that carries its
+sequences' events from that thread into asyncio.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from . import protocol
+from .args import ServerArgs
+from .model.tokenizer import Tokenizer
+from .protocol import ApiError, GenerationRequest
+from .sampling import make_generator
+from .scheduler import CONTEXT_EXCEEDED
+from .server import ServingStack, build_stack
+from .slot import Sequence
+from .text_output import TextOutput
+
+log = logging.getLogger("kvpark.api")
+
+OPEN_PATHS = {"/health", "/metrics"}
+CHAT_PARSERS = {
+    "chat": protocol.parse_chat,
+    "completion": protocol.parse_completion,
+    "llama": protocol.parse_llama_completion,
+}
+
+
+@dataclass
+class Event:
+    kind: str  # "text", "parked", "resumed", "finished"
+    index: int
+    text: str = ""
+
+
+@dataclass
+class RequestStream:
+    """One request's sequences, seen from asyncio."""
+
+    loop: asyncio.AbstractEventLoop
+    tokenizer: Tokenizer
+    request: GenerationRequest
+    request_id: str
+    seqs: list[Sequence] = field(default_factory=list)
+    queue: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    outputs: list[TextOutput] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        params = self.request.params
+        self.outputs = [TextOutput(self.tokenizer, params.stop) for _ in range(params.n)]
+        for index in range(params.n):
+            seed = None if params.seed is None else params.seed + index
+            self.seqs.append(Sequence(
+                request_id=self.request_id if params.n == 1 else f"{self.request_id}/{index}",
+                prompt_ids=list(self.request.prompt_ids),
+                params=params,
+                generator=make_generator(seed),
+                on_event=self.on_event,
+                index=index,
+                family_size=params.n,
+            ))
+
+    # engine thread
+    def on_event(self, seq: Sequence, kind: str, token: int | None) -> bool | None:
+        output = self.outputs[seq.index]
+        if kind == "token":
+            assert token is not None
+            self._put(Event("text", seq.index, output.push(token)))
+            return output.stopped
+        if kind == "finished" and seq.error is None:
+            self._put(Event("text", seq.index, output.finish()))
+        self._put(Event(kind, seq.index))
+        return None
+
+    def _put(self, event: Event) -> None:
+        if event.kind != "text" or event.text:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+    # asyncio side
+    async def events(self) -> AsyncIterator[Event]:
+        remaining = len(self.seqs)
+        while remaining:
+            event = await self.queue.get()
+            if event.kind == "finished":
+                remaining -= 1
+            yield event
+
+    def text(self, index: int) -> str:
+        return self.outputs[index].text
+
+
+class SSEResponse(StreamingResponse):
+    """Always listens for the client going away, even while nothing is being sent (a parked
+    stream sends nothing for a while, and a disconnect must still free its slot)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        stream = asyncio.ensure_future(self.stream_response(send))
+        watcher = asyncio.ensure_future(self.listen_for_disconnect(receive))
+        try:
+            await asyncio.wait({stream, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (stream, watcher):
+                task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, OSError):
+                await stream
+                await watcher
+
+
+def error_response(exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+def sse(payload: dict[str, Any] | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+def usage(seqs: list[Sequence]) -> dict[str, int]:
+    completion = sum(s.num_generated for s in seqs)
+    prompt = seqs[0].num_prompt
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+def timings(seq: Sequence) -> dict[str, float]:
+    """llama.cpp's timings: the prompt as sent (recompute replays are not in here)."""
+    prompt_ms = seq.prompt_seconds * 1e3
+    end = seq.finished_at or time.monotonic()
+    predicted_ms = (end - seq.first_token_at) * 1e3 if seq.first_token_at else 0.0
+    n = seq.num_generated
+    return {
+        "prompt_n": seq.num_prompt,
+        "prompt_ms": prompt_ms,
+        "prompt_per_token_ms": prompt_ms / max(1, seq.num_prompt),
+        "prompt_per_second": seq.num_prompt / (prompt_ms / 1e3) if prompt_ms else 0.0,
+        "predicted_n": n,
+        "predicted_ms": predicted_ms,
+        "predicted_per_token_ms": predicted_ms / max(1, n),
+        "predicted_per_second": n / (predicted_ms / 1e3) if predicted_ms else 0.0,
+    }
+
+
+def seq_error(seq: Sequence) -> ApiError:
+    kind = "invalid_request_error" if seq.error_status < 500 else "server_error"
+    return ApiError(seq.error_status, seq.error or "unknown error", error_type=kind)
+
+
+class Server:
+    def __init__(self, args: ServerArgs, stack: ServingStack | None = None) -> None:
+        self.args = args
+        self.stack = stack
+        self.loading_error: str | None = None
+        self.created = int(time.time())
+        self.on_load_failed = lambda: None  # __main__ makes uvicorn exit
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self.stack is None:
+            try:
+                self.stack = await asyncio.to_thread(build_stack, self.args)
+            except Exception as exc:
+                self.loading_error = f"{type(exc).__name__}: {exc}"
+                log.exception("loading the model failed")
+                self.on_load_failed()
+                return
+        self.stack.engine.start()
+        log.info("serving %s on http://%s:%d", self.stack.model_name, self.args.host,
+                 self.args.port)
+
+    def stop(self) -> None:
+        if self.stack is not None:
+            self.stack.engine.stop()
+
+    # ---- middleware-ish checks ---------------------------------------------------------------
+    def check_auth(self, request: Request) -> None:
+        key = self.args.api_key
+        if not key or request.url.path in OPEN_PATHS:
+            return
+        header = request.headers.get("authorization", "")
+        given = header[7:] if header.lower().startswith("bearer ") else ""
+        if not hmac.compare_digest(given.encode(), key.encode()):
+            raise ApiError(401, "invalid or missing API key (Authorization: Bearer ...)",
+                           error_type="authentication_error")
+
+    def ready_stack(self) -> ServingStack:
+        if self.stack is None:
+            raise ApiError(503, "the model is still loading", error_type="unavailable")
+        return self.stack
+
+    # ---- routes ------------------------------------------------------------------------------
+    async def health(self, request: Request) -> Response:
+        if self.stack is None:
+            status = "error" if self.loading_error else "loading"
+            return JSONResponse({"status": status, "error": self.loading_error}, 503)
+        return JSONResponse({"status": "ok"})
+
+    async def models(self, request: Request) -> Response:
+        self.check_auth(request)
+        stack = self.ready_stack()
+        return JSONResponse({"object": "list", "data": [{
+            "id": stack.model_name, "object": "model", "created": self.created,
+            "owned_by": "kvpark", "max_model_len": stack.max_context}]})
+
+    async def metrics(self, request: Request) -> Response:
+        stack = self.ready_stack()
+        return Response(stack.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    async def slots(self, request: Request) -> Response:
+        self.check_auth(request)
+        stack = self.ready_stack()
+        scheduler = stack.scheduler
+        share = scheduler.pool.capacity_tokens // len(scheduler.slots)
+        return JSONResponse([slot_entry(i, seq, share) for i, seq in enumerate(scheduler.slots)])
+
+    async def generate(self, request: Request) -> Response:
+        kind = request.scope["route_kind"]
+        self.check_auth(request)
+        stack = self.ready_stack()
+        body = await read_json(request)
+        gen = CHAT_PARSERS[kind](body, stack.tokenizer, stack.max_context)
+        self.check_fits(stack, gen)
+        stream = RequestStream(asyncio.get_running_loop(), stack.tokenizer, gen,
+                               f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}")
+        stack.engine.submit(stream.seqs)
+        if gen.stream:
+            return SSEResponse(self.stream_events(stack, stream), media_type="text/event-stream",
+                               headers={"Cache-Control": "no-cache"})
+        return await self.complete(request, stack, stream)
+
+    def check_fits(self, stack: ServingStack, gen: GenerationRequest) -> None:
+        capacity = stack.scheduler.pool.capacity_tokens
+        if len(gen.prompt_ids) + 1 > min(capacity, stack.max_context):
+            raise ApiError(400, f"{CONTEXT_EXCEEDED} The prompt has "
+                           f"{len(gen.prompt_ids)} tokens; the KV pool holds {capacity} and the "
+                           f"model {stack.max_context}.", param="messages"
+                           if gen.kind == "chat" else "prompt")
+
+    async def complete(self, request: Request, stack: ServingStack,
+                       stream: RequestStream) -> Response:
+        done = asyncio.ensure_future(_drain(stream))
+        gone = asyncio.ensure_future(wait_disconnect(request))
+        await asyncio.wait({done, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not done.done():
+            done.cancel()
+            for seq in stream.seqs:
+                stack.engine.cancel(seq)
+            return Response(status_code=499)
+        gone.cancel()
+        errors = [seq for seq in stream.seqs if seq.error]
+        if errors:
+            return error_response(seq_error(errors[0]))
+        return JSONResponse(final_body(stack, stream))
+
+    async def stream_events(self, stack: ServingStack, stream: RequestStream
+                            ) -> AsyncIterator[str]:
+        fmt = ChunkFormatter(stack.model_name, stream)
+        finished = 0
+        try:
+            yield from_lines(fmt.opening())
+            async for event in stream.events():
+                seq = stream.seqs[event.index]
+                if event.kind == "text":
+                    yield sse(fmt.text(event.index, event.text))
+                elif event.kind == "finished":
+                    finished += 1
+                    if seq.error:
+                        yield sse(seq_error(seq).body())
+                    else:
+                        yield sse(fmt.finish(seq))
+            if fmt.include_usage:
+                yield sse(fmt.usage())
+            if stream.request.kind != "llama":
+                yield sse("[DONE]")
+        finally:
+            if finished < len(stream.seqs):  # the client went away: free slot, pages, host RAM
+                for seq in stream.seqs:
+                    stack.engine.cancel(seq)
+
+
+def from_lines(payloads: list[dict[str, Any]]) -> str:
+    return "".join(sse(p) for p in payloads)
+
+
+async def _drain(stream: RequestStream) -> None:
+    async for _ in stream.events():
+        pass
+
+
+async def wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def read_json(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ApiError(400, f"the body is not valid JSON: {exc}", param="body") from exc
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object", param="body")
+    return body
+
+
+def slot_entry(slot_id: int, seq: Sequence | None, share: int) -> dict[str, Any]:
+    entry: dict[str, Any] = {"id": slot_id, "n_ctx": share, "is_processing": seq is not None,
+                             "is_preempted": False, "n_preempt": 0, "n_recompute": 0,
+                             "preempt_mode": None, "task": None, "n_tokens": 0,
+                             "n_prompt_tokens": 0, "n_generated": 0}
+    if seq is not None:
+        entry.update(
+            is_preempted=seq.is_parked,
+            n_preempt=seq.n_preempt,
+            n_recompute=seq.n_recompute,
+            preempt_mode=seq.preempt_mode.value if seq.preempt_mode else None,
+            task=seq.request_id,
+            n_tokens=seq.num_computed,
+            n_prompt_tokens=seq.num_prompt,
+            n_generated=seq.num_generated,
+            phase=("parked" if seq.is_parked else "replay" if seq.is_replaying
+                   else "prompt" if seq.in_prompt else "generating"),
+        )
+    return entry
+
+
+def final_body(stack: ServingStack, stream: RequestStream) -> dict[str, Any]:
+    gen, seqs = stream.request, stream.seqs
+    created = int(time.time())
+    if gen.kind == "llama":
+        seq = seqs[0]
+        return {"content": stream.text(0), "model": stack.model_name, "stop": True,
+                "stop_type": llama_stop_type(seq), "tokens_predicted": seq.num_generated,
+                "tokens_evaluated": seq.num_prompt, "timings": timings(seq),
+                "id_slot": seq.slot_id}
+    if gen.kind == "chat":
+        choices = [{"index": s.index, "message": {"role": "assistant",
+                                                  "content": stream.text(s.index)},
+                    "logprobs": None, "finish_reason": s.finish_reason} for s in seqs]
+        obj = "chat.completion"
+    else:
+        choices = [{"index": s.index, "text": stream.text(s.index), "logprobs": None,
+                    "finish_reason": s.finish_reason} for s in seqs]
+        obj = "text_completion"
+    return {"id": stream.request_id, "object": obj, "created": created,
+            "model": stack.model_name, "choices": choices, "usage": usage(seqs),
+            "timings": timings(seqs[0])}
+
+
+def llama_stop_type(seq: Sequence) -> str:
+    if seq.finish_reason == "length":
+        return "limit"
+    return "word" if seq.params.stop and seq.tokens[-1:] else "eos"
+
+
+@dataclass
+class ChunkFormatter:
+    model: str
+    stream: RequestStream
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream.request.include_usage
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        kind = self.stream.request.kind
+        chunk = {"id": self.stream.request_id,
+                 "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+                 "created": int(time.time()), "model": self.model, "choices": choices}
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def opening(self) -> list[dict[str, Any]]:
+        if self.stream.request.kind != "chat":
+            return []
+        return [self._chunk([{"index": s.index, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}
+                             for s in self.stream.seqs])]
+
+    def text(self, index: int, text: str) -> dict[str, Any]:
+        kind = self.stream.request.kind
+        if kind == "llama":
+            return {"content": text, "stop": False, "index": index}
+        if kind == "chat":
+            return self._chunk([{"index": index, "delta": {"content": text}, "logprobs": None,
+                                 "finish_reason": None}])
+        return self._chunk([{"index": index, "text": text, "logprobs": None,
+                             "finish_reason": None}])
+
+    def finish(self, seq: Sequence) -> dict[str, Any]:
+        kind = self.stream.request.kind
+        if kind == "llama":
+            return {"content": "", "stop": True, "index": seq.index, "model": self.model,
+                    "stop_type": llama_stop_type(seq), "tokens_predicted": seq.num_generated,
+                    "tokens_evaluated": seq.num_prompt, "timings": timings(seq)}
+        if kind == "chat":
+            return self._chunk([{"index": seq.index, "delta": {}, "logprobs": None,
+                                 "finish_reason": seq.finish_reason}])
+        return self._chunk([{"index": seq.index, "text": "", "logprobs": None,
+                             "finish_reason": seq.finish_reason}])
+
+    def usage(self) -> dict[str, Any]:
+        chunk = self._chunk([])
+        chunk["usage"] = usage(self.stream.seqs)
+        return chunk
+
+
+def create_app(args: ServerArgs, stack: ServingStack | None = None) -> Starlette:
+    server = Server(args, stack)
+
+    def route(path: str, kind: str) -> Route:
+        async def endpoint(request: Request) -> Response:
+            request.scope["route_kind"] = kind
+            return await server.generate(request)
+
+        return Route(path, endpoint, methods=["POST"])
+
+    async def on_api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ApiError)
+        return error_response(exc)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        # load in the background so /health answers 503 while the weights come in
+        loading = asyncio.create_task(server.start())
+        try:
+            yield
+        finally:
+            loading.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await loading
+            server.stop()
+
+    app = Starlette(
+        routes=[
+            route("/v1/chat/completions", "chat"),
+            route("/v1/completions", "completion"),
+            route("/completion", "llama"),
+            route("/completions", "llama"),
+            Route("/v1/models", server.models),
+            Route("/health", server.health),
+            Route("/slots", server.slots),
+            Route("/metrics", server.metrics),
+        ],
+        exception_handlers={ApiError: on_api_error},
+        lifespan=lifespan,
+    )
+    app.state.server = server
+    return app

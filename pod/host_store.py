@@ -1,0 +1,53 @@
+"""Host RAM for swapped sequences: a hard byte budget and real allocation failures.
+
+`reserve` checks the budget before any copy starts, so parked bytes never exceed it, even when a
+resume and a park happen in the same step. An allocation the machine refuses is reported as
+`HostAllocationError`; the caller parks by recompute instead.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+UNLIMITED = -1
+
+
+class HostAllocationError(RuntimeError):
+    pass
+
+
+class HostStore:
+    def __init__(self, budget_bytes: int, pin_memory: bool = False) -> None:
+        assert budget_bytes >= UNLIMITED, f"budget {budget_bytes} must be >= -1"
+        self.budget_bytes = budget_bytes
+        self.pin_memory = pin_memory
+        self.held_bytes = 0
+        self.peak_bytes = 0
+
+    @property
+    def unlimited(self) -> bool:
+        return self.budget_bytes == UNLIMITED
+
+    def can_hold(self, num_bytes: int) -> bool:
+        return self.unlimited or self.held_bytes + num_bytes <= self.budget_bytes
+
+    def allocate(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A host buffer charged to the budget; raises HostAllocationError when refused."""
+        num_bytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        assert self.can_hold(num_bytes), "caller must check the budget before allocating"
+        if os.environ.get("KVPARK_PREEMPT_FAIL_SWAP", "0") == "1":
+            raise HostAllocationError("host allocation refused (KVPARK_PREEMPT_FAIL_SWAP=1)")
+        try:
+            buffer = torch.empty(shape, dtype=dtype, pin_memory=self.pin_memory)
+        except (RuntimeError, MemoryError) as exc:  # the allocator's own refusal
+            raise HostAllocationError(f"host allocation of {num_bytes} B failed: {exc}") from exc
+        self.held_bytes += num_bytes
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+        return buffer
+
+    def release(self, buffer: torch.Tensor) -> None:
+        num_bytes = buffer.numel() * buffer.element_size()
+        assert num_bytes <= self.held_bytes, "released more than was held"
+        self.held_bytes -= num_bytes

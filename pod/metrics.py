@@ -1,0 +1,115 @@
+"""Prometheus metrics under the `kvpark:` prefix.
+
+Counters the scheduler already keeps (parks, resumes, pool and host usage) are read live at
+scrape time by a collector; per-request and per-step facts are observed as they happen.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from .scheduler import ScheduledSeq, Scheduler
+from .slot import Sequence
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+COPY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 16, 32, 64)
+
+
+class SchedulerCollector(Collector):
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        s = self.scheduler
+        stats = s.stats
+        yield _gauge("requests_processing", "Sequences holding a slot and running",
+                     len(s.running))
+        yield _gauge("requests_deferred", "Sequences queued for a slot", len(s.waiting))
+        yield _gauge("requests_preempted", "Sequences parked now", len(s.parked))
+        yield _gauge("kv_cache_usage_ratio", "Used fraction of the paged KV pool",
+                     s.pool.usage_ratio)
+        yield _gauge("kv_cache_pages_total", "Pages in the KV pool", s.pool.num_pages)
+        yield _gauge("kv_cache_pages_free", "Free pages in the KV pool", s.pool.num_free_pages)
+        yield _gauge("preempt_ram_bytes", "Host bytes held by swapped sequences now",
+                     s.host.held_bytes)
+        yield _gauge("preempt_ram_budget_bytes", "Host byte budget for swaps (-1: no limit)",
+                     s.host.budget_bytes)
+        yield _counter("n_preempt", "Parks, swap and recompute", stats.n_preempt)
+        yield _counter("n_resume", "Resumes of parked sequences", stats.n_resume)
+        yield _counter("n_preempt_swap", "Parks by copying pages to host RAM",
+                       stats.n_preempt_swap)
+        yield _counter("n_preempt_recompute", "Parks by dropping pages to re-prefill later",
+                       stats.n_preempt_recompute)
+        yield _counter("n_recompute_tokens", "Tokens re-prefilled by recompute resumes",
+                       stats.n_recompute_tokens)
+        yield _counter("n_preempt_swap_fallback", "Swaps refused by host RAM, recomputed",
+                       stats.n_swap_fallbacks)
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(f"kvpark:{name}", doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(f"kvpark:{name}", doc, value=value)
+
+
+class Metrics:
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.registry = CollectorRegistry()
+        self.registry.register(SchedulerCollector(scheduler))
+        r = self.registry
+        self.prompt_tokens = Counter("kvpark:prompt_tokens", "Prompt tokens received",
+                                     registry=r)
+        self.generated_tokens = Counter("kvpark:tokens_predicted", "Tokens generated",
+                                        registry=r)
+        self.requests = Counter("kvpark:requests", "Finished requests by outcome",
+                                ["outcome"], registry=r)
+        self.rejected = Counter("kvpark:requests_rejected", "Requests rejected (503, full)",
+                                registry=r)
+        self.latency = Histogram("kvpark:request_latency_seconds", "Arrival to last token",
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("kvpark:time_to_first_token_seconds", "Arrival to first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.step_seconds = Histogram("kvpark:step_seconds", "Model step duration",
+                                      buckets=COPY_BUCKETS + (5, 10), registry=r)
+        self.decode_batch = Histogram("kvpark:decode_batch_size",
+                                      "Sequences decoding one token in a step",
+                                      buckets=BATCH_BUCKETS, registry=r)
+        self.park_copy = Histogram("kvpark:preempt_park_seconds",
+                                   "Duration of a swap park (pages to host)",
+                                   buckets=COPY_BUCKETS, registry=r)
+        self.resume_copy = Histogram("kvpark:preempt_resume_seconds",
+                                     "Duration of a swap resume (host to pages)",
+                                     buckets=COPY_BUCKETS, registry=r)
+
+    def on_step(self, plan: list[ScheduledSeq], seconds: float) -> None:
+        self.step_seconds.observe(seconds)
+        decoding = sum(1 for item in plan if item.num_tokens == 1 and item.samples)
+        if decoding:
+            self.decode_batch.observe(decoding)
+        stats = self.scheduler.stats
+        for attr, histogram in (("park_seconds", self.park_copy),
+                                ("resume_seconds", self.resume_copy)):
+            observed = getattr(stats, attr)
+            while observed:
+                histogram.observe(observed.pop())
+
+    def on_finish(self, seq: Sequence) -> None:
+        outcome = "error" if seq.error else (seq.finish_reason or "unknown")
+        self.requests.labels(outcome).inc()
+        self.prompt_tokens.inc(seq.num_prompt)
+        self.generated_tokens.inc(seq.num_generated)
+        self.latency.observe(time.monotonic() - seq.arrival)
+        if seq.first_token_at is not None:
+            self.ttft.observe(seq.first_token_at - seq.arrival)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,87 @@
+"""The preemption policy as pure functions over sequence state (spec: "Policy").
+
+Victim: never the leader (most tokens); the smallest of the rest; a sequence parked
+PREEMPT_N_STARVED times, or part-way through a recompute replay, is passed over while another
+candidate exists; prompt-phase sequences are candidates; `n > 1` families are not.
+Restore: most-preempted first, then longest parked, fit-first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from .slot import PreemptMode, Sequence
+
+PREEMPT_N_STARVED = 3
+# a parked sequence within this many tokens (+1) of the whole pool can never run again
+PREEMPT_N_MARGIN = 8
+
+
+def held_tokens(seq: Sequence) -> int:
+    return len(seq.tokens)
+
+
+def get_leader(active: Iterable[Sequence]) -> Sequence | None:
+    """The sequence with the most tokens; ties go to the earliest (it has waited longest)."""
+    return min(active, key=lambda s: (-held_tokens(s), s.arrival, s.seq_id), default=None)
+
+
+def _pass_over(candidates: list[Sequence], unwanted: Callable[[Sequence], bool]) -> list[Sequence]:
+    preferred = [c for c in candidates if not unwanted(c)]
+    return preferred or candidates
+
+
+def choose_victim(active: list[Sequence]) -> Sequence | None:
+    """Pick the running sequence to park, or None when no one may be parked."""
+    leader = get_leader(active)
+    candidates = [s for s in active if s is not leader and not s.in_family]
+    if not candidates:
+        return None
+    candidates = _pass_over(candidates, lambda s: s.n_preempt >= PREEMPT_N_STARVED)
+    candidates = _pass_over(candidates, lambda s: s.is_replaying)
+    # smallest first; among equals the youngest, which has the least invested
+    return min(candidates, key=lambda s: (held_tokens(s), -s.arrival, -s.seq_id))
+
+
+def choose_mode(swap_bytes: int, can_hold: Callable[[int], bool]) -> PreemptMode:
+    """Swap when the victim's pages fit what remains of the budget, else recompute."""
+    return PreemptMode.SWAP if can_hold(swap_bytes) else PreemptMode.RECOMPUTE
+
+
+def restore_order(parked: Iterable[Sequence]) -> list[Sequence]:
+    return sorted(parked, key=lambda s: (-s.n_preempt, s.parked_at or 0.0, s.seq_id))
+
+
+def next_step_tokens(seq: Sequence, batch_size: int) -> int:
+    """Tokens the sequence feeds in its next step (a prefill chunk, or one decode token)."""
+    return max(1, min(seq.num_pending, batch_size))
+
+
+def restore_need_tokens(seq: Sequence, batch_size: int) -> int:
+    """KV tokens a parked sequence must be given to resume.
+
+    Swapped: its pages plus its next step. Recomputed: its whole replay plus its next step,
+    so that it is never woken into a pool that cannot finish the replay.
+    """
+    if seq.preempt_mode is PreemptMode.RECOMPUTE:
+        return len(seq.tokens) + 1
+    return seq.num_computed + next_step_tokens(seq, batch_size)
+
+
+def preempt_kv_reserve(running: Iterable[Sequence], page_size: int) -> int:
+    """Pages promised to resuming recomputes: their whole remaining replay plus one step.
+
+    Charging the whole replay (not one chunk) keeps a step from waking a second parked sequence
+    into pages the first has not claimed yet.
+    """
+    reserve = 0
+    for seq in running:
+        if seq.is_replaying:
+            total = -(-(len(seq.tokens) + 1) // page_size)
+            reserve += max(0, total - len(seq.page_table))
+    return reserve
+
+
+def can_never_fit(seq: Sequence, capacity_tokens: int) -> bool:
+    """A parked sequence that has grown to within the margin of the whole pool."""
+    return len(seq.tokens) + PREEMPT_N_MARGIN + 1 > capacity_tokens

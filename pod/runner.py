@@ -1,0 +1,57 @@
+"""Turns a step plan into tensors, runs the model over the paged pool and samples."""
+
+from __future__ import annotations
+
+import torch
+from kvpark.kernels.attention import AttentionBackend, StepLayout
+
+from .kv_pool import KVPool
+from .model.llama import LlamaModel
+from .sampling import sample
+from .scheduler import ScheduledSeq
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, pool: KVPool, backend: AttentionBackend) -> None:
+        self.model = model
+        self.pool = pool
+        self.backend = backend
+
+    def get_layout(self, plan: list[ScheduledSeq]) -> StepLayout:
+        return StepLayout(
+            page_tables=[item.seq.page_table for item in plan],
+            kv_lens=[item.seq.num_computed + item.num_tokens for item in plan],
+            q_lens=[item.num_tokens for item in plan],
+            page_size=self.pool.page_size,
+        )
+
+    def run(self, plan: list[ScheduledSeq]) -> list[int | None]:
+        """Feed every planned chunk; return a sampled token for the rows that reach the end."""
+        ids: list[int] = []
+        positions: list[int] = []
+        for item in plan:
+            start = item.seq.num_computed
+            ids.extend(item.seq.tokens[start : start + item.num_tokens])
+            positions.extend(range(start, start + item.num_tokens))
+        device = self.model.device
+        self.backend.plan(self.get_layout(plan))
+        hidden = self.model(
+            torch.tensor(ids, dtype=torch.long, device=device),
+            torch.tensor(positions, dtype=torch.long, device=device),
+            self.backend,
+            self.pool.caches,
+        )
+        last_rows, sampling = [], []
+        end = 0
+        for item in plan:
+            end += item.num_tokens
+            if item.samples:
+                last_rows.append(end - 1)
+                sampling.append(item)
+        sampled: dict[int, int] = {}
+        if sampling:
+            logits = self.model.logits(hidden[torch.tensor(last_rows, device=device)]).cpu()
+            tokens = sample(logits, [i.seq.params for i in sampling],
+                            [i.seq.generator for i in sampling])
+            sampled = {id(item): token for item, token in zip(sampling, tokens)}
+        return [sampled.get(id(item)) for item in plan]

@@ -1,0 +1,272 @@
+"""Plans one step: admission, restores, forced parks, chunked prefill and decode, and parks
+victims (via the pure policy in `preemption.py`) when the pool cannot give the step its pages.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from . import preemption as policy
+from .host_store import HostAllocationError, HostStore
+from .kv_pool import KVPool
+from .slot import Phase, PreemptMode, Sequence
+
+log = logging.getLogger("kvpark.scheduler")
+
+CONTEXT_EXCEEDED = "Context size has been exceeded."
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    num_slots: int
+    batch_size: int = 512  # tokens per step, prefill chunks included
+    preempt: bool = True
+    preempt_every: int = 0  # force a park + resume every N generated tokens (0: off)
+    max_context: int = 1 << 30  # the model's own limit (finish_reason "length")
+
+
+@dataclass
+class PreemptStats:
+    n_preempt: int = 0
+    n_resume: int = 0
+    n_preempt_swap: int = 0
+    n_preempt_recompute: int = 0
+    n_recompute_tokens: int = 0
+    n_swap_fallbacks: int = 0  # host allocation refused, parked by recompute instead
+    park_seconds: list[float] = field(default_factory=list)  # copy durations, drained by metrics
+    resume_seconds: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_tokens: int  # fed this step: tokens[num_computed : num_computed + num_tokens]
+
+    @property
+    def samples(self) -> bool:
+        return self.seq.num_computed + self.num_tokens == len(self.seq.tokens)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, pool: KVPool, host: HostStore,
+                 notify: Callable[[Sequence, str], None] = lambda seq, kind: None) -> None:
+        self.config = config
+        self.pool = pool
+        self.host = host
+        self.notify = notify  # (seq, "parked" | "resumed" | "finished")
+        self.waiting: deque[Sequence] = deque()
+        self.slots: list[Sequence | None] = [None] * config.num_slots
+        self.stats = PreemptStats()
+
+    # ---- views -------------------------------------------------------------------------------
+    @property
+    def active(self) -> list[Sequence]:
+        return [s for s in self.slots if s is not None]
+
+    @property
+    def running(self) -> list[Sequence]:
+        return [s for s in self.slots if s is not None and s.phase is Phase.RUNNING]
+
+    @property
+    def parked(self) -> list[Sequence]:
+        return [s for s in self.slots if s is not None and s.phase is Phase.PARKED]
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting) or any(s is not None for s in self.slots)
+
+    # ---- admission and endings ---------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence, reason: str | None = None, error: str | None = None,
+               status: int = 500) -> None:
+        """End a sequence exactly once and give back everything it holds."""
+        if seq.is_finished:
+            return
+        self._release(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.slot_id is not None:
+            self.slots[seq.slot_id] = None
+        seq.phase = Phase.FINISHED
+        seq.finish_reason = reason
+        seq.error, seq.error_status = error, status
+        seq.finished_at = time.monotonic()
+        self.notify(seq, "finished")
+
+    def _release(self, seq: Sequence) -> None:
+        self.pool.free(seq.page_table)
+        seq.page_table = []
+        if seq.host_kv is not None:
+            self.host.release(seq.host_kv)
+            seq.host_kv, seq.host_bytes = None, 0
+
+    def _admit(self) -> None:
+        for slot_id, occupant in enumerate(self.slots):
+            if occupant is not None or not self.waiting:
+                continue
+            seq = self.waiting.popleft()
+            seq.slot_id, seq.phase = slot_id, Phase.RUNNING
+            self.slots[slot_id] = seq
+            if len(seq.tokens) + 1 > self.pool.capacity_tokens:
+                self.finish(seq, error=CONTEXT_EXCEEDED, status=400)
+
+    # ---- the step plan -----------------------------------------------------------------------
+    def schedule(self) -> list[ScheduledSeq]:
+        self._admit()
+        if self.config.preempt:
+            self._restore_parked()
+            self._force_parks()
+        while True:
+            plan, blocked = self._grant_pages(self._ordered_running())
+            if not blocked:
+                break
+            victim = policy.choose_victim(self.running) if self.config.preempt else None
+            if victim is not None:
+                self.park(victim)
+                continue
+            for seq in blocked:  # nobody can make room: the spec's (and llama.cpp's) failure
+                self.finish(seq, error=CONTEXT_EXCEEDED)
+        for item in plan:
+            seq = item.seq
+            missing = self.pool.pages_for(seq.num_computed + item.num_tokens) - len(seq.page_table)
+            seq.page_table.extend(self.pool.allocate(missing))
+        return plan
+
+    def _ordered_running(self) -> list[Sequence]:
+        # decode rows first (cheap, latency-bound), then prefill and replay by arrival
+        return sorted(self.running, key=lambda s: (s.num_pending > 1, s.arrival, s.seq_id))
+
+    def _grant_pages(self, running: list[Sequence]) -> tuple[list[ScheduledSeq], list[Sequence]]:
+        """Give each sequence its next step within the token budget and the free pages.
+
+        A prefill chunk is shortened to the pages that are free; a sequence that cannot feed
+        even one token is blocked.
+        """
+        budget, free, ps = self.config.batch_size, self.pool.num_free_pages, self.pool.page_size
+        plan: list[ScheduledSeq] = []
+        blocked: list[Sequence] = []
+        for seq in running:
+            if budget == 0:
+                break
+            room = (len(seq.page_table) + free) * ps - seq.num_computed
+            num_tokens = min(seq.num_pending, budget, room)
+            if num_tokens <= 0:
+                blocked.append(seq)
+                continue
+            free -= self.pool.pages_for(seq.num_computed + num_tokens) - len(seq.page_table)
+            budget -= num_tokens
+            plan.append(ScheduledSeq(seq, num_tokens))
+        return plan, blocked
+
+    # ---- parking -----------------------------------------------------------------------------
+    def park(self, seq: Sequence) -> PreemptMode:
+        """Free a running sequence's pages: swap them to host RAM if the budget allows."""
+        assert seq.phase is Phase.RUNNING, f"cannot park a {seq.phase.value} sequence"
+        started = time.perf_counter()
+        num_bytes = self.pool.swap_bytes(len(seq.page_table))
+        mode = policy.choose_mode(num_bytes, self._can_swap)
+        if mode is PreemptMode.SWAP:
+            try:
+                seq.host_kv = self.host.allocate(self.pool.swap_shape(len(seq.page_table)),
+                                                 self.pool.dtype)
+                self.pool.gather(seq.page_table, seq.host_kv)
+                seq.host_bytes, seq.swapped_tokens = num_bytes, seq.num_computed
+            except HostAllocationError as exc:
+                log.warning("seq %s: %s; parking by recompute", seq.request_id, exc)
+                self.stats.n_swap_fallbacks += 1
+                mode = PreemptMode.RECOMPUTE
+        if mode is PreemptMode.RECOMPUTE:
+            seq.replay_until = seq.num_computed
+            seq.num_computed = 0
+        self.pool.free(seq.page_table)
+        seq.page_table = []
+        seq.phase, seq.preempt_mode = Phase.PARKED, mode
+        seq.parked_at = time.monotonic()
+        seq.n_preempt += 1
+        seq.tokens_since_forced_park = 0
+        self._count_park(seq, mode, time.perf_counter() - started)
+        self.notify(seq, "parked")
+        return mode
+
+    def _can_swap(self, num_bytes: int) -> bool:
+        if self.host.budget_bytes == 0:  # --preempt-ram 0: never copy, always recompute
+            return False
+        return self.host.can_hold(num_bytes)
+
+    def _count_park(self, seq: Sequence, mode: PreemptMode, seconds: float) -> None:
+        self.stats.n_preempt += 1
+        if mode is PreemptMode.SWAP:
+            self.stats.n_preempt_swap += 1
+            self.stats.park_seconds.append(seconds)
+        else:
+            self.stats.n_preempt_recompute += 1
+            seq.n_recompute += 1
+        log.info("seq %s (slot %s) parked by %s: %d tokens, %d host bytes, %.1f ms",
+                 seq.request_id, seq.slot_id, mode.value, len(seq.tokens), seq.host_bytes,
+                 seconds * 1e3)
+
+    def _force_parks(self) -> None:
+        every = self.config.preempt_every
+        if every <= 0:
+            return
+        for seq in self.running:
+            if seq.tokens_since_forced_park >= every and not seq.in_family:
+                self.park(seq)
+
+    # ---- restoring ---------------------------------------------------------------------------
+    def _restore_parked(self) -> None:
+        parked = self.parked
+        if not parked:
+            return
+        ps = self.pool.page_size
+        running = self.running
+        promised = policy.preempt_kv_reserve(running, ps) + sum(
+            self.pool.pages_for(s.num_computed + policy.next_step_tokens(s, self.config.batch_size))
+            - len(s.page_table)
+            for s in running
+            if not s.is_replaying
+        )
+        available = self.pool.num_free_pages - promised
+        for seq in policy.restore_order(parked):
+            if policy.can_never_fit(seq, self.pool.capacity_tokens):
+                self.finish(seq, error=CONTEXT_EXCEEDED)
+                continue
+            need = self.pool.pages_for(policy.restore_need_tokens(seq, self.config.batch_size))
+            if need <= available:
+                available -= need
+                self.resume(seq)
+
+    def resume(self, seq: Sequence) -> None:
+        assert seq.phase is Phase.PARKED, f"cannot resume a {seq.phase.value} sequence"
+        started = time.perf_counter()
+        if seq.preempt_mode is PreemptMode.SWAP:
+            seq.page_table = self.pool.allocate(self.pool.pages_for(seq.swapped_tokens))
+            self.pool.scatter(seq.page_table, seq.host_kv)
+            self.host.release(seq.host_kv)
+            seq.host_kv, seq.host_bytes = None, 0
+            self.stats.resume_seconds.append(time.perf_counter() - started)
+        else:
+            self.stats.n_recompute_tokens += seq.replay_until
+        parked_for = time.monotonic() - (seq.parked_at or time.monotonic())
+        seq.phase, seq.parked_at = Phase.RUNNING, None
+        self.stats.n_resume += 1
+        log.info("seq %s (slot %s) resumed after %.1f ms parked by %s", seq.request_id,
+                 seq.slot_id, parked_for * 1e3, seq.preempt_mode.value)
+        self.notify(seq, "resumed")
+
+    # ---- after the step ----------------------------------------------------------------------
+    def advance(self, item: ScheduledSeq, sampled: int | None) -> None:
+        """Account the fed tokens; append the sampled one (the caller checks stop conditions)."""
+        seq = item.seq
+        seq.num_computed += item.num_tokens
+        if seq.replay_until and seq.num_computed >= seq.replay_until:
+            seq.replay_until = 0
+        if sampled is not None:
+            seq.tokens.append(sampled)
+            seq.tokens_since_forced_park += 1

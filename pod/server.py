@@ -1,0 +1,114 @@
+"""Builds the serving stack from `ServerArgs`: model, pool, host store, scheduler, engine."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+from kvpark.kernels.attention import AttentionBackend
+from kvpark.kernels.torch_paged import TorchPagedAttention
+
+from .args import ServerArgs
+from .budget import Budget, resolve_budget
+from .engine import Engine
+from .host_store import HostStore
+from .kv_pool import KVPool
+from .metrics import Metrics
+from .model.llama import LlamaModel
+from .model.loader import LoadedModel, load_model_files
+from .model.tokenizer import Tokenizer
+from .runner import ModelRunner
+from .scheduler import Scheduler, SchedulerConfig
+from .slot import Sequence
+
+log = logging.getLogger("kvpark.server")
+
+
+@dataclass
+class ServingStack:
+    args: ServerArgs
+    model_name: str
+    tokenizer: Tokenizer
+    max_context: int
+    scheduler: Scheduler
+    engine: Engine
+    metrics: Metrics
+    budget: Budget
+
+
+def pick_device(args: ServerArgs) -> torch.device:
+    if args.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(args.device)
+
+
+def pick_dtype(args: ServerArgs, device: torch.device) -> torch.dtype:
+    if args.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, args.dtype)
+
+
+def pick_threads(args: ServerArgs) -> int:
+    # on small shared machines extra torch threads were 5-10x slower under contention
+    return args.threads if args.threads > 0 else max(1, (os.cpu_count() or 2) // 2)
+
+
+def pick_backend(args: ServerArgs, device: torch.device) -> AttentionBackend:
+    if args.attention_backend in ("auto", "flashinfer") and device.type == "cuda":
+        try:
+            from kvpark.kernels.flashinfer_paged import FlashInferPagedAttention
+        except ImportError:
+            if args.attention_backend == "flashinfer":
+                raise
+        else:
+            return FlashInferPagedAttention(device)
+    if args.attention_backend == "flashinfer":
+        raise ValueError("--attention-backend flashinfer needs a CUDA device")
+    return TorchPagedAttention(device)
+
+
+def build_stack(args: ServerArgs) -> ServingStack:
+    torch.set_num_threads(pick_threads(args))
+    device = pick_device(args)
+    dtype = pick_dtype(args, device)
+    loaded: LoadedModel = load_model_files(args.model, device=device, dtype=dtype)
+    config = loaded.config
+    model = LlamaModel(config, loaded.weights,
+                       batch_invariant=args.batch_invariant and device.type == "cpu")
+    pool = KVPool(config.num_layers, max(1, args.ctx_size // args.page_size), args.page_size,
+                  config.num_kv_heads, config.head_dim, dtype=dtype, device=device)
+    budget = resolve_budget(args.preempt_ram)  # after the load: auto subtracts resident size
+    host = HostStore(budget.bytes, pin_memory=device.type == "cuda")
+    scheduler_config = SchedulerConfig(
+        num_slots=args.parallel,
+        batch_size=args.batch_size,
+        preempt=args.preempt,
+        preempt_every=args.preempt_every,
+        max_context=config.max_position,
+    )
+    scheduler = Scheduler(scheduler_config, pool, host)
+    metrics = Metrics(scheduler)
+    scheduler.notify = _notifier(metrics)
+    runner = ModelRunner(model, pool, pick_backend(args, device))
+    engine = Engine(scheduler, runner, loaded.tokenizer.eos_token_ids, on_step=metrics.on_step)
+    log.info("model %s (%s): %d layers, %d/%d heads, %s on %s", loaded.name, loaded.source,
+             config.num_layers, config.num_heads, config.num_kv_heads, dtype, device)
+    log.info("KV pool: %d pages x %d tokens = %d tokens, %.1f MiB; %d slots", pool.num_pages,
+             pool.page_size, pool.capacity_tokens, pool.page_bytes * pool.num_pages / 2**20,
+             args.parallel)
+    log.info("preemption %s; preempt-ram budget %s; preempt-every %d",
+             "on" if args.preempt else "off (--no-preempt)", budget.describe(),
+             args.preempt_every)
+    return ServingStack(args, loaded.name, loaded.tokenizer, config.max_position, scheduler,
+                        engine, metrics, budget)
+
+
+def _notifier(metrics: Metrics):
+    def notify(seq: Sequence, kind: str) -> None:
+        if kind == "finished":
+            metrics.on_finish(seq)
+        seq.on_event(seq, kind, None)
+
+    return notify

@@ -1,0 +1,111 @@
+"""A sequence being served: its tokens, pages, phase and preemption history.
+
+A request with `n > 1` is a family of sequences; each occupies one of the `--parallel` slots.
+`num_computed` counts the tokens whose K/V are in the pool; the next step feeds
+`tokens[num_computed:]`, and a token is sampled only when that reaches the end of `tokens`.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling import SamplingParams
+
+_seq_ids = itertools.count()
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"  # queued, no slot yet
+    RUNNING = "running"  # holds a slot; prefill, replay or decode
+    PARKED = "parked"  # holds a slot, no pages: swapped to host or dropped for recompute
+    FINISHED = "finished"
+
+
+class PreemptMode(str, enum.Enum):
+    SWAP = "swap"
+    RECOMPUTE = "recompute"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    # called on the engine thread: (seq, "token" | "parked" | "resumed" | "finished", token id);
+    # for "token" it returns True when a stop string has been matched
+    on_event: Callable[[Sequence, str, int | None], bool | None]
+    index: int = 0  # position within its family (the `n` choices)
+    family_size: int = 1
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    tokens: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    page_table: list[int] = field(default_factory=list)
+    slot_id: int | None = None
+    phase: Phase = Phase.WAITING
+    arrival: float = field(default_factory=time.monotonic)
+    # preemption
+    n_preempt: int = 0
+    n_recompute: int = 0
+    preempt_mode: PreemptMode | None = None
+    parked_at: float | None = None
+    replay_until: int = 0  # while num_computed < replay_until the sequence is replaying
+    host_kv: torch.Tensor | None = None  # swapped pages, [layers, pages, 2, ps, Hkv, D]
+    host_bytes: int = 0
+    swapped_tokens: int = 0  # num_computed at the moment of a swap park
+    tokens_since_forced_park: int = 0
+    # outcome and timings
+    finish_reason: str | None = None
+    error: str | None = None
+    error_status: int = 500
+    prompt_seconds: float = 0.0  # compute time of the prompt as sent (replays excluded)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    cancelled: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.tokens:
+            self.tokens = list(self.prompt_ids)
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - len(self.prompt_ids)
+
+    @property
+    def generated_ids(self) -> list[int]:
+        return self.tokens[len(self.prompt_ids) :]
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens still to feed before the next sample."""
+        return len(self.tokens) - self.num_computed
+
+    @property
+    def in_prompt(self) -> bool:
+        return self.num_computed < self.num_prompt and not self.is_replaying
+
+    @property
+    def is_replaying(self) -> bool:
+        return self.num_computed < self.replay_until
+
+    @property
+    def is_parked(self) -> bool:
+        return self.phase is Phase.PARKED
+
+    @property
+    def is_finished(self) -> bool:
+        return self.phase is Phase.FINISHED
+
+    @property
+    def in_family(self) -> bool:
+        return self.family_size > 1
