@@ -97,6 +97,8 @@ class Scheduler:
         seq.finish_reason = reason
         seq.error, seq.error_status = error, status
         seq.finished_at = time.monotonic()
+        log.debug("seq %s finished: %s%s", seq.request_id, reason or "error",
+                  f" ({error})" if error else "")
         self.notify(seq, "finished")
 
     def _release(self, seq: Sequence) -> None:

@@ -1,0 +1,22 @@
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from serverproc import ServerProcess  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_server():
+    """The seeded tiny model: 4 slots on a pool that fits them all."""
+    with ServerProcess(["-np", "4", "-c", "2048"]) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def smollm2_server():
+    """The real default model, loaded once per session."""
+    with ServerProcess(["-np", "4", "-c", "4096"], model="builtin://smollm2-135m") as server:
+        yield server

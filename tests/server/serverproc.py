@@ -1,0 +1,110 @@
+"""A real `kvpark-server` process on an ephemeral loopback port, for tests and benchmarks."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+START_TIMEOUT = 120.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        name, _, value = line.rpartition(" ")
+        values[name] = float(value)
+    return values
+
+
+@dataclass
+class ServerProcess:
+    flags: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    model: str = "synthetic:tiny"
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen | None = None
+    log_path: Path = field(default_factory=lambda: Path(tempfile.mkstemp(suffix=".log")[1]))
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> ServerProcess:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **self.env}
+        cmd = [sys.executable, "-m", "kvpark.pod", "--host", "127.0.0.1", "--port",
+               str(self.port), "--model", self.model, "--threads", "1", *self.flags]
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self.wait_healthy()
+        return self
+
+    def wait_healthy(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)  # polling a readiness endpoint, bounded by the deadline
+        raise TimeoutError(f"server not healthy after {START_TIMEOUT}s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def metrics(self) -> dict[str, float]:
+        return parse_metrics(httpx.get(f"{self.url}/metrics", timeout=10).text)
+
+    def metric(self, name: str) -> float:
+        return self.metrics()[name]
+
+    def slots(self, headers: dict[str, str] | None = None) -> list[dict]:
+        return httpx.get(f"{self.url}/slots", headers=headers, timeout=10).json()
+
+    def post(self, path: str, json: dict, timeout: float = 120, **kw) -> httpx.Response:
+        return httpx.post(f"{self.url}{path}", json=json, timeout=timeout, **kw)
+
+    def chat(self, content: str, **params) -> httpx.Response:
+        body = {"messages": [{"role": "user", "content": content}], **params}
+        return self.post("/v1/chat/completions", body)
+
+    def count_in_log(self, pattern: str) -> int:
+        return len(re.findall(pattern, self.log()))
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+        finally:
+            self._log.close()
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
