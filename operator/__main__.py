@@ -1,0 +1,32 @@
+"""`python -m kvpark.operator` runs the operator (kopf run); `... crd` prints the CRD YAML."""
+
+from __future__ import annotations
+
+import sys
+
+from kvpark.operator import crd
+from kvpark.operator.config import OperatorConfig
+
+
+def get_kopf_args(config: OperatorConfig) -> list[str]:
+    """`kopf run` arguments: one replica (standalone, no peering), watched namespaces or all."""
+    args = ["run", "--standalone", "-m", "kvpark.operator.handlers"]
+    args += [f"--namespace={n}" for n in config.namespaces] or ["--all-namespaces"]
+    if config.liveness:
+        args.append(f"--liveness={config.liveness}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["crd"]:
+        sys.stdout.write(crd.crd_yaml())
+        return 0
+    from kopf import cli  # imported here: `crd` works without kopf installed
+
+    cli.main(args=get_kopf_args(OperatorConfig.from_env()) + argv, prog_name="kvpark-operator")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

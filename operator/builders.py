@@ -1,0 +1,448 @@
+"""Pure: a PreemptServer -> the plain dicts of its children (and the problems only we can see).
+
+Every child is named like the PreemptServer, lives in its namespace and is owned by it (a
+controller owner reference), so deleting the PreemptServer garbage-collects them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Set
+from typing import Any, NamedTuple
+
+from kubernetes.utils.quantity import parse_quantity
+from kvpark.operator import crd
+from kvpark.operator.config import MANAGER, OperatorConfig
+from kvpark.operator.sizing import Sizing
+from kvpark.operator.status import Problem
+
+APP = "kvpark-server"
+PORT = 8080
+CONTAINER = "server"
+MODELS_DIR = "/models"
+PRESTOP_SECONDS = 5  # endpoints drop the pod before SIGTERM reaches the server
+GRACE_MARGIN_SECONDS = 15
+UID = 10001  # the image's unprivileged user
+GPU = "nvidia.com/gpu"
+POD_MONITORS = "monitoring.coreos.com/v1/podmonitors"
+SCALED_OBJECTS = "keda.sh/v1alpha1/scaledobjects"
+
+# Flags the operator sets; the same names as env (KVPARK_<FLAG>) are refused too.
+RESERVED_FLAGS = (
+    "--model", "-m", "--parallel", "-np", "--ctx-size", "-c", "--page-size", "--preempt-ram",
+    "--preempt", "--no-preempt", "--host", "--port", "--api-key", "--shutdown-timeout",
+)
+RESERVED_ENV = frozenset(
+    ["KVPARK_MEMORY_LIMIT"]
+    + [f"KVPARK_{f[2:].upper().replace('-', '_')}" for f in RESERVED_FLAGS if f.startswith("--")]
+)
+
+
+class Signal(NamedTuple):
+    hpa_metric: str  # the name prometheus-adapter serves (manifests/autoscaling/)
+    promql: str  # for KEDA; {sel} is the label matcher
+    default: str  # per-pod threshold
+
+
+SIGNALS = {
+    "parkedRequests": Signal(
+        "kvpark_requests_preempted", "sum(kvpark:requests_preempted{{{sel}}})", "1"),
+    "preemptRate": Signal(
+        "kvpark_preempt_rate", "sum(rate(kvpark:n_preempt_total{{{sel}}}[2m]))", "0.5"),
+    "kvUsage": Signal(
+        "kvpark_kv_cache_usage_ratio", "sum(kvpark:kv_cache_usage_ratio{{{sel}}})", "0.8"),
+}
+
+
+class ModelSource(NamedTuple):
+    flag: str  # --model
+    volumes: list[dict[str, Any]]
+    mounts: list[dict[str, Any]]
+    init_containers: list[dict[str, Any]]
+
+
+class Children(NamedTuple):
+    apply: list[dict[str, Any]]  # desired objects, applied in this order
+    delete: list[tuple[str, str, str]]  # (apiVersion, kind, name) that must not exist
+    problems: list[Problem]
+    notes: list[str]  # said in the Ready condition's message
+
+
+def get_selector_labels(name: str) -> dict[str, str]:
+    return {"app.kubernetes.io/name": APP, "app.kubernetes.io/instance": name}
+
+
+def get_labels(name: str) -> dict[str, str]:
+    return {
+        **get_selector_labels(name),
+        "app.kubernetes.io/component": "server",
+        "app.kubernetes.io/part-of": "kvpark",
+        "app.kubernetes.io/managed-by": MANAGER,
+    }
+
+
+def get_selector(name: str) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(get_selector_labels(name).items()))
+
+
+def get_endpoint(name: str, namespace: str) -> str:
+    return f"http://{name}.{namespace}.svc:{PORT}"
+
+
+def get_owner_reference(body: Mapping[str, Any]) -> dict[str, Any]:
+    meta = body["metadata"]
+    return {"apiVersion": crd.API_VERSION, "kind": crd.KIND, "name": meta["name"],
+            "uid": meta["uid"], "controller": True}
+
+
+def get_metadata(body: Mapping[str, Any]) -> dict[str, Any]:
+    meta = body["metadata"]
+    return {"name": meta["name"], "namespace": meta["namespace"],
+            "labels": get_labels(meta["name"]), "ownerReferences": [get_owner_reference(body)]}
+
+
+def get_container_security() -> dict[str, Any]:
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}}
+
+
+def get_model_source(spec: Mapping[str, Any], image: str) -> ModelSource:
+    model = spec["model"]
+    uri: str = model["uri"]
+    if uri.startswith("file://"):
+        return ModelSource(uri.removeprefix("file://"), [], [], [])
+    if uri.startswith("pvc://"):
+        claim, _, path = uri.removeprefix("pvc://").partition("/")
+        mount = f"{MODELS_DIR}/pvc"
+        return ModelSource(
+            f"{mount}/{path}".rstrip("/"),
+            [{"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}],
+            [{"name": "model", "mountPath": mount, "readOnly": True}],
+            [],
+        )
+    if uri.startswith("hf://"):
+        org, repo, *rest = uri.removeprefix("hf://").split("/")
+        mount = f"{MODELS_DIR}/hf"
+        path = "/".join(rest)
+        return ModelSource(
+            f"{mount}/{path}".rstrip("/"),
+            [{"name": "model", "emptyDir": {}}],
+            [{"name": "model", "mountPath": mount, "readOnly": True}],
+            [get_fetch_container(model, f"{org}/{repo}", path, mount, image, spec)],
+        )
+    return ModelSource(uri, [], [], [])  # builtin://
+
+
+def get_fetch_container(model: Mapping[str, Any], repo: str, path: str, mount: str, image: str,
+                        spec: Mapping[str, Any]) -> dict[str, Any]:
+    command = ["hf", "download", repo, *([path] if path else []), "--local-dir", mount]
+    if "revision" in model:
+        command += ["--revision", model["revision"]]
+    env = [{"name": "HOME", "value": "/tmp"}, {"name": "HF_HOME", "value": "/tmp/hf"},
+           {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"}]
+    if "hfTokenSecretRef" in model:
+        ref = model["hfTokenSecretRef"]
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
+            "name": ref["name"], "key": ref.get("key", "token")}}})
+    container = {
+        "name": "fetch-model",
+        "image": image,
+        "command": command,
+        "env": env,
+        "resources": {"requests": {"cpu": "100m", "memory": "256Mi"},
+                      "limits": {"memory": "1Gi"}},
+        "securityContext": get_container_security(),
+        "volumeMounts": [{"name": "model", "mountPath": mount},
+                         {"name": "tmp", "mountPath": "/tmp"}],
+    }
+    if "imagePullPolicy" in spec:
+        container["imagePullPolicy"] = spec["imagePullPolicy"]
+    return container
+
+
+def get_threads(spec: Mapping[str, Any]) -> int | None:
+    """CPU serving: as many torch threads as the CPU request, not the node's core count."""
+    cpu = spec["resources"].get("cpu")
+    if spec["resources"]["gpus"] or cpu is None:
+        return None
+    return max(1, int(-(-parse_quantity(cpu) // 1)))
+
+
+def get_server_args(spec: Mapping[str, Any], sizing: Sizing, model_flag: str) -> list[str]:
+    args = ["--host", "0.0.0.0", "--port", str(PORT), "--model", model_flag,
+            "--parallel", str(spec["parallel"]), "--ctx-size", str(spec["contextSize"]),
+            "--page-size", str(spec["pageSize"]),
+            "--shutdown-timeout", str(spec["server"]["shutdownTimeoutSeconds"])]
+    if spec["preempt"]["enabled"]:
+        args += ["--preempt", "--preempt-ram", str(sizing.preempt_ram)]
+    else:
+        args += ["--no-preempt"]
+    threads = get_threads(spec)
+    if threads is not None:
+        args += ["--threads", str(threads)]
+    return args + list(spec["server"].get("args", []))
+
+
+def get_env(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [
+        {"name": "KVPARK_MEMORY_LIMIT", "valueFrom": {"resourceFieldRef": {
+            "containerName": CONTAINER, "resource": "limits.memory", "divisor": "1"}}},
+        # the root filesystem is read-only: caches go to the /tmp emptyDir
+        {"name": "HOME", "value": "/tmp"},
+        {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"},
+        {"name": "HF_HOME", "value": "/tmp/hf"},
+        {"name": "TRITON_CACHE_DIR", "value": "/tmp/.triton"},
+    ]
+    ref = spec["server"].get("apiKeySecretRef")
+    if ref is not None:
+        env.append({"name": "KVPARK_API_KEY", "valueFrom": {"secretKeyRef": {
+            "name": ref["name"], "key": ref.get("key", "api-key")}}})
+    return env + [dict(e) for e in spec["server"].get("env", [])]
+
+
+def get_resources(spec: Mapping[str, Any], sizing: Sizing) -> dict[str, Any]:
+    res = spec["resources"]
+    limits: dict[str, Any] = {"memory": sizing.memory}
+    requests: dict[str, Any] = {"memory": sizing.memory}  # = limit: parking never meets eviction
+    if res.get("cpu") is not None:
+        requests["cpu"] = str(res["cpu"])
+    if res["gpus"]:
+        limits[GPU] = str(res["gpus"])
+    return {"limits": limits, "requests": requests}
+
+
+def get_probes() -> dict[str, Any]:
+    def probe(period: int, failures: int, timeout: int) -> dict[str, Any]:
+        return {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": period,
+                "failureThreshold": failures, "timeoutSeconds": timeout}
+
+    # /health answers 503 while the model loads: startup allows 15 minutes for that
+    return {"startupProbe": probe(5, 180, 3), "readinessProbe": probe(5, 2, 3),
+            "livenessProbe": probe(10, 6, 5)}
+
+
+def get_container(spec: Mapping[str, Any], sizing: Sizing, source: ModelSource,
+                  image: str) -> dict[str, Any]:
+    container: dict[str, Any] = {
+        "name": CONTAINER,
+        "image": image,
+        "command": ["kvpark-server"],
+        "args": get_server_args(spec, sizing, source.flag),
+        "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
+        "env": get_env(spec),
+        "resources": get_resources(spec, sizing),
+        **get_probes(),
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SECONDS)]}}},
+        "securityContext": get_container_security(),
+        "volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"},
+                         {"name": "tmp", "mountPath": "/tmp"}, *source.mounts],
+    }
+    if "imagePullPolicy" in spec:
+        container["imagePullPolicy"] = spec["imagePullPolicy"]
+    return container
+
+
+def get_pod_spec(spec: Mapping[str, Any], sizing: Sizing, config: OperatorConfig) -> dict[str, Any]:
+    image = spec.get("image") or config.image
+    source = get_model_source(spec, image)
+    tolerations = [dict(t) for t in spec.get("tolerations", [])]
+    if spec["resources"]["gpus"]:
+        tolerations.append({"key": GPU, "operator": "Exists", "effect": "NoSchedule"})
+    pod: dict[str, Any] = {
+        "automountServiceAccountToken": False,  # the server never calls the API
+        # Service links would put e.g. KVPARK_PORT=tcp://... into the env for a Service named
+        # kvpark, and every KVPARK_<FLAG> variable is a server flag.
+        "enableServiceLinks": False,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": UID, "runAsGroup": UID,
+                            "fsGroup": UID, "seccompProfile": {"type": "RuntimeDefault"}},
+        "terminationGracePeriodSeconds": PRESTOP_SECONDS
+        + spec["server"]["shutdownTimeoutSeconds"] + GRACE_MARGIN_SECONDS,
+        "initContainers": source.init_containers,
+        "containers": [get_container(spec, sizing, source, image)],
+        "volumes": [
+            {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{sizing.shm_mib}Mi"}},
+            {"name": "tmp", "emptyDir": {"sizeLimit": "2Gi"}},
+            *source.volumes,
+        ],
+        "nodeSelector": dict(spec.get("nodeSelector", {})),
+        "tolerations": tolerations,
+    }
+    return pod
+
+
+def get_deployment(body: Mapping[str, Any], spec: Mapping[str, Any], sizing: Sizing,
+                   config: OperatorConfig) -> dict[str, Any]:
+    name = body["metadata"]["name"]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": get_metadata(body),
+        "spec": {
+            "replicas": spec["replicas"],
+            "selector": {"matchLabels": get_selector_labels(name)},
+            # a new pod must be ready before an old one drains its parked requests
+            "strategy": {"type": "RollingUpdate",
+                         "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "revisionHistoryLimit": 3,
+            "progressDeadlineSeconds": 1800,
+            "template": {
+                "metadata": {"labels": get_labels(name)},
+                "spec": get_pod_spec(spec, sizing, config),
+            },
+        },
+    }
+
+
+def get_service(body: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": get_metadata(body),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": get_selector_labels(body["metadata"]["name"]),
+            "ports": [{"name": "http", "port": PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def get_pdb(body: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": get_metadata(body),
+        "spec": {"maxUnavailable": 1,
+                 "selector": {"matchLabels": get_selector_labels(body["metadata"]["name"])}},
+    }
+
+
+def get_scale_target(body: Mapping[str, Any]) -> dict[str, str]:
+    return {"apiVersion": crd.API_VERSION, "kind": crd.KIND, "name": body["metadata"]["name"]}
+
+
+def get_target(spec: Mapping[str, Any]) -> tuple[Signal, str]:
+    target = spec["autoscaling"]["target"]
+    signal = SIGNALS[target["signal"]]
+    return signal, str(target.get("averageValue", signal.default))
+
+
+def get_hpa(body: Mapping[str, Any], spec: Mapping[str, Any]) -> dict[str, Any]:
+    scaling = spec["autoscaling"]
+    signal, value = get_target(spec)
+    return {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": get_metadata(body),
+        "spec": {
+            "scaleTargetRef": get_scale_target(body),
+            "minReplicas": scaling["minReplicas"],
+            "maxReplicas": scaling["maxReplicas"],
+            "metrics": [{"type": "Pods", "pods": {
+                "metric": {"name": signal.hpa_metric},
+                "target": {"type": "AverageValue", "averageValue": value}}}],
+            # parked requests come and go in bursts: scale down only after 5 quiet minutes
+            "behavior": {"scaleDown": {"stabilizationWindowSeconds": 300}},
+        },
+    }
+
+
+def get_promql(spec: Mapping[str, Any], namespace: str, name: str) -> str:
+    signal, _ = get_target(spec)
+    return signal.promql.format(sel=f'namespace="{namespace}",app_kubernetes_io_instance="{name}"')
+
+
+def get_scaled_object(body: Mapping[str, Any], spec: Mapping[str, Any],
+                      config: OperatorConfig) -> dict[str, Any]:
+    meta = body["metadata"]
+    scaling = spec["autoscaling"]
+    _, value = get_target(spec)
+    return {
+        "apiVersion": "keda.sh/v1alpha1",
+        "kind": "ScaledObject",
+        "metadata": get_metadata(body),
+        "spec": {
+            "scaleTargetRef": get_scale_target(body),
+            "minReplicaCount": scaling["minReplicas"],
+            "maxReplicaCount": scaling["maxReplicas"],
+            "pollingInterval": 15,
+            "cooldownPeriod": 300,
+            "triggers": [{"type": "prometheus", "metricType": "AverageValue", "metadata": {
+                "serverAddress": scaling.get("prometheusAddress", config.prometheus_address),
+                "query": get_promql(spec, meta["namespace"], meta["name"]),
+                # KEDA parses a plain decimal, not a Kubernetes quantity such as 500m
+                "threshold": str(parse_quantity(value).normalize()),
+            }}],
+        },
+    }
+
+
+def get_pod_monitor(body: Mapping[str, Any], config: OperatorConfig) -> dict[str, Any]:
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PodMonitor",
+        "metadata": get_metadata(body),
+        "spec": {
+            "selector": {"matchLabels": get_selector_labels(body["metadata"]["name"])},
+            "podMetricsEndpoints": [{"port": "http", "path": "/metrics",
+                                     "interval": config.scrape_interval}],
+            # the KEDA queries select one server by this label
+            "podTargetLabels": ["app.kubernetes.io/instance"],
+        },
+    }
+
+
+def is_reserved(arg: str) -> bool:
+    return any(arg == flag or arg.startswith(flag + "=") for flag in RESERVED_FLAGS)
+
+
+def get_spec_problems(spec: Mapping[str, Any]) -> list[Problem]:
+    problems = []
+    args = [a for a in spec["server"].get("args", []) if is_reserved(a)]
+    if args:
+        problems.append(Problem("ReservedArgument", f"server.args sets {', '.join(args)}, which "
+                                "the operator sets from the spec (use apiKeySecretRef for keys)"))
+    env = sorted({e["name"] for e in spec["server"].get("env", []) if e["name"] in RESERVED_ENV})
+    if env:
+        problems.append(Problem("ReservedArgument", f"server.env sets {', '.join(env)}, which "
+                                "the operator sets from the spec"))
+    return problems
+
+
+def get_children(body: Mapping[str, Any], spec: Mapping[str, Any], sizing: Sizing,
+                 config: OperatorConfig, served: Set[str]) -> Children:
+    """What to apply and what to delete; `served` holds the optional APIs the cluster serves."""
+    name = body["metadata"]["name"]
+    problems = get_spec_problems(spec) + ([sizing.problem] if sizing.problem else [])
+    apply = [get_deployment(body, spec, sizing, config), get_service(body)]
+    delete: list[tuple[str, str, str]] = []
+    notes: list[str] = []
+    if spec["replicas"] > 1:
+        apply.append(get_pdb(body))
+    else:
+        delete.append(("policy/v1", "PodDisruptionBudget", name))
+    scaling = spec.get("autoscaling")
+    hpa = ("autoscaling/v2", "HorizontalPodAutoscaler", name)
+    scaled = ("keda.sh/v1alpha1", "ScaledObject", name)
+    keda_served = SCALED_OBJECTS in served
+    if scaling is None or scaling["engine"] == "hpa":
+        if scaling is None:
+            delete.append(hpa)
+        else:
+            apply.append(get_hpa(body, spec))
+        if keda_served:
+            delete.append(scaled)
+    else:
+        delete.append(hpa)
+        if keda_served:
+            apply.append(get_scaled_object(body, spec, config))
+        else:
+            problems.append(Problem("AutoscalerUnavailable", "autoscaling.engine is keda but "
+                                    "the cluster does not serve keda.sh/v1alpha1 ScaledObjects",
+                                    blocking=False))
+    if config.pod_monitor == "false":
+        notes.append("PodMonitor disabled in the operator's settings")
+    elif POD_MONITORS in served:
+        apply.append(get_pod_monitor(body, config))
+    else:
+        notes.append("no PodMonitor: the cluster does not serve monitoring.coreos.com/v1 "
+                     "PodMonitors (install the Prometheus Operator CRDs)")
+    return Children(apply, delete, problems, notes)

@@ -1,0 +1,34 @@
+"""Operator-wide settings, read once from the environment (the chart and operator.yaml set them)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+MANAGER = "kvpark-operator"  # app.kubernetes.io/managed-by on children; the field manager
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    image: str = "ghcr.io/kvpark/kvpark:0.1.0"  # the server image when a CR names none
+    namespaces: tuple[str, ...] = ()  # watched namespaces; empty: all
+    reconcile_seconds: float = 60.0  # the timer that re-creates deleted children
+    pod_monitor: str = "auto"  # auto: when the CRD is served; false: never
+    scrape_interval: str = "15s"
+    prometheus_address: str = "http://prometheus-operated.monitoring.svc:9090"
+    liveness: str = "http://0.0.0.0:8080/healthz"  # kopf's liveness endpoint; "" disables it
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> OperatorConfig:
+        default = cls()
+        namespaces = tuple(n.strip() for n in env.get("KVPARK_WATCH_NAMESPACES", "").split(","))
+        return cls(
+            image=env.get("KVPARK_SERVER_IMAGE", default.image),
+            namespaces=tuple(n for n in namespaces if n),
+            reconcile_seconds=float(env.get("KVPARK_RECONCILE_SECONDS", default.reconcile_seconds)),
+            pod_monitor=env.get("KVPARK_POD_MONITOR", default.pod_monitor).lower(),
+            scrape_interval=env.get("KVPARK_SCRAPE_INTERVAL", default.scrape_interval),
+            prometheus_address=env.get("KVPARK_PROMETHEUS_ADDRESS", default.prometheus_address),
+            liveness=env.get("KVPARK_LIVENESS", default.liveness),
+        )

@@ -1,0 +1,95 @@
+"""kopf registrations. Each handler is a few lines; `reconcile` does the work with the pure
+modules (crd, sizing, builders, status) and `kube`, and is safe to run any number of times."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+from collections import defaultdict
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+from kvpark.operator import builders, crd, kube
+from kvpark.operator import sizing as sizing_
+from kvpark.operator import status as status_
+from kvpark.operator.config import MANAGER, OperatorConfig
+from kvpark.operator.status import Problem
+
+CONFIG = OperatorConfig.from_env()
+OPTIONAL_APIS = (builders.POD_MONITORS, builders.SCALED_OBJECTS)
+# kopf runs the CR's handlers, its timer and the Deployment watch concurrently
+LOCKS: defaultdict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=crd.GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=crd.GROUP)
+    settings.posting.level = logging.WARNING  # Events for failures only
+    # No watching of namespaces and CRDs (and no RBAC for it): install the CRD first.
+    settings.scanning.disabled = True
+
+
+@kopf.on.login()
+def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    # as kube.py: the pod's service account, else $KUBECONFIG as it is now
+    return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+
+
+@kopf.on.resume(crd.GROUP, crd.VERSION, crd.PLURAL)
+@kopf.on.create(crd.GROUP, crd.VERSION, crd.PLURAL)
+@kopf.on.update(crd.GROUP, crd.VERSION, crd.PLURAL)
+def server_changed(body: kopf.Body, **_: Any) -> None:
+    reconcile(body)
+
+
+@kopf.timer(crd.GROUP, crd.VERSION, crd.PLURAL, interval=CONFIG.reconcile_seconds)
+def server_timer(body: kopf.Body, **_: Any) -> None:
+    reconcile(body)  # brings back children deleted by hand
+
+
+@kopf.on.event("apps", "v1", "deployments", labels={"app.kubernetes.io/managed-by": MANAGER})
+def deployment_event(body: kopf.Body, **_: Any) -> None:
+    owners = body.metadata.get("ownerReferences") or []
+    for owner in owners:
+        if owner.get("kind") == crd.KIND and owner.get("controller"):
+            server = kube.get(crd.KIND, body.metadata.namespace, owner["name"])
+            if server is not None:
+                reconcile(server)  # status follows the Deployment; a deleted one comes back
+
+
+def reconcile(body: Mapping[str, Any]) -> None:
+    meta = body["metadata"]
+    namespace, name = meta["namespace"], meta["name"]
+    if meta.get("deletionTimestamp"):
+        return  # garbage collection takes the children
+    with LOCKS[namespace, name]:
+        spec = crd.get_spec(body)
+        sizing = sizing_.get_sizing(spec)
+        served = kube.get_served(OPTIONAL_APIS)
+        children = builders.get_children(body, spec, sizing, CONFIG, served)
+        problems = list(children.problems)
+        if not any(p.blocking for p in problems):
+            problems += apply_children(children, namespace)
+        status = status_.get_status(
+            body, spec["replicas"], kube.get("Deployment", namespace, name),
+            selector=builders.get_selector(name), endpoint=builders.get_endpoint(name, namespace),
+            preempt_ram=sizing.preempt_ram, problems=problems, notes=children.notes,
+            now=datetime.datetime.now(datetime.timezone.utc),
+        )
+        if status != body.get("status"):
+            kube.patch_status(namespace, name, status)
+
+
+def apply_children(children: builders.Children, namespace: str) -> list[Problem]:
+    problems = []
+    for obj in children.apply:
+        try:
+            kube.apply(obj)
+        except kube.Rejected as e:
+            problems.append(Problem("ChildRejected", f"{obj['kind']}: {e}", blocking=False))
+    for _, kind, name in children.delete:
+        kube.delete(kind, namespace, name)
+    return problems

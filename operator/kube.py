@@ -1,0 +1,148 @@
+"""The one place that talks to the Kubernetes API.
+
+Children are written with server-side apply (field manager `kvpark-operator`, forced): a field the
+operator stops setting is removed, and nothing is ever deleted to be changed. Every call goes
+through `call`, which turns 404 into None, 409 into Conflict and 400/422 into Rejected.
+The RBAC in manifests/operator.yaml and the chart grants exactly what this module (and kopf)
+calls; tests/operator/test_rbac.py compares the two.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple
+
+from kubernetes import client, config
+from kvpark.operator import crd
+from kvpark.operator.config import MANAGER
+
+USER_AGENT = f"{MANAGER}/0.1.0"
+APPLY = "application/apply-patch+yaml"
+MERGE = "application/merge-patch+json"
+
+
+class Kind(NamedTuple):
+    api_version: str
+    plural: str
+
+    def path(self, namespace: str, name: str = "", subresource: str = "") -> str:
+        root = "/api" if "/" not in self.api_version else "/apis"
+        parts = [root, self.api_version, "namespaces", namespace, self.plural, name, subresource]
+        return "/".join(p for p in parts if p)
+
+
+KINDS = {
+    "PreemptServer": Kind(crd.API_VERSION, crd.PLURAL),
+    "Deployment": Kind("apps/v1", "deployments"),
+    "Service": Kind("v1", "services"),
+    "PodDisruptionBudget": Kind("policy/v1", "poddisruptionbudgets"),
+    "HorizontalPodAutoscaler": Kind("autoscaling/v2", "horizontalpodautoscalers"),
+    "ScaledObject": Kind("keda.sh/v1alpha1", "scaledobjects"),
+    "PodMonitor": Kind("monitoring.coreos.com/v1", "podmonitors"),
+}
+
+
+class Conflict(Exception):
+    """409: the object changed or already exists."""
+
+
+class Rejected(Exception):
+    """400/422: the API server refused the object; the message says why."""
+
+
+@functools.cache
+def get_client() -> client.ApiClient:
+    configuration = client.Configuration()
+    try:
+        config.load_incluster_config(client_configuration=configuration)
+    except config.ConfigException:
+        # $KUBECONFIG as it is now (the client library reads it once, at import)
+        config.load_kube_config(os.environ.get("KUBECONFIG"), client_configuration=configuration)
+    api = client.ApiClient(configuration)
+    api.user_agent = USER_AGENT  # the RBAC test tells our calls from kopf's by this
+    return api
+
+
+def reset() -> None:
+    """Forget the client (tests point the operator at another API server)."""
+    get_client.cache_clear()
+
+
+def call(method: str, path: str, *, body: Any = None, query: Iterable[tuple[str, str]] = (),
+         content_type: str = "application/json") -> dict[str, Any] | None:
+    api = get_client()
+    request = api.param_serialize(
+        method=method, resource_path=path, query_params=list(query),
+        header_params={"Accept": "application/json", "Content-Type": content_type},
+        body=body, auth_settings=["BearerToken"],
+    )
+    response = api.call_api(*request)
+    response.read()
+    try:
+        return api.response_deserialize(response, {"2XX": "object"}).data
+    except client.ApiException as e:
+        if e.status == 404:
+            return None
+        if e.status == 409:
+            raise Conflict(get_message(e)) from e
+        if e.status in (400, 422):
+            raise Rejected(get_message(e)) from e
+        raise
+
+
+def get_message(error: client.ApiException) -> str:
+    try:
+        return str(json.loads(error.body or "{}").get("message") or error.reason)
+    except ValueError:
+        return str(error.reason)
+
+
+def get(kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+    return call("GET", KINDS[kind].path(namespace, name))
+
+
+def apply(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """Create or update `obj` in place to what it says."""
+    kind = KINDS[obj["kind"]]
+    meta = obj["metadata"]
+    query = [("fieldManager", MANAGER), ("force", "true")]
+    for _ in range(3):
+        applied = call("PATCH", kind.path(meta["namespace"], meta["name"]), body=obj,
+                       query=query, content_type=APPLY)
+        if applied is not None:
+            return applied
+        # Only an API server that cannot create by apply answers 404 here.
+        try:
+            created = call("POST", kind.path(meta["namespace"]), body=obj,
+                           query=[("fieldManager", MANAGER)])
+        except Conflict:
+            continue  # created meanwhile: apply again
+        assert created is not None, f"POST {meta['name']} answered 404"
+        return created
+    raise Conflict(f"{obj['kind']} {meta['name']} kept changing while being applied")
+
+
+def delete(kind: str, namespace: str, name: str) -> bool:
+    """Delete if present; True when something was deleted."""
+    body = {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"}
+    return call("DELETE", KINDS[kind].path(namespace, name), body=body) is not None
+
+
+def patch_status(namespace: str, name: str, status: Mapping[str, Any]) -> None:
+    path = KINDS[crd.KIND].path(namespace, name, "status")
+    call("PATCH", path, body={"status": status}, content_type=MERGE)
+
+
+def get_served(apis: Iterable[str]) -> set[str]:
+    """Which of the "group/version/plural" resources the cluster serves (discovery: no RBAC)."""
+    served = set()
+    for api in apis:
+        group_version, _, plural = api.rpartition("/")
+        listing = call("GET", f"/apis/{group_version}")
+        names = {r.get("name") for r in (listing or {}).get("resources", [])}
+        if plural in names:
+            served.add(api)
+    return served
