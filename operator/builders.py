@@ -440,6 +440,8 @@ def get_children(body: Mapping[str, Any], spec: Mapping[str, Any], sizing: Sizin
                                     blocking=False))
     if config.pod_monitor == "false":
         notes.append("PodMonitor disabled in the operator's settings")
+        if POD_MONITORS in served:
+            delete.append(("monitoring.coreos.com/v1", "PodMonitor", name))
     elif POD_MONITORS in served:
         apply.append(get_pod_monitor(body, config))
     else:

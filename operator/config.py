@@ -11,7 +11,7 @@ MANAGER = "kvpark-operator"  # app.kubernetes.io/managed-by on children; the fie
 
 @dataclass(frozen=True)
 class OperatorConfig:
-    image: str = "ghcr.io/kvpark/kvpark:0.1.0"  # the server image when a CR names none
+    image: str = "kvpark/kvpark:0.1.0"  # the server image when a CR names none
     namespaces: tuple[str, ...] = ()  # watched namespaces; empty: all
     reconcile_seconds: float = 60.0  # the timer that re-creates deleted children
     pod_monitor: str = "auto"  # auto: when the CRD is served; false: never

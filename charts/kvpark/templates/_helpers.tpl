@@ -1,0 +1,59 @@
+{{/* RELEASE-operator, the name of everything this chart makes */}}
+{{- define "kvpark.fullname" -}}
+{{- printf "%s-operator" .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "kvpark.selectorLabels" -}}
+app.kubernetes.io/name: kvpark-operator
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "kvpark.labels" -}}
+{{ include "kvpark.selectorLabels" . }}
+app.kubernetes.io/part-of: kvpark
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "kvpark.serviceAccountName" -}}
+{{- default (include "kvpark.fullname" .) .Values.serviceAccount.name -}}
+{{- end -}}
+
+{{- define "kvpark.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{/*
+Least privilege: exactly the calls operator/kube.py and kopf make
+(tests/operator/test_operator_rbac.py compares these rules with what they call).
+*/}}
+{{- define "kvpark.rules" -}}
+- apiGroups: [kvpark.io]
+  resources: [preemptservers]
+  verbs: [get, list, watch, patch]
+- apiGroups: [kvpark.io]
+  resources: [preemptservers/status]
+  verbs: [patch]
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [get, list, watch, create, patch]
+- apiGroups: [""]
+  resources: [services]
+  verbs: [create, patch]
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
+  verbs: [create, patch, delete]
+- apiGroups: [autoscaling]
+  resources: [horizontalpodautoscalers]
+  verbs: [create, patch, delete]
+- apiGroups: [keda.sh]
+  resources: [scaledobjects]
+  verbs: [create, patch, delete]
+- apiGroups: [monitoring.coreos.com]
+  resources: [podmonitors]
+  verbs: [create, patch, delete]
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create]
+{{- end -}}
