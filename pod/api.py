@@ -347,10 +347,13 @@ def final_body(stack: ServingStack, stream: RequestStream) -> dict[str, Any]:
     created = int(time.time())
     if gen.kind == "llama":
         seq = seqs[0]
-        return {"content": stream.text(0), "model": stack.model_name, "stop": True,
+        body = {"content": stream.text(0), "model": stack.model_name, "stop": True,
                 "stop_type": llama_stop_type(seq), "tokens_predicted": seq.num_generated,
                 "tokens_evaluated": seq.num_prompt, "timings": timings(seq),
                 "id_slot": seq.slot_id}
+        if gen.return_tokens:
+            body["tokens"] = seq.generated_ids
+        return body
     if gen.kind == "chat":
         choices = [{"index": s.index, "message": {"role": "assistant",
                                                   "content": stream.text(s.index)},

@@ -40,6 +40,7 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     model: str | None
+    return_tokens: bool = False  # llama.cpp's /completion option: generated token ids too
 
 
 def _bad(param: str, message: str) -> ApiError:
@@ -224,4 +225,5 @@ def parse_llama_completion(body: dict, tokenizer: Tokenizer, max_context: int
         stream=_boolean(body, "stream", False),
         include_usage=False,
         model=_model(body),
+        return_tokens=_boolean(body, "return_tokens", False),
     )

@@ -1,0 +1,71 @@
+"""Page accounting, byte-exact swap copies and the host RAM budget."""
+
+import pytest
+import torch
+
+from kvpark.pod.host_store import HostAllocationError, HostStore
+from kvpark.pod.kv_pool import KVPool
+
+
+def make_pool(num_pages=8):
+    return KVPool(num_layers=3, num_pages=num_pages, page_size=4, num_kv_heads=3, head_dim=5)
+
+
+def test_pages_are_handed_out_and_returned():
+    pool = make_pool()
+    a = pool.allocate(3)
+    b = pool.allocate(5)
+    assert sorted(a + b) == list(range(8)) and pool.num_free_pages == 0
+    assert not pool.can_allocate(1)
+    pool.free(a)
+    assert pool.num_free_pages == 3 and pool.usage_ratio == 5 / 8
+    assert pool.allocate(3) == sorted(a)  # low ids first keeps sequences consecutive
+
+
+def test_gather_then_scatter_to_other_pages_is_byte_exact():
+    pool = make_pool()
+    pages = pool.allocate(3)
+    for cache in pool.caches:
+        cache.copy_(torch.randn_like(cache))
+    before = [cache[pages].clone() for cache in pool.caches]
+    store = HostStore(budget_bytes=-1)
+    host = store.allocate(pool.swap_shape(len(pages)), pool.dtype)
+    pool.gather(pages, host)
+    assert store.held_bytes == pool.swap_bytes(3) == 3 * pool.page_bytes
+    pool.free(pages)
+    for cache in pool.caches:
+        cache.zero_()
+    pool.allocate(2)  # the sequence comes back to different pages
+    new_pages = pool.allocate(3)
+    assert new_pages != pages
+    pool.scatter(new_pages, host)
+    for cache, old in zip(pool.caches, before):
+        assert cache[new_pages].numpy().tobytes() == old.numpy().tobytes()
+    store.release(host)
+    assert store.held_bytes == 0
+
+
+def test_budget_is_checked_before_allocating():
+    store = HostStore(budget_bytes=1000)
+    assert store.can_hold(1000) and not store.can_hold(1001)
+    buf = store.allocate((250,), torch.float32)
+    assert store.held_bytes == 1000 and not store.can_hold(1)
+    with pytest.raises(AssertionError):
+        store.allocate((1,), torch.float32)
+    store.release(buf)
+    assert store.can_hold(1000)
+
+
+def test_injected_allocation_failure_is_reported(monkeypatch):
+    monkeypatch.setenv("KVPARK_PREEMPT_FAIL_SWAP", "1")
+    store = HostStore(budget_bytes=-1)
+    with pytest.raises(HostAllocationError):
+        store.allocate((10,), torch.float32)
+    assert store.held_bytes == 0
+
+
+def test_real_allocation_failure_is_reported():
+    store = HostStore(budget_bytes=-1)
+    with pytest.raises(HostAllocationError):
+        store.allocate((1 << 50,), torch.float32)  # 4 PiB: the allocator refuses
+    assert store.held_bytes == 0

@@ -1,0 +1,93 @@
+"""The preemption policy as pure functions (spec "Policy")."""
+
+import torch
+
+from kvpark.pod import preemption as policy
+from kvpark.pod.sampling import SamplingParams
+from kvpark.pod.slot import Phase, PreemptMode, Sequence
+
+
+def seq(name, n_tokens, arrival=0.0, **state):
+    s = Sequence(request_id=name, prompt_ids=list(range(n_tokens)), params=SamplingParams(),
+                 generator=torch.Generator(), on_event=lambda *a: None, arrival=arrival)
+    s.phase = Phase.RUNNING
+    for key, value in state.items():
+        setattr(s, key, value)
+    return s
+
+
+def test_leader_is_never_the_victim():
+    leader, other = seq("leader", 100), seq("other", 99)
+    assert policy.choose_victim([leader, other]) is other
+    assert policy.choose_victim([leader]) is None
+
+
+def test_smallest_of_the_rest_is_chosen():
+    a, b, c = seq("a", 300), seq("b", 50), seq("c", 120)
+    assert policy.choose_victim([a, b, c]) is b
+
+
+def test_starved_sequence_is_passed_over_while_another_exists():
+    leader = seq("leader", 500)
+    starved = seq("starved", 10, n_preempt=policy.PREEMPT_N_STARVED)
+    fresh = seq("fresh", 200)
+    assert policy.choose_victim([leader, starved, fresh]) is fresh
+    assert policy.choose_victim([leader, starved]) is starved
+
+
+def test_families_are_not_candidates():
+    leader, sibling = seq("leader", 500), seq("sibling", 10, family_size=2)
+    assert policy.choose_victim([leader, sibling]) is None
+    single = seq("single", 400)
+    assert policy.choose_victim([leader, sibling, single]) is single
+
+
+def test_prompt_phase_sequences_are_candidates():
+    leader, prompt = seq("leader", 500, num_computed=500), seq("prompt", 30, num_computed=0)
+    assert prompt.in_prompt
+    assert policy.choose_victim([leader, prompt]) is prompt
+
+
+def test_recompute_in_progress_is_passed_over_while_another_exists():
+    leader = seq("leader", 900)
+    replaying = seq("replaying", 40, num_computed=16, replay_until=39)
+    other = seq("other", 300)
+    assert replaying.is_replaying
+    assert policy.choose_victim([leader, replaying, other]) is other
+    assert policy.choose_victim([leader, replaying]) is replaying
+
+
+def test_mode_follows_the_remaining_budget():
+    assert policy.choose_mode(100, lambda n: n <= 100) is PreemptMode.SWAP
+    assert policy.choose_mode(101, lambda n: n <= 100) is PreemptMode.RECOMPUTE
+
+
+def test_restore_order_most_preempted_then_longest_parked():
+    a = seq("a", 10, n_preempt=1, parked_at=5.0)
+    b = seq("b", 10, n_preempt=2, parked_at=9.0)
+    c = seq("c", 10, n_preempt=1, parked_at=1.0)
+    assert policy.restore_order([a, b, c]) == [b, c, a]
+
+
+def test_restore_need_swap_is_pages_plus_next_step_recompute_is_whole_replay():
+    swapped = seq("s", 50, num_computed=50, preempt_mode=PreemptMode.SWAP)
+    swapped.tokens.append(7)  # one sampled token waits to be fed
+    assert policy.restore_need_tokens(swapped, batch_size=512) == 51
+    mid_prompt = seq("p", 2000, num_computed=100, preempt_mode=PreemptMode.SWAP)
+    assert policy.restore_need_tokens(mid_prompt, batch_size=512) == 100 + 512
+    recomputed = seq("r", 50, num_computed=0, replay_until=49,
+                     preempt_mode=PreemptMode.RECOMPUTE)
+    assert policy.restore_need_tokens(recomputed, batch_size=16) == 51
+
+
+def test_reserve_charges_a_resuming_recompute_its_whole_replay():
+    replaying = seq("r", 100, num_computed=32, replay_until=99, page_table=[0, 1])
+    decoding = seq("d", 100, num_computed=99, page_table=list(range(2, 9)))
+    # 101 tokens need 7 pages of 16; the replaying sequence holds 2 so far
+    assert policy.preempt_kv_reserve([replaying, decoding], page_size=16) == 5
+
+
+def test_parked_sequence_within_the_margin_of_the_pool_can_never_fit():
+    capacity = 256
+    assert policy.can_never_fit(seq("x", capacity - policy.PREEMPT_N_MARGIN), capacity)
+    assert not policy.can_never_fit(seq("y", capacity - policy.PREEMPT_N_MARGIN - 1), capacity)
