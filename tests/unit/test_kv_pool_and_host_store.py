@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from kvpark.pod.host_store import HostAllocationError, HostStore
 from kvpark.pod.kv_pool import KVPool
 
