@@ -4,29 +4,56 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 
 import uvicorn
 
-from .api import create_app
+from .api import Server, create_app
 from .args import parse_args
+
+log = logging.getLogger("kvpark")
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn that drains on the first SIGTERM/SIGINT: stop admitting, finish running and
+    parked requests (up to --shutdown-timeout), then exit. A second signal exits at once."""
+
+    def __init__(self, config: uvicorn.Config, api: Server, timeout: float) -> None:
+        super().__init__(config)
+        self.api = api
+        self.timeout = timeout
+        self.draining = False
+
+    def handle_exit(self, sig: int, frame: object) -> None:
+        if self.draining:
+            super().handle_exit(sig, frame)
+            return
+        self.draining = True
+        log.info("signal %d: draining for up to %.0f s", sig, self.timeout)
+        threading.Thread(target=self._drain_then_exit, name="kvpark-drain", daemon=True).start()
+
+    def _drain_then_exit(self) -> None:
+        self.api.drain(self.timeout)
+        self.should_exit = True
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("kvpark").info("%r", args)
+    log.info("%r", args)
     app = create_app(args)
+    api: Server = app.state.server
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=int(args.shutdown_timeout))
-    server = uvicorn.Server(config)
+                            timeout_graceful_shutdown=5)
+    server = DrainingServer(config, api, args.shutdown_timeout)
 
     def exit_on_load_failure() -> None:
         server.should_exit = True
 
-    app.state.server.on_load_failed = exit_on_load_failure
+    api.on_load_failed = exit_on_load_failure
     server.run()
-    return 1 if app.state.server.loading_error else 0
+    return 1 if api.loading_error else 0
 
 
 if __name__ == "__main__":

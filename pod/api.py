@@ -124,7 +124,7 @@ class SSEResponse(StreamingResponse):
 
 
 def error_response(exc: ApiError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 def sse(payload: dict[str, Any] | str) -> str:
@@ -169,6 +169,7 @@ class Server:
         self.loading_error: str | None = None
         self.created = int(time.time())
         self.on_load_failed = lambda: None  # __main__ makes uvicorn exit
+        self.draining = False
 
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -209,7 +210,37 @@ class Server:
         if self.stack is None:
             status = "error" if self.loading_error else "loading"
             return JSONResponse({"status": status, "error": self.loading_error}, 503)
+        if self.draining:
+            return JSONResponse({"status": "draining"}, 503)
         return JSONResponse({"status": "ok"})
+
+    def check_admission(self, stack: ServingStack) -> None:
+        if self.draining:
+            raise ApiError(503, "the server is shutting down", error_type="unavailable",
+                           headers={"Connection": "close", "Retry-After": "5"})
+        if stack.engine.num_queued >= self.args.max_queue:
+            stack.metrics.rejected.inc()
+            raise ApiError(503, f"the queue is full ({self.args.max_queue} requests wait for a "
+                           "slot); retry later", error_type="unavailable",
+                           headers={"Retry-After": "1"})
+
+    def drain(self, timeout: float, poll: float = 0.05) -> None:
+        """SIGTERM: stop admitting, let running and parked requests finish up to `timeout`,
+        then end what is left with an explicit error. Blocks; call it off the event loop."""
+        self.draining = True
+        if self.stack is None:
+            return
+        engine = self.stack.engine
+        deadline = time.monotonic() + timeout
+        while engine.busy and time.monotonic() < deadline:
+            time.sleep(poll)
+        if engine.busy:
+            log.warning("shutdown timeout: ending %d unfinished requests", engine.num_unfinished)
+            engine.call_soon(lambda: self.stack.scheduler.abort_all(
+                "the server shut down before this request finished", status=503))
+            grace = time.monotonic() + 5
+            while engine.busy and time.monotonic() < grace:
+                time.sleep(poll)
 
     async def models(self, request: Request) -> Response:
         self.check_auth(request)
@@ -233,6 +264,7 @@ class Server:
         kind = request.scope["route_kind"]
         self.check_auth(request)
         stack = self.ready_stack()
+        self.check_admission(stack)
         body = await read_json(request)
         gen = CHAT_PARSERS[kind](body, stack.tokenizer, stack.max_context)
         self.check_fits(stack, gen)

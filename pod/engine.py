@@ -37,6 +37,19 @@ class Engine:
         self.num_steps = 0
 
     # ---- called from other threads ------------------------------------------------------------
+    @property
+    def num_queued(self) -> int:
+        """Sequences waiting for a slot (submitted but not yet admitted)."""
+        return len(self._incoming) + len(self.scheduler.waiting)
+
+    @property
+    def num_unfinished(self) -> int:
+        return self.num_queued + len(self.scheduler.active)
+
+    @property
+    def busy(self) -> bool:
+        return self.num_unfinished > 0 or self._has_input()
+
     def start(self) -> None:
         self._thread.start()
 

@@ -20,8 +20,10 @@ CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None,
-                 error_type: str = "invalid_request_error") -> None:
+                 error_type: str = "invalid_request_error",
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
+        self.headers = headers or {}
         self.status = status
         self.message = message
         self.param = param

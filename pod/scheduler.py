@@ -101,6 +101,10 @@ class Scheduler:
                   f" ({error})" if error else "")
         self.notify(seq, "finished")
 
+    def abort_all(self, error: str, status: int = 503) -> None:
+        for seq in [*self.waiting, *self.active]:
+            self.finish(seq, error=error, status=status)
+
     def _release(self, seq: Sequence) -> None:
         self.pool.free(seq.page_table)
         seq.page_table = []

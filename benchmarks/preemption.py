@@ -1,0 +1,157 @@
+"""The spec's three tables on this machine, with the default model, scaled to fit.
+
+1. results: four concurrent streaming chats of ~1000-token prompts per cell of
+   --preempt-ram (default / inside the park-size range / smaller / 0) x two pool sizes:
+   completed, parks (swap / recompute), recomputed tokens, aggregate tok/s per run and median;
+2. exactness: one request at a time with KVPARK_PREEMPT_EVERY against the same request without
+   it, for a swap budget and for 0 (recompute): byte-identical, or the first divergent char;
+3. cost when it does not fire: one chat, preemption on vs --no-preempt, tok/s and the ratio.
+
+    python benchmarks/preemption.py --runs 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import time
+
+from workload import (
+    ServerProcess,
+    long_prompt,
+    median,
+    print_table,
+    stream_chat,
+    write_json,
+)
+
+MIB = 1 << 20
+
+
+def first_divergence(a: str, b: str) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def results_cell(model: str, ctx: int, budget: str, args) -> dict:
+    runs = []
+    for _ in range(args.runs):
+        with ServerProcess(["-np", "4", "-c", str(ctx), "--preempt-ram", budget,
+                            "--threads", str(args.threads)], model=model) as server:
+            prompts = [long_prompt(i, args.prompt_tokens) for i in range(4)]
+            started = time.perf_counter()
+            with cf.ThreadPoolExecutor(4) as pool:
+                chats = list(pool.map(lambda p: stream_chat(server.url, p, args.max_tokens),
+                                      prompts))
+            wall = time.perf_counter() - started
+            m = server.metrics()
+        tokens = sum(c.completion_tokens for c in chats)
+        runs.append({
+            "completed": sum(c.ok and c.completion_tokens == args.max_tokens for c in chats),
+            "errors": [c.error for c in chats if c.error],
+            "swap": int(m["kvpark:n_preempt_swap_total"]),
+            "recompute": int(m["kvpark:n_preempt_recompute_total"]),
+            "recomputed_tokens": int(m["kvpark:n_recompute_tokens_total"]),
+            "tok_s": tokens / wall,
+        })
+        print(f"  -c {ctx} --preempt-ram {budget}: {runs[-1]}", flush=True)
+    return {"ctx": ctx, "budget": budget, "runs": runs}
+
+
+def exactness(model: str, args) -> list[dict]:
+    prompts = [long_prompt(0, 200), long_prompt(3, 400)]
+    rows = []
+    with ServerProcess(["-np", "1", "-c", "4096", "--threads", str(args.threads)],
+                       model=model) as plain:
+        reference = [stream_chat(plain.url, p, args.exact_tokens).text for p in prompts]
+    for budget in ("8192", "0"):
+        with ServerProcess(["-np", "1", "-c", "4096", "--preempt-ram", budget,
+                            "--threads", str(args.threads)], model=model,
+                           env={"KVPARK_PREEMPT_EVERY": str(args.every)}) as server:
+            got = [stream_chat(server.url, p, args.exact_tokens).text for p in prompts]
+            parks = int(server.metric("kvpark:n_preempt_total"))
+            mode = "swap" if budget != "0" else "recompute"
+        for i, (ref, out) in enumerate(zip(reference, got)):
+            where = first_divergence(ref, out)
+            rows.append({"preempt_ram": budget, "prompt": i, "parks": parks, "mode": mode,
+                         "reference_chars": len(ref), "got_chars": len(out),
+                         "result": "byte-identical" if ref.encode() == out.encode()
+                         else f"differs, first divergence at char {where}"})
+    return rows
+
+
+def cost_when_idle(model: str, args) -> list[dict]:
+    rows = []
+    prompt = long_prompt(1, args.prompt_tokens)
+    for _ in range(2):
+        for flag in ("--preempt", "--no-preempt"):
+            with ServerProcess(["-np", "4", "-c", "8192", flag, "--threads", str(args.threads)],
+                               model=model) as server:
+                chat = stream_chat(server.url, prompt, args.max_tokens)
+            rows.append({"flag": flag, "tok_s": chat.completion_tokens / chat.seconds,
+                         "text": chat.text})
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="builtin://smollm2-135m")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--prompt-tokens", type=int, default=1000)
+    p.add_argument("--max-tokens", type=int, default=200)
+    p.add_argument("--pools", type=int, nargs=2, default=[3072, 4096])
+    # SmolLM2 in fp32 parks 720 KiB per 16-token page: a ~1000-token chat is ~45 MiB
+    p.add_argument("--budgets", nargs="+", default=["8192", "64", "16", "0"])
+    p.add_argument("--every", type=int, default=50)
+    p.add_argument("--exact-tokens", type=int, default=300)
+    p.add_argument("--tables", nargs="+", default=["results", "exactness", "cost"])
+    p.add_argument("--out", default="benchmarks/results/preemption.json")
+    args = p.parse_args()
+    report: dict = {"args": vars(args)}
+
+    if "results" in args.tables:
+        cells = [results_cell(args.model, ctx, budget, args)
+                 for ctx in args.pools for budget in args.budgets]
+        report["results"] = cells
+        rows = []
+        for cell in cells:
+            runs = cell["runs"]
+            rows.append([cell["budget"] + " MiB", cell["ctx"],
+                         f"{sum(r['completed'] for r in runs)} of {4 * len(runs)}",
+                         ", ".join(f"{r['swap'] + r['recompute']} ({r['swap']}/{r['recompute']})"
+                                   for r in runs),
+                         ", ".join(str(r["recomputed_tokens"]) for r in runs),
+                         ", ".join(f"{r['tok_s']:.1f}" for r in runs),
+                         f"{median([r['tok_s'] for r in runs]):.1f}"])
+        print(f"\n4 concurrent streaming chats, ~{args.prompt_tokens}-token prompts, "
+              f"{args.max_tokens} generated each, temperature 0")
+        print_table(["--preempt-ram", "-c", "completed", "parks (swap/recompute)",
+                     "recomputed tokens", "aggregate tok/s", "median"], rows)
+    if "exactness" in args.tables:
+        report["exactness"] = exactness(args.model, args)
+        print(f"\nexactness: one request at a time, KVPARK_PREEMPT_EVERY={args.every}")
+        print_table(["--preempt-ram", "prompt", "parks", "mode", "reference chars", "got",
+                     "result"],
+                    [[r["preempt_ram"], r["prompt"], r["parks"], r["mode"],
+                      r["reference_chars"], r["got_chars"], r["result"]]
+                     for r in report["exactness"]])
+    if "cost" in args.tables:
+        rows = cost_when_idle(args.model, args)
+        report["cost"] = rows
+        on = median([r["tok_s"] for r in rows if r["flag"] == "--preempt"])
+        off = median([r["tok_s"] for r in rows if r["flag"] == "--no-preempt"])
+        same = len({r["text"] for r in rows}) == 1
+        print("\ncost when it does not fire: one chat, two runs each, alternating")
+        print_table(["--preempt tok/s", "--no-preempt tok/s", "ratio", "output"],
+                    [[", ".join(f"{r['tok_s']:.1f}" for r in rows if r["flag"] == "--preempt"),
+                      ", ".join(f"{r['tok_s']:.1f}" for r in rows
+                                if r["flag"] == "--no-preempt"),
+                      f"{on / off:.2f}x", "byte-identical" if same else "differs"]])
+    write_json(args.out, report)
+
+
+if __name__ == "__main__":
+    main()

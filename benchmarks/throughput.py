@@ -1,0 +1,94 @@
+"""N concurrent streaming chats against an OpenAI-compatible server: aggregate tokens/s.
+
+    python benchmarks/throughput.py --url http://127.0.0.1:8080 --concurrency 1 4
+    python benchmarks/throughput.py --launch "-np 4 -c 8192" --concurrency 1 4
+    python benchmarks/throughput.py --launch "-np 4 -c 8192" --peer http://127.0.0.1:8081
+
+Aggregate tok/s = completion tokens of all chats / wall time of the round (prefill included).
+With --peer the same workload runs against the peer in the same run, alternating rounds, and
+the table shows the ratio kvpark / peer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import shlex
+import time
+
+from workload import ServerProcess, long_prompt, median, print_table, stream_chat, write_json
+
+
+def run_round(url: str, concurrency: int, prompt_tokens: int, max_tokens: int) -> dict:
+    prompts = [long_prompt(i, prompt_tokens) for i in range(concurrency)]
+    started = time.perf_counter()
+    with cf.ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(lambda p: stream_chat(url, p, max_tokens), prompts))
+    wall = time.perf_counter() - started
+    tokens = sum(r.completion_tokens for r in results)
+    return {"concurrency": concurrency, "completed": sum(r.ok for r in results),
+            "tokens": tokens, "seconds": wall, "tok_s": tokens / wall,
+            "errors": [r.error for r in results if r.error]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--url", help="server to measure (default: launch kvpark)")
+    p.add_argument("--launch", default="-np 4 -c 8192",
+                   help="flags for a kvpark server this script starts when --url is absent")
+    p.add_argument("--model", default="builtin://smollm2-135m")
+    p.add_argument("--threads", type=int, default=0, help="kvpark --threads when launching")
+    p.add_argument("--peer", help="another OpenAI-compatible server to compare against")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--prompt-tokens", type=int, default=1000)
+    p.add_argument("--max-tokens", type=int, default=200)
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--out", default="benchmarks/results/throughput.json")
+    args = p.parse_args()
+
+    server = None
+    url = args.url
+    if url is None:
+        flags = shlex.split(args.launch)
+        if args.threads:
+            flags += ["--threads", str(args.threads)]
+        server = ServerProcess(flags, model=args.model).start()
+        server_threads = args.threads or "auto"
+        url = server.url
+        print(f"launched kvpark {args.launch} (threads {server_threads}) at {url}")
+    try:
+        targets = {"kvpark": url, **({"peer": args.peer} if args.peer else {})}
+        measured: dict[tuple[str, int], list[dict]] = {}
+        for _ in range(args.rounds):
+            for concurrency in args.concurrency:
+                for name, target in targets.items():  # alternate: same conditions for both
+                    result = run_round(target, concurrency, args.prompt_tokens, args.max_tokens)
+                    measured.setdefault((name, concurrency), []).append(result)
+                    print(f"{name} x{concurrency}: {result['tok_s']:.1f} tok/s "
+                          f"({result['completed']}/{concurrency} completed)")
+    finally:
+        if server is not None:
+            server.stop()
+    rows = []
+    for concurrency in args.concurrency:
+        ours = median([r["tok_s"] for r in measured[("kvpark", concurrency)]])
+        done = sum(r["completed"] for r in measured[("kvpark", concurrency)])
+        row = [concurrency, f"{done}/{concurrency * args.rounds}", f"{ours:.1f}"]
+        if args.peer:
+            theirs = median([r["tok_s"] for r in measured[("peer", concurrency)]])
+            peer_done = sum(r["completed"] for r in measured[("peer", concurrency)])
+            row += [f"{peer_done}/{concurrency * args.rounds}", f"{theirs:.1f}",
+                    f"{ours / theirs:.2f}x" if theirs else "n/a"]
+        rows.append(row)
+    headers = ["chats", "completed", "kvpark tok/s"]
+    if args.peer:
+        headers += ["peer completed", "peer tok/s", "ratio"]
+    print(f"\nprompt ~{args.prompt_tokens} tokens, {args.max_tokens} generated per chat, "
+          f"median of {args.rounds} round(s)")
+    print_table(headers, rows)
+    write_json(args.out, {"args": vars(args), "rounds": {f"{k[0]}x{k[1]}": v
+                                                          for k, v in measured.items()}})
+
+
+if __name__ == "__main__":
+    main()

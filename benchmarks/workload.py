@@ -1,0 +1,88 @@
+"""Shared pieces of the benchmarks: prompts, a streaming chat client, and result output."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "server"))
+from serverproc import ServerProcess, parse_metrics  # noqa: E402,F401
+
+TOPICS = ["the history of bread", "how tides work", "the life of honeybees",
+          "building a wooden boat", "the rules of chess", "why the sky is blue",
+          "how compilers work", "the water cycle"]
+PARAGRAPH = ("Here are some notes to read carefully before answering. They describe, in plain "
+             "words, a long afternoon spent walking along a river, the birds that were seen, the "
+             "weather as it changed, and the small boats that passed by one after another. ")
+
+
+def long_prompt(index: int, approx_tokens: int) -> str:
+    """About `approx_tokens` tokens of context followed by a question (~50 tokens/paragraph)."""
+    paragraphs = max(1, approx_tokens // 50)
+    topic = TOPICS[index % len(TOPICS)]
+    return PARAGRAPH * paragraphs + f"\nNow, ignoring the notes, write a long essay about {topic}."
+
+
+@dataclass
+class ChatResult:
+    ok: bool
+    completion_tokens: int
+    text: str
+    error: str | None
+    seconds: float
+
+
+def stream_chat(base_url: str, prompt: str, max_tokens: int, timeout: float = 1800,
+                ignore_eos: bool = True) -> ChatResult:
+    body = {"model": "default", "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens, "temperature": 0, "stream": True, "seed": 1234,
+            "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
+    started = time.perf_counter()
+    text, tokens, error = [], 0, None
+    try:
+        with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body,
+                          timeout=timeout) as response:
+            if response.status_code != 200:
+                response.read()
+                return ChatResult(False, 0, "", response.text, time.perf_counter() - started)
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    error = chunk["error"]["message"]
+                    continue
+                for choice in chunk.get("choices", []):
+                    text.append(choice.get("delta", {}).get("content") or "")
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+    except httpx.HTTPError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    return ChatResult(error is None, tokens, "".join(text), error,
+                      time.perf_counter() - started)
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def write_json(path: str | Path, payload: object) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, default=lambda o: asdict(o)))
+    print(f"\nwrote {path}")
+
+
+def print_table(headers: list[str], rows: list[list[object]]) -> None:
+    cells = [[str(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    print("| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for row in cells:
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |")
