@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
 from kvpark.kernels.attention import AttentionBackend, StepLayout
 
 from .kv_pool import KVPool

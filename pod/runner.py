@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from kvpark.kernels.attention import AttentionBackend, StepLayout
 
 from .kv_pool import KVPool

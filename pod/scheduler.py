@@ -52,15 +52,20 @@ class ScheduledSeq:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: KVPool, host: HostStore,
-                 notify: Callable[[Sequence, str], None] = lambda seq, kind: None) -> None:
+    def __init__(self, config: SchedulerConfig, pool: KVPool, host: HostStore) -> None:
         self.config = config
         self.pool = pool
         self.host = host
-        self.notify = notify  # (seq, "parked" | "resumed" | "finished")
+        self.on_finish: Callable[[Sequence], None] = lambda seq: None  # metrics hook
         self.waiting: deque[Sequence] = deque()
         self.slots: list[Sequence | None] = [None] * config.num_slots
         self.stats = PreemptStats()
+
+    def notify(self, seq: Sequence, kind: str) -> None:
+        """Tell the sequence's owner: "parked", "resumed" or "finished"."""
+        if kind == "finished":
+            self.on_finish(seq)
+        seq.on_event(seq, kind, None)
 
     # ---- views -------------------------------------------------------------------------------
     @property

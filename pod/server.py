@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+
 from kvpark.kernels.attention import AttentionBackend
 from kvpark.kernels.torch_paged import TorchPagedAttention
 
@@ -21,7 +22,6 @@ from .model.loader import LoadedModel, load_model_files
 from .model.tokenizer import Tokenizer
 from .runner import ModelRunner
 from .scheduler import Scheduler, SchedulerConfig
-from .slot import Sequence
 
 log = logging.getLogger("kvpark.server")
 
@@ -90,7 +90,7 @@ def build_stack(args: ServerArgs) -> ServingStack:
     )
     scheduler = Scheduler(scheduler_config, pool, host)
     metrics = Metrics(scheduler)
-    scheduler.notify = _notifier(metrics)
+    scheduler.on_finish = metrics.on_finish
     runner = ModelRunner(model, pool, pick_backend(args, device))
     engine = Engine(scheduler, runner, loaded.tokenizer.eos_token_ids, on_step=metrics.on_step)
     log.info("model %s (%s): %d layers, %d/%d heads, %s on %s", loaded.name, loaded.source,
@@ -103,12 +103,3 @@ def build_stack(args: ServerArgs) -> ServingStack:
              args.preempt_every)
     return ServingStack(args, loaded.name, loaded.tokenizer, config.max_position, scheduler,
                         engine, metrics, budget)
-
-
-def _notifier(metrics: Metrics):
-    def notify(seq: Sequence, kind: str) -> None:
-        if kind == "finished":
-            metrics.on_finish(seq)
-        seq.on_event(seq, kind, None)
-
-    return notify

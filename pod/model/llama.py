@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from kvpark.kernels.attention import AttentionBackend
 from torch import nn
+
+from kvpark.kernels.attention import AttentionBackend
 
 from .config import ModelConfig
 

@@ -1,6 +1,7 @@
 """--preempt-ram: explicit MiB, -1, 0 and auto from the container memory limit."""
 
 import pytest
+
 from kvpark.pod import budget as b
 
 MIB = b.MIB

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from kvpark.pod.host_store import HostAllocationError, HostStore
 from kvpark.pod.kv_pool import KVPool
 

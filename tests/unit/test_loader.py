@@ -10,6 +10,10 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers
+
 from kvpark.pod.model.config import ModelConfig
 from kvpark.pod.model.loader import (
     _unpermute_llama_rope,
@@ -22,9 +26,6 @@ from kvpark.pod.model.synthetic import (
     synthetic_weights,
     weight_shapes,
 )
-from safetensors.torch import save_file
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from reference_llama import builtin_model  # noqa: E402

@@ -1,6 +1,7 @@
 """The preemption policy as pure functions (spec "Policy")."""
 
 import torch
+
 from kvpark.pod import preemption as policy
 from kvpark.pod.sampling import SamplingParams
 from kvpark.pod.slot import Phase, PreemptMode, Sequence

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+
 from kvpark.pod.model.loader import load_model_files
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -8,10 +8,11 @@ import random
 import jinja2
 import pytest
 import torch
-from kvpark.pod.model.loader import builtin_tokenizer
-from kvpark.pod.model.tokenizer import IncrementalDetokenizer, Tokenizer, _pre_tokenizer
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, normalizers, processors
+
+from kvpark.pod.model.loader import builtin_tokenizer
+from kvpark.pod.model.tokenizer import IncrementalDetokenizer, Tokenizer, _pre_tokenizer
 
 torch.set_num_threads(1)
 

@@ -4,6 +4,7 @@ import random
 
 import pytest
 import torch
+
 from kvpark.kernels.attention import StepLayout, get_plan_arrays
 from kvpark.kernels.torch_paged import TorchPagedAttention
 

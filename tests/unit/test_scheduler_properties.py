@@ -1,0 +1,147 @@
+"""Scheduler, pool and host store under random events (hypothesis), with a fake runner.
+
+After every event: each page is free or in exactly one page table; parked host bytes equal the
+sum over swapped sequences and never exceed the budget; a finished sequence holds nothing and
+was finished exactly once; and once arrivals stop, everything ends within a bounded number of
+steps.
+"""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvpark.pod.engine import Engine
+from kvpark.pod.host_store import HostStore
+from kvpark.pod.kv_pool import KVPool
+from kvpark.pod.sampling import SamplingParams
+from kvpark.pod.scheduler import Scheduler, SchedulerConfig
+from kvpark.pod.slot import Phase, Sequence
+
+PAGE_SIZE = 4
+NUM_PAGES = 24
+EOS = 3
+
+
+class FakeRunner:
+    """Returns token 7 for every row that samples (never EOS), without a model."""
+
+    def run(self, plan):
+        return [7 if item.samples else None for item in plan]
+
+
+def make_engine(budget_pages: int, preempt: bool, preempt_every: int) -> Engine:
+    pool = KVPool(num_layers=1, num_pages=NUM_PAGES, page_size=PAGE_SIZE, num_kv_heads=1,
+                  head_dim=2)
+    budget = budget_pages if budget_pages < 0 else budget_pages * pool.page_bytes
+    config = SchedulerConfig(num_slots=3, batch_size=8, preempt=preempt,
+                             preempt_every=preempt_every)
+    return Engine(Scheduler(config, pool, HostStore(budget)), FakeRunner(), frozenset({EOS}))
+
+
+def make_seq(prompt_len: int, max_tokens: int, finished: dict) -> Sequence:
+    def on_event(seq, kind, token):
+        if kind == "finished":
+            finished[seq.seq_id] = finished.get(seq.seq_id, 0) + 1
+        return False
+
+    return Sequence(request_id=f"r{prompt_len}", prompt_ids=[1] * prompt_len,
+                    params=SamplingParams(temperature=0, max_tokens=max_tokens),
+                    generator=torch.Generator(), on_event=on_event)
+
+
+def check_invariants(engine: Engine, seqs: list[Sequence], finished: dict) -> None:
+    s = engine.scheduler
+    owned = [p for seq in s.active for p in seq.page_table]
+    assert len(owned) == len(set(owned)), "a page is in two page tables"
+    assert not set(owned) & set(s.pool.free_page_ids()), "a page is both free and owned"
+    assert len(owned) + s.pool.num_free_pages == s.pool.num_pages, "pages leaked"
+    parked_bytes = sum(seq.host_bytes for seq in s.active if seq.host_kv is not None)
+    assert s.host.held_bytes == parked_bytes
+    if s.host.budget_bytes >= 0:
+        assert s.host.held_bytes <= s.host.budget_bytes
+    for seq in seqs:
+        if seq.is_finished:
+            assert finished.get(seq.seq_id) == 1, "finished more than once, or silently"
+            assert not seq.page_table and seq.host_kv is None
+            assert seq.error or seq.finish_reason
+        else:
+            assert seq.seq_id not in finished
+        if seq.phase is Phase.PARKED:
+            assert not seq.page_table
+
+
+event = st.one_of(
+    st.tuples(st.just("arrive"), st.integers(1, 60), st.integers(1, 40)),
+    st.tuples(st.just("step"), st.integers(1, 4), st.just(0)),
+    st.tuples(st.just("park"), st.integers(0, 10), st.just(0)),
+    st.tuples(st.just("cancel"), st.integers(0, 10), st.just(0)),
+    st.tuples(st.just("fail_swap"), st.booleans(), st.just(0)),
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(events=st.lists(event, max_size=60), budget_pages=st.sampled_from([-1, 0, 1, 3, 50]),
+       preempt=st.booleans(), preempt_every=st.sampled_from([0, 0, 3]))
+def test_invariants_hold_under_random_events(events, budget_pages, preempt, preempt_every):
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        run_events(monkeypatch, events, budget_pages, preempt, preempt_every)
+
+
+def run_events(monkeypatch, events, budget_pages, preempt, preempt_every):
+    engine = make_engine(budget_pages, preempt, preempt_every)
+    s = engine.scheduler
+    seqs: list[Sequence] = []
+    finished: dict[int, int] = {}
+    for kind, a, b in events:
+        if kind == "arrive":
+            seq = make_seq(a, b, finished)
+            seqs.append(seq)
+            s.add(seq)
+        elif kind == "step":
+            for _ in range(a):
+                engine.step()
+        elif kind == "park" and preempt:
+            running = s.running
+            if running:
+                s.park(running[a % len(running)])
+        elif kind == "cancel":
+            live = [q for q in seqs if not q.is_finished]
+            if live:
+                s.finish(live[a % len(live)], reason="cancelled")
+        elif kind == "fail_swap":
+            monkeypatch.setenv("KVPARK_PREEMPT_FAIL_SWAP", "1" if a else "0")
+        check_invariants(engine, seqs, finished)
+    # no arrivals any more: everything must end, completed or with an explicit error
+    bound = sum(len(q.prompt_ids) + (q.params.max_tokens or 0) for q in seqs) * 4 + 50
+    for _ in range(bound):
+        if not s.has_work:
+            break
+        engine.step()
+        check_invariants(engine, seqs, finished)
+    assert not s.has_work, "a request waits forever"
+    assert s.pool.num_free_pages == NUM_PAGES and s.host.held_bytes == 0
+    for seq in seqs:
+        assert seq.is_finished
+        if seq.error is None and seq.finish_reason != "cancelled":
+            assert seq.finish_reason == "length"
+            assert seq.num_generated == seq.params.max_tokens
+
+
+def test_overflowing_sequences_are_parked_and_all_finish():
+    """A deterministic case of the above: three sequences that need 210 tokens of a 96-token
+    pool all finish, through swaps (a 12-page budget holds one victim) and recomputes."""
+    engine = make_engine(budget_pages=12, preempt=True, preempt_every=0)
+    finished: dict[int, int] = {}
+    seqs = [make_seq(30, 40, finished) for _ in range(3)]
+    for seq in seqs:
+        engine.scheduler.add(seq)
+    for _ in range(2000):
+        if not engine.scheduler.has_work:
+            break
+        engine.step()
+        check_invariants(engine, seqs, finished)
+    stats = engine.scheduler.stats
+    assert all(s.finish_reason == "length" and s.num_generated == 40 for s in seqs)
+    assert stats.n_preempt_swap > 0 and stats.n_preempt_recompute > 0
+    assert stats.n_resume == stats.n_preempt
