@@ -6,10 +6,12 @@ controller owner reference), so deleting the PreemptServer garbage-collects them
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Set
 from typing import Any, NamedTuple
 
 from kubernetes.utils.quantity import parse_quantity
+
 from kvpark.operator import crd
 from kvpark.operator.config import MANAGER, OperatorConfig
 from kvpark.operator.sizing import Sizing
@@ -164,7 +166,7 @@ def get_threads(spec: Mapping[str, Any]) -> int | None:
     cpu = spec["resources"].get("cpu")
     if spec["resources"]["gpus"] or cpu is None:
         return None
-    return max(1, int(-(-parse_quantity(cpu) // 1)))
+    return max(1, math.ceil(parse_quantity(cpu)))
 
 
 def get_server_args(spec: Mapping[str, Any], sizing: Sizing, model_flag: str) -> list[str]:

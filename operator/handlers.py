@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import kopf
+
 from kvpark.operator import builders, crd, kube
 from kvpark.operator import sizing as sizing_
 from kvpark.operator import status as status_
@@ -27,7 +28,9 @@ LOCKS: defaultdict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=crd.GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=crd.GROUP)
-    settings.posting.level = logging.WARNING  # Events for failures only
+    # handler failures and warnings become Events on the PreemptServer (kubectl describe)
+    settings.posting.loggers = True
+    settings.posting.level = logging.WARNING
     # No watching of namespaces and CRDs (and no RBAC for it): install the CRD first.
     settings.scanning.disabled = True
 
@@ -38,14 +41,19 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
     return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
 
 
-@kopf.on.resume(crd.GROUP, crd.VERSION, crd.PLURAL)
-@kopf.on.create(crd.GROUP, crd.VERSION, crd.PLURAL)
-@kopf.on.update(crd.GROUP, crd.VERSION, crd.PLURAL)
+# after an API error, retry soon (kopf's default waits 60 s, also for the timer)
+BACKOFF = min(10.0, CONFIG.reconcile_seconds)
+
+
+@kopf.on.resume(crd.GROUP, crd.VERSION, crd.PLURAL, backoff=BACKOFF)
+@kopf.on.create(crd.GROUP, crd.VERSION, crd.PLURAL, backoff=BACKOFF)
+@kopf.on.update(crd.GROUP, crd.VERSION, crd.PLURAL, backoff=BACKOFF)
 def server_changed(body: kopf.Body, **_: Any) -> None:
     reconcile(body)
 
 
-@kopf.timer(crd.GROUP, crd.VERSION, crd.PLURAL, interval=CONFIG.reconcile_seconds)
+@kopf.timer(crd.GROUP, crd.VERSION, crd.PLURAL, interval=CONFIG.reconcile_seconds,
+            backoff=BACKOFF)
 def server_timer(body: kopf.Body, **_: Any) -> None:
     reconcile(body)  # brings back children deleted by hand
 

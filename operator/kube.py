@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 from kubernetes import client, config
+
 from kvpark.operator import crd
 from kvpark.operator.config import MANAGER
 

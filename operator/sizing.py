@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from kubernetes.utils.quantity import parse_quantity
+
 from kvpark.operator.status import Problem
 
 MIB = 1 << 20

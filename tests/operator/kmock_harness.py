@@ -1,0 +1,262 @@
+"""A Kubernetes API *emulator* for the operator's integration tests: kmock, on 127.0.0.1.
+
+kmock (by kopf's author) serves discovery, list, watch, create, merge-patch and delete from
+memory; it is not kube-apiserver. `Emulator` adds what kopf and the client rely on from a real
+server: uid, creationTimestamp, resourceVersion bumped on every change, generation bumped on spec
+changes, the URL's namespace in created objects, generateName, and no event for a patch that
+changes nothing. It runs no controllers (no Deployment controller, no garbage collector), does
+no defaulting, no schema or CEL validation, no RBAC, and treats server-side apply as a merge
+patch. `Api` is a plain `kubernetes` client for the tests' own calls, with its own User-Agent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import datetime
+import itertools
+import json
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import aiohttp.web
+import kmock
+from kmock._internal import dicts
+from kubernetes import client
+
+T = TypeVar("T")
+VERBS = ["create", "delete", "get", "list", "patch", "update", "watch"]
+
+# (resource, kind, namespaced, subresources)
+CORE_RESOURCES = [
+    ("kvpark.io/v1alpha1/preemptservers", "PreemptServer", True, {"status", "scale"}),
+    ("apps/v1/deployments", "Deployment", True, {"status", "scale"}),
+    ("v1/services", "Service", True, {"status"}),
+    ("policy/v1/poddisruptionbudgets", "PodDisruptionBudget", True, {"status"}),
+    ("autoscaling/v2/horizontalpodautoscalers", "HorizontalPodAutoscaler", True, {"status"}),
+    ("v1/namespaces", "Namespace", False, {"status"}),
+    ("v1/events", "Event", True, set()),
+]
+POD_MONITORS = ("monitoring.coreos.com/v1/podmonitors", "PodMonitor", True, set())
+SCALED_OBJECTS = ("keda.sh/v1alpha1/scaledobjects", "ScaledObject", True, {"status"})
+_versions = itertools.count(1)
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class Emulator(kmock.KubernetesEmulator):
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        self.log: list[kmock.Request] = []
+        self.fail_once: list[tuple[str, str]] = []  # (method, path) answered with a 500, once
+
+    async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        # kmock matches each request against its whole history (quadratic over a test module):
+        # keep the history here and only the current request there.
+        self.log.append(request)
+        del self._requests[:-1]
+        for method, path in self.fail_once:
+            if request.method == method and request.url.path == path:
+                self.fail_once.remove((method, path))
+                raise kmock.KubernetesError(500, "InternalError", "injected by the test")
+        if request.resource is not None and isinstance(request.data, dict):
+            if request.action == kmock.action.CREATE:
+                self._on_create(request)
+            elif request.action == kmock.action.UPDATE and request.name:
+                unchanged = self._on_patch(request)
+                if unchanged is not None:
+                    return aiohttp.web.json_response(unchanged)
+        return await super()._handle(request)
+
+    def _on_create(self, request: kmock.Request) -> None:
+        meta = request.data.setdefault("metadata", {})
+        if request.namespace:
+            meta.setdefault("namespace", request.namespace)
+        if not meta.get("name") and meta.get("generateName"):
+            meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
+        meta.update(uid=str(uuid.uuid4()), resourceVersion=str(next(_versions)),
+                    creationTimestamp=_now(), generation=1)
+
+    def _on_patch(self, request: kmock.Request) -> dict[str, Any] | None:
+        """Stamp the patch; return the stored object instead when the patch changes nothing."""
+        key = (request.resource, request.namespace, request.name)
+        if key not in self.objects or self.objects[key].deleted:
+            return None  # kmock answers 404
+        old = self.objects[key].raw
+        new = dicts.patch_dict(copy.deepcopy(old), request.data)
+        if new == old:
+            return old
+        meta = request.data.setdefault("metadata", {})
+        meta["resourceVersion"] = str(next(_versions))
+        if request.subresource != "status" and new.get("spec") != old.get("spec"):
+            meta["generation"] = int(old["metadata"].get("generation", 1)) + 1
+        return None
+
+
+class KmockServer:
+    """The emulator in a thread of its own, with its own event loop."""
+
+    def __init__(self, resources: Iterable[tuple[str, str, bool, set[str]]]) -> None:
+        self.resources = list(resources)
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=asyncio.run, args=(self._serve(),), daemon=True)
+
+    async def _serve(self) -> None:
+        async with Emulator() as emulator, kmock.Server(emulator) as server:
+            for resource, kind, namespaced, subresources in self.resources:
+                emulator.resources[resource] = kmock.ResourceInfo(
+                    kind=kind, namespaced=namespaced, verbs=VERBS, subresources=subresources)
+            self.emulator, self.port = emulator, server.port
+            self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+            self._ready.set()
+            await self._stop.wait()
+
+    def __enter__(self) -> KmockServer:
+        self._thread.start()
+        assert self._ready.wait(10), "kmock did not start"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(10)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def write_kubeconfig(self, path: Path) -> Path:
+        path.write_text(json.dumps({
+            "apiVersion": "v1", "kind": "Config", "current-context": "kmock",
+            "clusters": [{"name": "kmock", "cluster": {"server": self.url}}],
+            "users": [{"name": "kmock", "user": {"token": "kmock"}}],
+            "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock"}}],
+        }))
+        return path
+
+    def requests(self) -> list[kmock.Request]:
+        """Every request served so far."""
+        return list(self.emulator.log)
+
+
+class Api:
+    """The tests' own client (`kubectl`, in effect): generic paths, plain dicts."""
+
+    def __init__(self, api_client: client.ApiClient) -> None:
+        self.client = api_client
+        self.client.user_agent = "kvpark-tests"
+
+    def call(self, method: str, path: str, body: Any = None,
+             content_type: str = "application/merge-patch+json") -> dict[str, Any] | None:
+        request = self.client.param_serialize(
+            method=method, resource_path=path, body=body, auth_settings=["BearerToken"],
+            header_params={"Accept": "application/json", "Content-Type": content_type})
+        response = self.client.call_api(*request)
+        response.read()
+        try:
+            return self.client.response_deserialize(response, {"2XX": "object"}).data
+        except client.ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def get(self, path: str) -> dict[str, Any] | None:
+        return self.call("GET", path)
+
+    def create(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        created = self.call("POST", path, dict(body), content_type="application/json")
+        assert created is not None
+        return created
+
+    def patch(self, path: str, body: Mapping[str, Any]) -> dict[str, Any] | None:
+        return self.call("PATCH", path, dict(body))
+
+    def delete(self, path: str) -> dict[str, Any] | None:
+        return self.call("DELETE", path, content_type="application/json")
+
+
+def wait_for(what: str, probe: Callable[[], T | None], timeout: float = 20.0,
+             every: float = 0.05) -> T:
+    """Poll `probe` until it returns something truthy; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    last: T | None = None
+    while time.monotonic() < deadline:
+        last = probe()
+        if last:
+            return last
+        time.sleep(every)  # a polling interval, not a synchronisation point
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
+
+
+PATHS = {
+    "PreemptServer": "/apis/kvpark.io/v1alpha1/namespaces/{ns}/preemptservers",
+    "Deployment": "/apis/apps/v1/namespaces/{ns}/deployments",
+    "Service": "/api/v1/namespaces/{ns}/services",
+    "PodDisruptionBudget": "/apis/policy/v1/namespaces/{ns}/poddisruptionbudgets",
+    "HorizontalPodAutoscaler": "/apis/autoscaling/v2/namespaces/{ns}/horizontalpodautoscalers",
+    "ScaledObject": "/apis/keda.sh/v1alpha1/namespaces/{ns}/scaledobjects",
+    "PodMonitor": "/apis/monitoring.coreos.com/v1/namespaces/{ns}/podmonitors",
+}
+
+
+class Cluster:
+    """What a test does to the cluster, as `kubectl` would, through `Api`."""
+
+    def __init__(self, api: Api, server: KmockServer | None = None) -> None:
+        self.api = api
+        self.server = server  # None on a real cluster
+
+    @staticmethod
+    def path(kind: str, ns: str, name: str = "", sub: str = "") -> str:
+        return "/".join(p for p in (PATHS[kind].format(ns=ns), name, sub) if p)
+
+    def create_server(self, ns: str, name: str, spec: Mapping[str, Any]) -> dict[str, Any]:
+        body = {"apiVersion": "kvpark.io/v1alpha1", "kind": "PreemptServer",
+                "metadata": {"name": name, "namespace": ns}, "spec": dict(spec)}
+        return self.api.create(self.path("PreemptServer", ns), body)
+
+    def get(self, kind: str, ns: str, name: str) -> dict[str, Any] | None:
+        return self.api.get(self.path(kind, ns, name))
+
+    def patch_spec(self, ns: str, name: str, spec: Mapping[str, Any]) -> None:
+        self.api.patch(self.path("PreemptServer", ns, name), {"spec": dict(spec)})
+
+    def scale(self, ns: str, name: str, replicas: int) -> None:
+        self.api.patch(self.path("PreemptServer", ns, name, "scale"),
+                       {"spec": {"replicas": replicas}})
+
+    def delete(self, kind: str, ns: str, name: str) -> None:
+        assert self.api.delete(self.path(kind, ns, name)) is not None, f"no {kind} {name}"
+
+    def set_deployment_status(self, ns: str, name: str, **status: Any) -> None:
+        self.api.patch(self.path("Deployment", ns, name, "status"), {"status": status})
+
+    def wait_child(self, kind: str, ns: str, name: str,
+                   check: Callable[[dict[str, Any]], bool] = bool, timeout: float = 20.0
+                   ) -> dict[str, Any]:
+        def probe() -> dict[str, Any] | None:
+            obj = self.get(kind, ns, name)
+            return obj if obj is not None and check(obj) else None
+        return wait_for(f"{kind} {ns}/{name}", probe, timeout)
+
+    def wait_gone(self, kind: str, ns: str, name: str, timeout: float = 20.0) -> None:
+        wait_for(f"{kind} {ns}/{name} to be gone", lambda: self.get(kind, ns, name) is None,
+                 timeout)
+
+    def wait_condition(self, ns: str, name: str, type_: str, status: str,
+                       reason: str | None = None, timeout: float = 20.0) -> dict[str, Any]:
+        def check(server: dict[str, Any]) -> bool:
+            conditions = (server.get("status") or {}).get("conditions") or []
+            found = next((c for c in conditions if c["type"] == type_), None)
+            return bool(found and found["status"] == status
+                        and (reason is None or found["reason"] == reason))
+        return self.wait_child("PreemptServer", ns, name, check, timeout)
+
+
+def condition(server: Mapping[str, Any], type_: str) -> dict[str, Any]:
+    return next(c for c in server["status"]["conditions"] if c["type"] == type_)

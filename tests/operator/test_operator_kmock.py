@@ -1,0 +1,160 @@
+"""The operator end to end, against an EMULATED Kubernetes API: real kopf (KopfRunner, -A) and the
+real `kubernetes` client talk HTTP to kmock on 127.0.0.1. kmock is an emulator, not
+kube-apiserver: no Deployment controller (the tests write the Deployment's status themselves),
+no garbage collector, no defaulting, no validation, no RBAC, and server-side apply acts as a merge
+patch. What only a real cluster can show is in test_operator_cluster.py (marker `cluster`).
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import running_operator
+from kmock_harness import CORE_RESOURCES, POD_MONITORS, SCALED_OBJECTS, Cluster, condition
+
+from kvpark.operator import crd
+
+CHILDREN = ["Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler", "PodMonitor"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory):
+    resources = [*CORE_RESOURCES, POD_MONITORS, SCALED_OBJECTS]
+    with running_operator(resources, tmp_path_factory.mktemp("kmock")) as cluster:
+        yield cluster
+
+
+def container(deployment: dict) -> dict:
+    return deployment["spec"]["template"]["spec"]["containers"][0]
+
+
+def flag(deployment: dict, name: str) -> str:
+    args = container(deployment)["args"]
+    return args[args.index(name) + 1]
+
+
+def test_create_makes_owned_children_with_the_flags(cluster: Cluster) -> None:
+    server = cluster.create_server("create", "s", {
+        "replicas": 2, "parallel": 8, "contextSize": 16384, "preempt": {"ramMiB": 2048},
+        "autoscaling": {"maxReplicas": 4, "target": {"signal": "kvUsage"}},
+    })
+    uid = server["metadata"]["uid"]
+    for kind in CHILDREN:
+        child = cluster.wait_child(kind, "create", "s")
+        owners = child["metadata"]["ownerReferences"]
+        assert owners == [{"apiVersion": crd.API_VERSION, "kind": crd.KIND, "name": "s",
+                           "uid": uid, "controller": True}], kind
+        assert child["metadata"]["labels"]["app.kubernetes.io/instance"] == "s"
+    deployment = cluster.get("Deployment", "create", "s")
+    assert deployment["spec"]["replicas"] == 2
+    assert (flag(deployment, "--parallel"), flag(deployment, "--ctx-size")) == ("8", "16384")
+    assert flag(deployment, "--preempt-ram") == "2048"
+    assert "--preempt" in container(deployment)["args"]
+    env = {e["name"]: e for e in container(deployment)["env"]}
+    assert env["KVPARK_MEMORY_LIMIT"]["valueFrom"]["resourceFieldRef"]["resource"] == \
+        "limits.memory"
+    hpa = cluster.get("HorizontalPodAutoscaler", "create", "s")
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": crd.API_VERSION, "kind": crd.KIND,
+                                             "name": "s"}
+    assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == "kvpark_kv_cache_usage_ratio"
+    service = cluster.get("Service", "create", "s")
+    assert service["spec"]["ports"][0]["name"] == "http"
+
+
+def test_spec_change_patches_the_deployment_in_place(cluster: Cluster) -> None:
+    cluster.create_server("update", "s", {"parallel": 4})
+    before = cluster.wait_child("Deployment", "update", "s")
+    cluster.patch_spec("update", "s", {"parallel": 12, "preempt": {"enabled": False},
+                                       "resources": {"gpus": 0, "cpu": "3"}})
+    after = cluster.wait_child("Deployment", "update", "s",
+                               lambda d: flag(d, "--parallel") == "12")
+    args = container(after)["args"]
+    assert "--no-preempt" in args and "--preempt-ram" not in args
+    assert flag(after, "--threads") == "3"
+    assert "nvidia.com/gpu" not in container(after)["resources"]["limits"]
+    # the same object, patched: never deleted and created again
+    assert after["metadata"]["uid"] == before["metadata"]["uid"]
+    deletes = [r for r in cluster.server.requests() if r.method == "DELETE"
+               and r.resource.plural == "deployments" and r.namespace == "update"]
+    assert deletes == []
+    cluster.wait_child("PreemptServer", "update", "s",
+                       lambda s: s.get("status", {}).get("preemptRamMiB") == 0)
+
+
+def test_status_and_ready_follow_the_deployment(cluster: Cluster) -> None:
+    cluster.create_server("status", "s", {"replicas": 2})
+    deployment = cluster.wait_child("Deployment", "status", "s")
+    server = cluster.wait_condition("status", "s", "Ready", "False", "ReplicasNotReady")
+    assert server["status"]["selector"] == \
+        "app.kubernetes.io/instance=s,app.kubernetes.io/name=kvpark-server"
+    assert server["status"]["endpoint"] == "http://s.status.svc:8080"
+    assert server["status"]["observedGeneration"] == server["metadata"]["generation"]
+    not_ready_since = condition(server, "Ready")["lastTransitionTime"]
+
+    generation = deployment["metadata"]["generation"]
+    cluster.set_deployment_status("status", "s", observedGeneration=generation, replicas=2,
+                                  updatedReplicas=2, readyReplicas=2, availableReplicas=2)
+    server = cluster.wait_condition("status", "s", "Ready", "True", "AllReplicasReady")
+    assert server["status"]["readyReplicas"] == 2 and server["status"]["replicas"] == 2
+    assert condition(server, "Progressing")["status"] == "False"
+    assert condition(server, "Degraded")["reason"] == "AsExpected"
+    assert condition(server, "Ready")["lastTransitionTime"] >= not_ready_since
+
+    cluster.set_deployment_status("status", "s", readyReplicas=1, availableReplicas=1)
+    server = cluster.wait_condition("status", "s", "Ready", "False", "ReplicasNotReady")
+    assert server["status"]["readyReplicas"] == 1
+    assert "1/2" in condition(server, "Ready")["message"]
+
+
+def test_children_deleted_by_hand_come_back(cluster: Cluster) -> None:
+    cluster.create_server("heal", "s", {"replicas": 2})
+    old = cluster.wait_child("Deployment", "heal", "s")
+    cluster.wait_child("Service", "heal", "s")
+    cluster.wait_child("PodDisruptionBudget", "heal", "s")
+    cluster.delete("Deployment", "heal", "s")  # the Deployment watch notices
+    new = cluster.wait_child("Deployment", "heal", "s",
+                             lambda d: d["metadata"]["uid"] != old["metadata"]["uid"])
+    assert new["spec"]["replicas"] == 2
+    cluster.delete("Service", "heal", "s")  # the timer notices
+    cluster.delete("PodDisruptionBudget", "heal", "s")
+    cluster.wait_child("Service", "heal", "s")
+    cluster.wait_child("PodDisruptionBudget", "heal", "s")
+
+
+def test_scale_subresource_and_pdb(cluster: Cluster) -> None:
+    cluster.create_server("scale", "s", {"replicas": 1})
+    cluster.wait_child("Deployment", "scale", "s")
+    assert cluster.get("PodDisruptionBudget", "scale", "s") is None
+    cluster.scale("scale", "s", 3)  # what `kubectl scale ps/s --replicas=3` and an HPA do
+    cluster.wait_child("Deployment", "scale", "s", lambda d: d["spec"]["replicas"] == 3)
+    cluster.wait_child("PodDisruptionBudget", "scale", "s")
+    cluster.scale("scale", "s", 1)
+    cluster.wait_child("Deployment", "scale", "s", lambda d: d["spec"]["replicas"] == 1)
+    cluster.wait_gone("PodDisruptionBudget", "scale", "s")
+
+
+def test_autoscaler_follows_the_engine(cluster: Cluster) -> None:
+    cluster.create_server("engine", "s", {"autoscaling": {"maxReplicas": 3}})
+    cluster.wait_child("HorizontalPodAutoscaler", "engine", "s")
+    cluster.patch_spec("engine", "s", {"autoscaling": {
+        "engine": "keda", "target": {"signal": "preemptRate", "averageValue": "250m"}}})
+    scaled = cluster.wait_child("ScaledObject", "engine", "s")
+    cluster.wait_gone("HorizontalPodAutoscaler", "engine", "s")
+    trigger = scaled["spec"]["triggers"][0]
+    assert trigger["metadata"]["query"] == \
+        'sum(rate(kvpark:n_preempt_total{namespace="engine",app_kubernetes_io_instance="s"}[2m]))'
+    assert trigger["metadata"]["threshold"] == "0.25"
+    assert scaled["spec"]["scaleTargetRef"]["kind"] == crd.KIND
+    cluster.patch_spec("engine", "s", {"autoscaling": None})
+    cluster.wait_gone("ScaledObject", "engine", "s")
+    assert cluster.get("HorizontalPodAutoscaler", "engine", "s") is None
+
+
+def test_spec_only_the_operator_can_reject_is_degraded(cluster: Cluster) -> None:
+    cluster.create_server("degraded", "s", {"server": {"args": ["--api-key=hunter2"]}})
+    server = cluster.wait_condition("degraded", "s", "Degraded", "True", "ReservedArgument")
+    assert "--api-key" in condition(server, "Degraded")["message"]
+    assert cluster.get("Deployment", "degraded", "s") is None  # nothing half-applied
+    cluster.patch_spec("degraded", "s", {"server": {"args": ["--max-queue", "64"]}})
+    cluster.wait_condition("degraded", "s", "Degraded", "False", "AsExpected")
+    deployment = cluster.wait_child("Deployment", "degraded", "s")
+    assert container(deployment)["args"][-2:] == ["--max-queue", "64"]

