@@ -18,7 +18,7 @@ import itertools
 import os
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -194,7 +194,7 @@ class FakeCopyEngine(CopyEngine):
         return ticket
 
 
-def make_copy_engine(pool: PagePool, env: dict[str, str] | None = None) -> CopyEngine:
+def make_copy_engine(pool: PagePool, env: Mapping[str, str] | None = None) -> CopyEngine:
     """Async on CUDA unless KVPARK_PREEMPT_ASYNC=0; synchronous on the CPU."""
     env = os.environ if env is None else env
     if pool.device.type == "cuda" and env.get(ASYNC_ENV, "1") != "0":
