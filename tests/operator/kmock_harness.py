@@ -12,14 +12,17 @@ patch. `Api` is a plain `kubernetes` client for the tests' own calls, with its o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import datetime
 import itertools
 import json
+import os
+import shutil
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -29,6 +32,7 @@ from kmock._internal import dicts
 from kubernetes import client
 
 T = TypeVar("T")
+REPO = Path(__file__).resolve().parents[2]
 VERBS = ["create", "delete", "get", "list", "patch", "update", "watch"]
 
 # (resource, kind, namespaced, subresources)
@@ -260,3 +264,36 @@ class Cluster:
 
 def condition(server: Mapping[str, Any], type_: str) -> dict[str, Any]:
     return next(c for c in server["status"]["conditions"] if c["type"] == type_)
+
+
+def find_helm() -> str | None:
+    local = REPO / ".venv" / "bin" / "helm"
+    return str(local) if local.is_file() else shutil.which("helm")
+
+
+@contextlib.contextmanager
+def running_operator(resources: list, workdir: Path) -> Iterator[Cluster]:
+    """kmock with `resources` declared, and the real operator (kopf, -A) running against it."""
+    from kopf.testing import KopfRunner
+    from kubernetes import config as kconfig
+
+    from kvpark.operator import kube
+    from kvpark.operator.__main__ import get_kopf_args
+    from kvpark.operator.config import OperatorConfig
+
+    with KmockServer(resources) as server:
+        kubeconfig = server.write_kubeconfig(workdir / "kubeconfig")
+        saved = os.environ.get("KUBECONFIG")
+        os.environ["KUBECONFIG"] = str(kubeconfig)
+        kube.reset()
+        cluster = Cluster(Api(kconfig.new_client_from_config(str(kubeconfig))), server)
+        try:
+            with KopfRunner(get_kopf_args(OperatorConfig(liveness="")), timeout=30) as runner:
+                yield cluster
+            assert runner.exit_code == 0, runner.output[-4000:]
+        finally:
+            if saved is None:
+                os.environ.pop("KUBECONFIG", None)
+            else:
+                os.environ["KUBECONFIG"] = saved
+            kube.reset()

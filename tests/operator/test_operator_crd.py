@@ -18,7 +18,7 @@ import celpy
 import jsonschema
 import pytest
 import yaml
-from conftest import REPO
+from kmock_harness import REPO
 
 from kvpark.operator import crd
 from kvpark.operator.__main__ import main

@@ -8,8 +8,14 @@ patch. What only a real cluster can show is in test_operator_cluster.py (marker 
 from __future__ import annotations
 
 import pytest
-from conftest import running_operator
-from kmock_harness import CORE_RESOURCES, POD_MONITORS, SCALED_OBJECTS, Cluster, condition
+from kmock_harness import (
+    CORE_RESOURCES,
+    POD_MONITORS,
+    SCALED_OBJECTS,
+    Cluster,
+    condition,
+    running_operator,
+)
 
 from kvpark.operator import crd
 

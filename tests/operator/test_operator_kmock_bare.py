@@ -5,8 +5,7 @@ must say so in the conditions instead of failing."""
 from __future__ import annotations
 
 import pytest
-from conftest import running_operator
-from kmock_harness import CORE_RESOURCES, Cluster, condition
+from kmock_harness import CORE_RESOURCES, Cluster, condition, running_operator
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from pathlib import Path
 import kubernetes_validate.utils as kv
 import pytest
 import yaml
-from conftest import REPO
+from kmock_harness import REPO
 
 from kvpark.operator import builders, crd
 

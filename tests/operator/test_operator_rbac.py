@@ -16,8 +16,14 @@ from collections.abc import Iterable
 
 import pytest
 import yaml
-from conftest import REPO, running_operator
-from kmock_harness import CORE_RESOURCES, POD_MONITORS, SCALED_OBJECTS, Cluster
+from kmock_harness import (
+    CORE_RESOURCES,
+    POD_MONITORS,
+    REPO,
+    SCALED_OBJECTS,
+    Cluster,
+    running_operator,
+)
 
 from kvpark.operator import handlers
 
