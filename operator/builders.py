@@ -267,6 +267,7 @@ def get_pod_spec(spec: Mapping[str, Any], sizing: Sizing, config: OperatorConfig
         ],
         "nodeSelector": dict(spec.get("nodeSelector", {})),
         "tolerations": tolerations,
+        "imagePullSecrets": [{"name": s["name"]} for s in spec.get("imagePullSecrets", [])],
     }
     return pod
 

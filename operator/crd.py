@@ -231,6 +231,12 @@ def get_spec_schema() -> dict[str, Any]:
             "model": get_model_schema(),
             "image": _str("Server image; defaults to the operator's own image.", minLength=1),
             "imagePullPolicy": _str("Pull policy.", enum=["Always", "IfNotPresent", "Never"]),
+            "imagePullSecrets": {
+                "type": "array",
+                "description": "Secrets for pulling the image (core/v1 LocalObjectReference).",
+                "items": {"type": "object", "required": ["name"],
+                          "properties": {"name": _str("Secret name.", minLength=1)}},
+            },
             "replicas": _int("Pods (the scale subresource's target).", minimum=0, default=1),
             "parallel": _int("Decoding slots per pod (--parallel).", 1, 1024, default=4),
             "contextSize": _int(

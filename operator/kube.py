@@ -128,7 +128,7 @@ def apply(obj: Mapping[str, Any]) -> dict[str, Any]:
 
 def delete(kind: str, namespace: str, name: str) -> bool:
     """Delete if present; True when something was deleted."""
-    body = {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"}
+    body = {"propagationPolicy": "Background"}
     return call("DELETE", KINDS[kind].path(namespace, name), body=body) is not None
 
 

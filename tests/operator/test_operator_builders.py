@@ -131,6 +131,14 @@ def test_pod_runs_unprivileged_with_a_read_only_root() -> None:
     assert "/tmp" in mounts  # the only writable place, with HOME and the caches in it
 
 
+def test_image_settings() -> None:
+    pod = deployment_of({"image": "mine/kvpark:2", "imagePullPolicy": "Always",
+                         "imagePullSecrets": [{"name": "registry"}]})["spec"]["template"]["spec"]
+    assert pod["imagePullSecrets"] == [{"name": "registry"}]
+    assert (pod["containers"][0]["image"], pod["containers"][0]["imagePullPolicy"]) == \
+        ("mine/kvpark:2", "Always")
+
+
 def test_rollout_and_drain_settings() -> None:
     deployment = deployment_of({"server": {"shutdownTimeoutSeconds": 200}})
     assert deployment["spec"]["strategy"] == {
@@ -285,7 +293,8 @@ SPECS = [
                "hfTokenSecretRef": {"name": "hf"}},
      "server": {"apiKeySecretRef": {"name": "k"}, "env": [
          {"name": "EXTRA", "valueFrom": {"configMapKeyRef": {"name": "c", "key": "k"}}}]},
-     "nodeSelector": {"gpu": "h100"}, "tolerations": [{"key": "x", "operator": "Exists"}]},
+     "nodeSelector": {"gpu": "h100"}, "tolerations": [{"key": "x", "operator": "Exists"}],
+     "imagePullSecrets": [{"name": "registry"}]},
     {"model": {"uri": "pvc://weights/m.gguf"}, "resources": {"memory": "24Gi"},
      "preempt": {"ramMiB": -1}},
 ]
