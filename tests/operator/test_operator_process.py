@@ -1,0 +1,61 @@
+"""`python -m kvpark.operator` as the image runs it: a separate process, configured by env,
+against an EMULATED Kubernetes API (kmock on 127.0.0.1, see kmock_harness.py): it serves kopf's
+liveness endpoint, reconciles, and stops cleanly on SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+from kmock_harness import CORE_RESOURCES, REPO, Api, Cluster, KmockServer, wait_for
+from kubernetes import config as kconfig
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def test_the_operator_process(tmp_path: Path) -> None:
+    with KmockServer(CORE_RESOURCES) as server:
+        kubeconfig = server.write_kubeconfig(tmp_path / "kubeconfig")
+        liveness = f"http://127.0.0.1:{free_port()}/healthz"
+        env = {**os.environ, "KUBECONFIG": str(kubeconfig), "KVPARK_LIVENESS": liveness,
+               "KVPARK_WATCH_NAMESPACES": "watched", "KVPARK_SERVER_IMAGE": "example/kvpark:7"}
+        log = (tmp_path / "operator.log").open("w")
+        process = subprocess.Popen([sys.executable, "-m", "kvpark.operator", "--log-format=plain"],
+                                   cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_for("the liveness endpoint", lambda: healthy(liveness), timeout=60)
+            cluster = Cluster(Api(kconfig.new_client_from_config(str(kubeconfig))), server)
+            cluster.create_server("watched", "s", {})
+            cluster.create_server("elsewhere", "s", {})
+            deployment = cluster.wait_child("Deployment", "watched", "s", timeout=30)
+            image = deployment["spec"]["template"]["spec"]["containers"][0]["image"]
+            assert image == "example/kvpark:7"
+            cluster.wait_child("PreemptServer", "watched", "s", lambda s: "status" in s)
+            # the operator neither watched nor touched a namespace it was not given
+            touched = {r.namespace for r in server.requests() if r.namespace and not
+                       r.headers.get("User-Agent", "").startswith("kvpark-tests")}
+            assert touched == {"watched"}
+            assert cluster.get("Deployment", "elsewhere", "s") is None
+        finally:
+            process.send_signal(signal.SIGTERM)
+            code = process.wait(timeout=30)
+            log.close()
+        output = (tmp_path / "operator.log").read_text()
+        assert code == 0, output[-3000:]
