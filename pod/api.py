@@ -26,6 +26,7 @@ from starlette.types import Receive, Scope, Send
 from . import protocol
 from .args import ServerArgs
 from .model.tokenizer import Tokenizer
+from .openapi import get_openapi
 from .protocol import ApiError, GenerationRequest
 from .sampling import make_generator
 from .scheduler import CONTEXT_EXCEEDED
@@ -35,7 +36,7 @@ from .text_output import TextOutput
 
 log = logging.getLogger("kvpark.api")
 
-OPEN_PATHS = {"/health", "/metrics"}
+OPEN_PATHS = {"/health", "/metrics", "/openapi.json"}
 CHAT_PARSERS = {
     "chat": protocol.parse_chat,
     "completion": protocol.parse_completion,
@@ -249,6 +250,10 @@ class Server:
             "id": stack.model_name, "object": "model", "created": self.created,
             "owned_by": "kvpark", "max_model_len": stack.max_context}]})
 
+    async def openapi(self, request: Request) -> Response:
+        stack = self.ready_stack()
+        return JSONResponse(get_openapi(stack.max_context))
+
     async def metrics(self, request: Request) -> Response:
         stack = self.ready_stack()
         return Response(stack.metrics.render(), media_type="text/plain; version=0.0.4")
@@ -265,7 +270,7 @@ class Server:
         self.check_auth(request)
         stack = self.ready_stack()
         self.check_admission(stack)
-        body = await read_json(request)
+        body = await read_json(request, self.args.max_body_bytes)
         gen = CHAT_PARSERS[kind](body, stack.tokenizer, stack.max_context)
         self.check_fits(stack, gen)
         stream = RequestStream(asyncio.get_running_loop(), stack.tokenizer, gen,
@@ -277,12 +282,20 @@ class Server:
         return await self.complete(request, stack, stream)
 
     def check_fits(self, stack: ServingStack, gen: GenerationRequest) -> None:
+        """Refuse up front what could never finish, even alone in the pool (as vLLM does)."""
         capacity = stack.scheduler.pool.capacity_tokens
-        if len(gen.prompt_ids) + 1 > min(capacity, stack.max_context):
-            raise ApiError(400, f"{CONTEXT_EXCEEDED} The prompt has "
-                           f"{len(gen.prompt_ids)} tokens; the KV pool holds {capacity} and the "
-                           f"model {stack.max_context}.", param="messages"
-                           if gen.kind == "chat" else "prompt")
+        limit = min(capacity, stack.max_context)
+        prompt = len(gen.prompt_ids)
+        if prompt + 1 > limit:
+            raise ApiError(400, f"{CONTEXT_EXCEEDED} The prompt has {prompt} tokens; one "
+                           f"request can hold {limit} here (pool {capacity}).",
+                           param="messages" if gen.kind == "chat" else "prompt")
+        max_tokens = gen.params.max_tokens
+        if max_tokens is not None and prompt + max_tokens > limit:
+            name = {"chat": "max_tokens", "completion": "max_tokens", "llama": "n_predict"}
+            raise ApiError(400, f"'{name[gen.kind]}': {prompt} prompt tokens + {max_tokens} to "
+                           f"generate exceed the {limit} tokens one request can hold here",
+                           param=name[gen.kind])
 
     async def complete(self, request: Request, stack: ServingStack,
                        stream: RequestStream) -> Response:
@@ -342,8 +355,26 @@ async def wait_disconnect(request: Request) -> None:
             return
 
 
-async def read_json(request: Request) -> dict[str, Any]:
-    raw = await request.body()
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it passes `limit` bytes (declared or sent)."""
+    too_large = ApiError(413, f"the request body exceeds {limit} bytes (--max-body-bytes)",
+                         param="body")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def read_json(request: Request, limit: int) -> dict[str, Any]:
+    raw = await read_body(request, limit)
+    if not raw.strip():
+        raise ApiError(400, "the body is empty; expected a JSON object", param="body")
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -495,6 +526,7 @@ def create_app(args: ServerArgs, stack: ServingStack | None = None) -> Starlette
             Route("/health", server.health),
             Route("/slots", server.slots),
             Route("/metrics", server.metrics),
+            Route("/openapi.json", server.openapi),
         ],
         exception_handlers={ApiError: on_api_error},
         lifespan=lifespan,

@@ -35,6 +35,7 @@ class ServerArgs:
     api_key: str | None = None
     threads: int = 0  # 0: pick from the machine
     max_queue: int = 256
+    max_body_bytes: int = 8 << 20
     shutdown_timeout: float = 30.0
     attention_backend: str = "auto"
     dtype: str = "auto"
@@ -87,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key")
     p.add_argument("--threads", "-t", type=int, help="torch threads (0: auto)")
     p.add_argument("--max-queue", type=_positive, help="queued requests before 503")
+    p.add_argument("--max-body-bytes", type=_positive, help="largest request body (413 above)")
     p.add_argument("--shutdown-timeout", type=float, help="seconds to drain on SIGTERM")
     p.add_argument("--attention-backend", choices=["auto", "torch", "flashinfer"])
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])

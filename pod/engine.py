@@ -111,17 +111,34 @@ class Engine:
         started = time.perf_counter()
         try:
             sampled = self.runner.run(plan)
-        except Exception as exc:  # one bad step must not take the server down
-            log.exception("step failed")
-            for item in plan:
-                self.scheduler.finish(item.seq, error=f"internal error: {exc}")
-            return True
+        except Exception:  # one bad request must not take the others down with it
+            log.exception("step of %d sequences failed; retrying them one by one", len(plan))
+            plan, sampled = self._isolate_failure(plan)
         seconds = time.perf_counter() - started
         self.num_steps += 1
         for item, token in zip(plan, sampled):
             self._postprocess(item, token, seconds)
         self.on_step(plan, seconds)
         return True
+
+    def _isolate_failure(self, plan: list[ScheduledSeq]
+                         ) -> tuple[list[ScheduledSeq], list[int | None]]:
+        """Run each sequence of a failed step alone; end only those that fail again.
+
+        Rerunning is safe: K/V a failed step wrote sit at the same pages and positions the
+        rerun writes, and no sequence advanced.
+        """
+        survivors: list[ScheduledSeq] = []
+        sampled: list[int | None] = []
+        for item in plan:
+            try:
+                sampled.extend(self.runner.run([item]))
+            except Exception as exc:
+                log.exception("request %s failed", item.seq.request_id)
+                self.scheduler.finish(item.seq, error=f"internal error: {exc}")
+                continue
+            survivors.append(item)
+        return survivors, sampled
 
     def _postprocess(self, item: ScheduledSeq, token: int | None, seconds: float) -> None:
         seq = item.seq

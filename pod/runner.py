@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from kvpark.kernels.attention import AttentionBackend, StepLayout
@@ -12,11 +14,23 @@ from .sampling import sample
 from .scheduler import ScheduledSeq
 
 
+class InjectedFault(RuntimeError):
+    pass
+
+
+def fault_token() -> int | None:
+    """KVPARK_INJECT_FAULT_TOKEN=ID: a step fails while a sequence whose prompt holds token ID
+    is in it (tests of fault isolation)."""
+    value = os.environ.get("KVPARK_INJECT_FAULT_TOKEN")
+    return int(value) if value else None
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, pool: KVPool, backend: AttentionBackend) -> None:
         self.model = model
         self.pool = pool
         self.backend = backend
+        self.fault_token = fault_token()
 
     def get_layout(self, plan: list[ScheduledSeq]) -> StepLayout:
         return StepLayout(
@@ -28,6 +42,10 @@ class ModelRunner:
 
     def run(self, plan: list[ScheduledSeq]) -> list[int | None]:
         """Feed every planned chunk; return a sampled token for the rows that reach the end."""
+        if self.fault_token is not None:
+            for item in plan:
+                if self.fault_token in item.seq.prompt_ids:
+                    raise InjectedFault(f"injected fault in {item.seq.request_id}")
         ids: list[int] = []
         positions: list[int] = []
         for item in plan:

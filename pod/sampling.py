@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -21,7 +23,8 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        # below this temperature logits / t overflows float32; it is argmax in all but name
+        return self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1
 
 
 def make_generator(seed: int | None) -> torch.Generator:
@@ -47,6 +50,7 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         cumulative = sorted_probs.cumsum(-1)
         # keep the smallest prefix whose mass reaches top_p (always at least the first token)
         drop = (cumulative - sorted_probs) >= params.top_p
+        drop[0] = False  # a top_p that rounds to 0 in float32 still keeps the best token
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
     return probs / probs.sum()

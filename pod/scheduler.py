@@ -26,7 +26,7 @@ class SchedulerConfig:
     batch_size: int = 512  # tokens per step, prefill chunks included
     preempt: bool = True
     preempt_every: int = 0  # force a park + resume every N generated tokens (0: off)
-    max_context: int = 1 << 30  # the model's own limit (finish_reason "length")
+    max_context: int = 1 << 30  # tokens one sequence may reach (finish_reason "length")
 
 
 @dataclass

@@ -86,7 +86,9 @@ def build_stack(args: ServerArgs) -> ServingStack:
         batch_size=args.batch_size,
         preempt=args.preempt,
         preempt_every=args.preempt_every,
-        max_context=config.max_position,
+        # without max_tokens a sequence ends ("length") at the model's context or when it
+        # alone fills the whole pool, whichever comes first
+        max_context=min(config.max_position, pool.capacity_tokens),
     )
     scheduler = Scheduler(scheduler_config, pool, host)
     metrics = Metrics(scheduler)
@@ -101,5 +103,5 @@ def build_stack(args: ServerArgs) -> ServingStack:
     log.info("preemption %s; preempt-ram budget %s; preempt-every %d",
              "on" if args.preempt else "off (--no-preempt)", budget.describe(),
              args.preempt_every)
-    return ServingStack(args, loaded.name, loaded.tokenizer, config.max_position, scheduler,
-                        engine, metrics, budget)
+    return ServingStack(args, loaded.name, loaded.tokenizer, scheduler_config.max_context,
+                        scheduler, engine, metrics, budget)

@@ -11,6 +11,7 @@ import math
 from collections.abc import Sequence
 
 import torch
+
 from kvpark.pod.model.config import ModelConfig
 from kvpark.pod.model.loader import LoadedModel, load_model_files
 

@@ -1,0 +1,143 @@
+"""The server's OpenAPI 3.0 document, served at /openapi.json.
+
+It describes what `protocol.py` accepts and what `api.py` answers, so a client generator or a
+fuzzer (the tests run schemathesis against it) can hold the server to it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .protocol import CHAT_ROLES, MAX_N, MAX_STOP_STRINGS
+
+JSON = "application/json"
+SSE = "text/event-stream"
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _sampling(max_tokens_names: tuple[str, ...], max_context: int) -> dict[str, Any]:
+    props: dict[str, Any] = {
+        "model": {"type": "string"},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+        "top_p": {"type": "number", "minimum": 0, "maximum": 1},
+        "top_k": {"type": "integer", "minimum": -1, "maximum": 1 << 20},
+        "min_p": {"type": "number", "minimum": 0, "maximum": 1},
+        "seed": {"type": "integer", "minimum": -1, "maximum": 2**63 - 1},
+        "stop": {"oneOf": [{"type": "string"},
+                           {"type": "array", "items": {"type": "string"},
+                            "maxItems": MAX_STOP_STRINGS}]},
+        "ignore_eos": {"type": "boolean"},
+        "n": {"type": "integer", "minimum": 1, "maximum": MAX_N},
+        "stream": {"type": "boolean"},
+        "stream_options": {"type": "object",
+                           "properties": {"include_usage": {"type": "boolean"}}},
+    }
+    for name in max_tokens_names:
+        props[name] = {"type": "integer", "minimum": 1, "maximum": max_context,
+                       "nullable": True}
+    return props
+
+
+def _error_responses(codes: tuple[int, ...]) -> dict[str, Any]:
+    return {str(code): {"description": "an OpenAI-style error",
+                        "content": {JSON: {"schema": _ref("Error")}}} for code in codes}
+
+
+def _generation_op(summary: str, request: str, response: str) -> dict[str, Any]:
+    return {"post": {
+        "summary": summary,
+        "requestBody": {"required": True, "content": {JSON: {"schema": _ref(request)}}},
+        "responses": {
+            "200": {"description": "the completion, or an SSE stream when `stream` is true",
+                    "content": {JSON: {"schema": _ref(response)}, SSE: {"schema": {
+                        # each server-sent event: `data:` a JSON chunk, or [DONE]
+                        "type": "object", "required": ["data"],
+                        "properties": {"data": {"type": "string"},
+                                       "event": {"type": "string"}}}}}},
+            **_error_responses((400, 401, 413, 500, 503)),
+        },
+    }}
+
+
+def get_openapi(max_context: int) -> dict[str, Any]:
+    text_part = {"type": "object", "required": ["type", "text"],
+                 "properties": {"type": {"type": "string", "enum": ["text"]},
+                                "text": {"type": "string"}}}
+    message = {"type": "object", "required": ["role"], "properties": {
+        "role": {"type": "string", "enum": sorted(CHAT_ROLES)},
+        "content": {"nullable": True, "oneOf": [{"type": "string"},
+                                                {"type": "array", "items": text_part}]}}}
+    prompt = {"oneOf": [{"type": "string", "minLength": 1},
+                        {"type": "array", "items": {"type": "string"}, "minItems": 1,
+                         "maxItems": 1},
+                        {"type": "array", "items": {"type": "integer", "minimum": 0},
+                         "minItems": 1}]}
+    usage = {"type": "object", "required": ["prompt_tokens", "completion_tokens",
+                                            "total_tokens"],
+             "properties": {k: {"type": "integer"} for k in
+                            ("prompt_tokens", "completion_tokens", "total_tokens")}}
+    finish = {"type": "string", "enum": ["stop", "length"], "nullable": True}
+    schemas: dict[str, Any] = {
+        "Error": {"type": "object", "required": ["error"], "properties": {"error": {
+            "type": "object", "required": ["message", "type"],
+            "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                           "param": {"type": "string", "nullable": True},
+                           "code": {"type": "integer"}}}}},
+        "ChatRequest": {"type": "object", "required": ["messages"], "properties": {
+            "messages": {"type": "array", "items": message, "minItems": 1},
+            **_sampling(("max_tokens", "max_completion_tokens"), max_context)}},
+        "CompletionRequest": {"type": "object", "required": ["prompt"], "properties": {
+            "prompt": prompt, **_sampling(("max_tokens",), max_context)}},
+        "LlamaCompletionRequest": {"type": "object", "required": ["prompt"], "properties": {
+            "prompt": prompt, "return_tokens": {"type": "boolean"},
+            **_sampling(("max_tokens",), max_context),
+            "n_predict": {"type": "integer", "minimum": -1, "maximum": max_context},
+            "n": {"type": "integer", "minimum": 1, "maximum": 1}}},
+        "ChatResponse": {"type": "object", "required": ["id", "object", "choices", "usage"],
+                         "properties": {
+            "id": {"type": "string"}, "object": {"type": "string", "enum": ["chat.completion"]},
+            "created": {"type": "integer"}, "model": {"type": "string"}, "usage": usage,
+            "choices": {"type": "array", "items": {"type": "object", "properties": {
+                "index": {"type": "integer"}, "finish_reason": finish,
+                "message": {"type": "object", "properties": {
+                    "role": {"type": "string"}, "content": {"type": "string"}}}}}}}},
+        "CompletionResponse": {"type": "object", "required": ["id", "object", "choices"],
+                               "properties": {
+            "id": {"type": "string"}, "object": {"type": "string", "enum": ["text_completion"]},
+            "created": {"type": "integer"}, "model": {"type": "string"}, "usage": usage,
+            "choices": {"type": "array", "items": {"type": "object", "properties": {
+                "index": {"type": "integer"}, "text": {"type": "string"},
+                "finish_reason": finish}}}}},
+        "LlamaCompletionResponse": {"type": "object", "required": ["content", "stop", "timings"],
+                                    "properties": {
+            "content": {"type": "string"}, "stop": {"type": "boolean"},
+            "tokens_predicted": {"type": "integer"}, "tokens_evaluated": {"type": "integer"},
+            "tokens": {"type": "array", "items": {"type": "integer"}},
+            "timings": {"type": "object"}}},
+    }
+    plain_get = {"get": {"responses": {"200": {"description": "ok"},
+                                       **_error_responses((401, 503))}}}
+    return {
+        "openapi": "3.0.3",
+        "info": {"title": "kvpark", "version": "0.1.0",
+                 "description": "OpenAI-compatible LLM server that parks KV instead of failing"},
+        "paths": {
+            "/v1/chat/completions": _generation_op("chat", "ChatRequest", "ChatResponse"),
+            "/v1/completions": _generation_op("completion", "CompletionRequest",
+                                              "CompletionResponse"),
+            "/completion": _generation_op("llama.cpp completion", "LlamaCompletionRequest",
+                                          "LlamaCompletionResponse"),
+            "/v1/models": plain_get,
+            "/health": {"get": {"responses": {
+                "200": {"description": "ready"}, "503": {"description": "loading or draining"}}}},
+            "/slots": plain_get,
+            "/metrics": {"get": {"responses": {
+                "200": {"description": "Prometheus text", "content": {
+                    "text/plain": {"schema": {"type": "string"}}}},
+                "503": {"description": "loading"}}}},
+        },
+        "components": {"schemas": schemas},
+    }

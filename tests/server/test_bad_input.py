@@ -1,0 +1,117 @@
+"""At least 30 malformed requests: each gets a 4xx whose OpenAI-style error names the field,
+and the server answers a good request right after each one."""
+
+import httpx
+import pytest
+from serverproc import ServerProcess
+
+CHAT = "/v1/chat/completions"
+MSG = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerProcess(["-np", "2", "-c", "1024", "--max-body-bytes", "4096"]) as s:
+        yield s
+
+
+JSON_CASES = [
+    # (path, body, status, field named in the error)
+    (CHAT, {}, 400, "messages"),
+    (CHAT, {"messages": []}, 400, "messages"),
+    (CHAT, {"messages": "hello"}, 400, "messages"),
+    (CHAT, {"messages": ["hello"]}, 400, "messages[0]"),
+    (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
+    (CHAT, {"messages": [{"content": "x"}]}, 400, "messages[0].role"),
+    (CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+     "messages[0].content"),
+    (CHAT, {"messages": MSG, "max_tokens": -1}, 400, "max_tokens"),
+    (CHAT, {"messages": MSG, "max_tokens": 0}, 400, "max_tokens"),
+    (CHAT, {"messages": MSG, "max_tokens": 10**12}, 400, "max_tokens"),
+    (CHAT, {"messages": MSG, "max_tokens": 2.5}, 400, "max_tokens"),
+    (CHAT, {"messages": MSG, "max_tokens": True}, 400, "max_tokens"),
+    (CHAT, {"messages": MSG, "max_completion_tokens": "9"}, 400, "max_completion_tokens"),
+    (CHAT, {"messages": MSG, "temperature": -0.1}, 400, "temperature"),
+    (CHAT, {"messages": MSG, "temperature": 9}, 400, "temperature"),
+    (CHAT, {"messages": MSG, "temperature": "hot"}, 400, "temperature"),
+    (CHAT, {"messages": MSG, "top_p": 1.5}, 400, "top_p"),
+    (CHAT, {"messages": MSG, "top_k": -7}, 400, "top_k"),
+    (CHAT, {"messages": MSG, "min_p": 2}, 400, "min_p"),
+    (CHAT, {"messages": MSG, "n": 0}, 400, "n"),
+    (CHAT, {"messages": MSG, "n": 100000}, 400, "n"),
+    (CHAT, {"messages": MSG, "seed": "abc"}, 400, "seed"),
+    (CHAT, {"messages": MSG, "seed": 1.5}, 400, "seed"),
+    (CHAT, {"messages": MSG, "stop": 7}, 400, "stop"),
+    (CHAT, {"messages": MSG, "stop": ["a"] * 50}, 400, "stop"),
+    (CHAT, {"messages": MSG, "stream": "yes"}, 400, "stream"),
+    (CHAT, {"messages": MSG, "stream_options": "x"}, 400, "stream_options"),
+    (CHAT, {"messages": MSG, "ignore_eos": 1}, 400, "ignore_eos"),
+    (CHAT, {"messages": MSG, "model": 3}, 400, "model"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"prompt": 42}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [-1, 5]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x " * 1100}, 400, "prompt"),  # longer than the pool
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 1024}, 400, "max_tokens"),
+    ("/completion", {"prompt": "hi", "n_predict": -5}, 400, "n_predict"),
+    ("/completion", {"prompt": "hi", "n": 2}, 400, "n"),
+]
+
+RAW_CASES = [
+    # (body bytes, status, field)
+    (b"{not json", 400, "body"),
+    (b"", 400, "body"),
+    (b"[1, 2, 3]", 400, "body"),
+    (b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', 400, "body"),  # bad UTF-8
+    (b'{"messages": "' + b"x" * 5000 + b'"}', 413, "body"),  # over --max-body-bytes
+]
+
+
+def assert_error(response, status, field):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == field
+    assert field in error["message"] or field in ("body", "prompt", "messages")
+    assert error["type"] and isinstance(error["message"], str)
+
+
+def assert_still_serving(server):
+    ok = server.chat("are you there", max_tokens=3, temperature=0)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] <= 3
+
+
+@pytest.mark.parametrize("path,body,status,field", JSON_CASES)
+def test_malformed_json_request(server, path, body, status, field):
+    assert_error(server.post(path, body), status, field)
+    assert_still_serving(server)
+
+
+@pytest.mark.parametrize("raw,status,field", RAW_CASES)
+def test_malformed_raw_body(server, raw, status, field):
+    response = httpx.post(f"{server.url}{CHAT}", content=raw,
+                          headers={"content-type": "application/json"}, timeout=30)
+    assert_error(response, status, field)
+    assert_still_serving(server)
+
+
+def test_there_are_at_least_thirty_cases():
+    assert len(JSON_CASES) + len(RAW_CASES) >= 30
+
+
+def test_an_exception_in_one_request_spares_the_others():
+    """KVPARK_INJECT_FAULT_TOKEN makes any step holding that token id fail: the request that
+    holds it ends with an error, the one beside it finishes with the same bytes as alone."""
+    import concurrent.futures as cf
+
+    poison = 4242
+    body = {"prompt": [1000, 1001, 1002], "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    with ServerProcess(["-np", "2", "-c", "1024"],
+                       env={"KVPARK_INJECT_FAULT_TOKEN": str(poison)}) as s:
+        alone = s.post("/v1/completions", body).json()["choices"][0]["text"]
+        with cf.ThreadPoolExecutor(2) as pool:
+            bad = pool.submit(s.post, "/v1/completions", {**body, "prompt": [poison, 7, 8]})
+            good = pool.submit(s.post, "/v1/completions", body)
+            bad, good = bad.result(), good.result()
+        assert bad.status_code == 500 and "injected fault" in bad.json()["error"]["message"]
+        assert good.status_code == 200 and good.json()["choices"][0]["text"] == alone
+        assert s.post("/v1/completions", body).status_code == 200

@@ -1,0 +1,42 @@
+"""Sampling filters: always a valid distribution, whatever the (validated) parameters."""
+
+import pytest
+import torch
+
+from kvpark.pod.sampling import SamplingParams, filter_logits, make_generator, sample
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.65, top_p=5e-90, min_p=0.45),  # top_p underflows float32
+    SamplingParams(temperature=2.0, top_k=1 << 20),
+    SamplingParams(temperature=0.5, top_k=3, top_p=0.5, min_p=0.9),
+    SamplingParams(temperature=1.0, min_p=1.0),
+])
+def test_filtered_probabilities_are_a_distribution(params):
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 5
+    probs = filter_logits(logits, params)
+    assert torch.isfinite(probs).all() and (probs >= 0).all()
+    assert abs(probs.sum().item() - 1) < 1e-5
+    assert probs[logits.argmax()] > 0  # the best token always survives
+
+
+def test_tiny_temperature_is_greedy():
+    logits = torch.randn(2, 50)
+    params = [SamplingParams(temperature=1e-300), SamplingParams(temperature=0)]
+    gens = [make_generator(1), make_generator(2)]
+    assert sample(logits, params, gens) == logits.argmax(-1).tolist()
+
+
+def test_top_k_and_top_p_restrict_the_support():
+    logits = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0])
+    assert (filter_logits(logits, SamplingParams(top_k=2)) > 0).sum() == 2
+    top_p = filter_logits(logits, SamplingParams(top_p=0.7))
+    assert (top_p > 0).tolist() == [True, True, False, False, False]
+
+
+def test_seeded_sampling_repeats():
+    logits = torch.randn(3, 100)
+    params = [SamplingParams(temperature=1.0)] * 3
+    first = sample(logits, params, [make_generator(s) for s in (1, 2, 3)])
+    again = sample(logits, params, [make_generator(s) for s in (1, 2, 3)])
+    assert first == again
