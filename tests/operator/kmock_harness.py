@@ -28,7 +28,6 @@ from typing import Any, TypeVar
 
 import aiohttp.web
 import kmock
-from kmock._internal import dicts
 from kubernetes import client
 
 T = TypeVar("T")
@@ -48,6 +47,19 @@ CORE_RESOURCES = [
 POD_MONITORS = ("monitoring.coreos.com/v1/podmonitors", "PodMonitor", True, set())
 SCALED_OBJECTS = ("keda.sh/v1alpha1/scaledobjects", "ScaledObject", True, {"status"})
 _versions = itertools.count(1)
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch, as kmock applies a dict patch (None deletes a key)."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    result = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = merge_patch(result.get(key), value)
+    return result
 
 
 def _now() -> str:
@@ -93,7 +105,7 @@ class Emulator(kmock.KubernetesEmulator):
         if key not in self.objects or self.objects[key].deleted:
             return None  # kmock answers 404
         old = self.objects[key].raw
-        new = dicts.patch_dict(copy.deepcopy(old), request.data)
+        new = merge_patch(old, request.data)
         if new == old:
             return old
         meta = request.data.setdefault("metadata", {})
