@@ -26,7 +26,7 @@ class ServerArgs:
     host: str = "127.0.0.1"
     port: int = 8080
     parallel: int = 4
-    ctx_size: int = 8192
+    ctx_size: int | None = None  # None: 8192 on the CPU, sized from free memory on CUDA
     page_size: int = 16
     batch_size: int = 512
     preempt: bool = True
@@ -41,6 +41,8 @@ class ServerArgs:
     dtype: str = "auto"
     device: str = "auto"
     batch_invariant: bool = True
+    cuda_graph: bool = True
+    gpu_memory_fraction: float = 0.9
     log_level: str = "info"
 
     def __repr__(self) -> str:  # the API key never reaches a log
@@ -76,7 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host")
     p.add_argument("--port", type=int)
     p.add_argument("--parallel", "-np", type=_positive, help="slots (concurrent sequences)")
-    p.add_argument("--ctx-size", "-c", type=_positive, help="KV pool size in tokens, shared")
+    p.add_argument("--ctx-size", "-c", type=_positive,
+                   help="KV pool size in tokens, shared by all slots (default: 8192 on the CPU, "
+                   "free GPU memory x --gpu-memory-fraction on CUDA)")
     p.add_argument("--page-size", type=_positive, help="tokens per KV page")
     p.add_argument("--batch-size", "-b", type=_positive, help="tokens per step (prefill chunk)")
     p.add_argument("--preempt", action=argparse.BooleanOptionalAction,
@@ -95,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction,
                    help="results independent of batch composition on the CPU (default on)")
+    p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction,
+                   help="capture decode steps in CUDA graphs (FlashInfer backend; default on)")
+    p.add_argument("--gpu-memory-fraction", type=float,
+                   help="share of free GPU memory the KV pool may take when -c is not given")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     return p
 

@@ -8,6 +8,7 @@ import torch
 
 from kvpark.kernels.attention import AttentionBackend, StepLayout
 
+from .cuda_graphs import DecodeGraphRunner
 from .kv_pool import KVPool
 from .model.llama import LlamaModel
 from .sampling import sample
@@ -26,10 +27,12 @@ def fault_token() -> int | None:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, pool: KVPool, backend: AttentionBackend) -> None:
+    def __init__(self, model: LlamaModel, pool: KVPool, backend: AttentionBackend,
+                 graphs: DecodeGraphRunner | None = None) -> None:
         self.model = model
         self.pool = pool
         self.backend = backend
+        self.graphs = graphs  # CUDA graphs for decode-only steps
         self.fault_token = fault_token()
 
     def get_layout(self, plan: list[ScheduledSeq]) -> StepLayout:
@@ -53,13 +56,17 @@ class ModelRunner:
             ids.extend(item.seq.tokens[start : start + item.num_tokens])
             positions.extend(range(start, start + item.num_tokens))
         device = self.model.device
-        self.backend.plan(self.get_layout(plan))
-        hidden = self.model(
-            torch.tensor(ids, dtype=torch.long, device=device),
-            torch.tensor(positions, dtype=torch.long, device=device),
-            self.backend,
-            self.pool.caches,
-        )
+        layout = self.get_layout(plan)
+        if self.graphs is not None and self.graphs.can_run(layout):
+            hidden = self.graphs.run(ids, positions, layout)  # a view the next replay rewrites
+        else:
+            self.backend.plan(layout)
+            hidden = self.model(
+                torch.tensor(ids, dtype=torch.long, device=device),
+                torch.tensor(positions, dtype=torch.long, device=device),
+                self.backend,
+                self.pool.caches,
+            )
         last_rows, sampling = [], []
         end = 0
         for item in plan:

@@ -17,6 +17,7 @@ from .engine import Engine
 from .host_store import HostStore
 from .kv_pool import KVPool
 from .metrics import Metrics
+from .model.config import ModelConfig
 from .model.llama import LlamaModel
 from .model.loader import LoadedModel, load_model_files
 from .model.tokenizer import Tokenizer
@@ -55,18 +56,41 @@ def pick_threads(args: ServerArgs) -> int:
     return args.threads if args.threads > 0 else max(1, (os.cpu_count() or 2) // 2)
 
 
-def pick_backend(args: ServerArgs, device: torch.device) -> AttentionBackend:
+CPU_DEFAULT_CTX = 8192
+ACTIVATION_RESERVE_BYTES = 1 << 30  # CUDA: activations, sampling, graph pool
+FLASHINFER_RESERVE_BYTES = (128 + 8 * 8) << 20  # workspace + per-wrapper buffers
+
+
+def pick_backend(args: ServerArgs, device: torch.device, config: ModelConfig,
+                 dtype: torch.dtype) -> AttentionBackend:
     if args.attention_backend in ("auto", "flashinfer") and device.type == "cuda":
         try:
-            from kvpark.kernels.flashinfer_paged import FlashInferPagedAttention
-        except ImportError:
+            from kvpark.kernels.flashinfer_paged import AttentionShape, FlashInferPagedAttention
+
+            shape = AttentionShape(config.num_heads, config.num_kv_heads, config.head_dim,
+                                   args.page_size, dtype, dtype)
+            return FlashInferPagedAttention(device, shape=shape)
+        except ImportError as exc:  # FlashInferUnavailable is an ImportError too
             if args.attention_backend == "flashinfer":
                 raise
-        else:
-            return FlashInferPagedAttention(device)
+            log.warning("FlashInfer unavailable (%s); using the torch backend", exc)
     if args.attention_backend == "flashinfer":
         raise ValueError("--attention-backend flashinfer needs a CUDA device")
     return TorchPagedAttention(device)
+
+
+def pick_num_pages(args: ServerArgs, config: ModelConfig, dtype: torch.dtype,
+                   device: torch.device) -> int:
+    """-c in pages; on CUDA without -c, what the free memory allows."""
+    page_bytes = (config.num_layers * 2 * args.page_size * config.num_kv_heads * config.head_dim
+                  * torch.empty((), dtype=dtype).element_size())
+    if args.ctx_size is not None:
+        return max(1, args.ctx_size // args.page_size)
+    if device.type != "cuda":
+        return CPU_DEFAULT_CTX // args.page_size
+    free, _ = torch.cuda.mem_get_info(device)
+    usable = free * args.gpu_memory_fraction - ACTIVATION_RESERVE_BYTES - FLASHINFER_RESERVE_BYTES
+    return max(1, int(usable // page_bytes))
 
 
 def build_stack(args: ServerArgs) -> ServingStack:
@@ -77,8 +101,15 @@ def build_stack(args: ServerArgs) -> ServingStack:
     config = loaded.config
     model = LlamaModel(config, loaded.weights,
                        batch_invariant=args.batch_invariant and device.type == "cpu")
-    pool = KVPool(config.num_layers, max(1, args.ctx_size // args.page_size), args.page_size,
+    pool = KVPool(config.num_layers, pick_num_pages(args, config, dtype, device), args.page_size,
                   config.num_kv_heads, config.head_dim, dtype=dtype, device=device)
+    backend = pick_backend(args, device, config, dtype)
+    graphs = None
+    if args.cuda_graph and device.type == "cuda" and hasattr(backend, "plan_graph"):
+        from .cuda_graphs import DecodeGraphRunner
+
+        graphs = DecodeGraphRunner(model, pool, backend, max_batch=args.parallel)
+        graphs.capture_all()  # before the scheduler hands out pages: it takes a scratch page
     budget = resolve_budget(args.preempt_ram)  # after the load: auto subtracts resident size
     host = HostStore(budget.bytes, pin_memory=device.type == "cuda")
     scheduler_config = SchedulerConfig(
@@ -93,13 +124,15 @@ def build_stack(args: ServerArgs) -> ServingStack:
     scheduler = Scheduler(scheduler_config, pool, host)
     metrics = Metrics(scheduler)
     scheduler.on_finish = metrics.on_finish
-    runner = ModelRunner(model, pool, pick_backend(args, device))
+    runner = ModelRunner(model, pool, backend, graphs=graphs)
     engine = Engine(scheduler, runner, loaded.tokenizer.eos_token_ids, on_step=metrics.on_step)
     log.info("model %s (%s): %d layers, %d/%d heads, %s on %s", loaded.name, loaded.source,
              config.num_layers, config.num_heads, config.num_kv_heads, dtype, device)
     log.info("KV pool: %d pages x %d tokens = %d tokens, %.1f MiB; %d slots", pool.num_pages,
              pool.page_size, pool.capacity_tokens, pool.page_bytes * pool.num_pages / 2**20,
              args.parallel)
+    log.info("attention backend %s%s", backend.name,
+             f", CUDA graphs for batch buckets {graphs.buckets}" if graphs else "")
     log.info("preemption %s; preempt-ram budget %s; preempt-every %d",
              "on" if args.preempt else "off (--no-preempt)", budget.describe(),
              args.preempt_every)

@@ -59,13 +59,14 @@ def test_importing_the_module_does_not_import_flashinfer(monkeypatch):
 
 def test_server_picks_torch_on_cpu_and_refuses_flashinfer():
     from kvpark.pod.args import ServerArgs
+    from kvpark.pod.model.synthetic import synthetic_config
     from kvpark.pod.server import pick_backend
 
-    cpu = torch.device("cpu")
-    assert isinstance(pick_backend(ServerArgs(attention_backend="auto"), cpu),
-                      TorchPagedAttention)
+    cpu, config = torch.device("cpu"), synthetic_config("tiny")
+    assert isinstance(pick_backend(ServerArgs(attention_backend="auto"), cpu, config,
+                                   torch.float32), TorchPagedAttention)
     with pytest.raises(ValueError, match="needs a CUDA device"):
-        pick_backend(ServerArgs(attention_backend="flashinfer"), cpu)
+        pick_backend(ServerArgs(attention_backend="flashinfer"), cpu, config, torch.float32)
 
 
 # ---- the arrays handed to FlashInfer, by hand --------------------------------------------------
