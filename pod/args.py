@@ -109,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _from_env(name: str, env: Mapping[str, str]) -> str | None:
     for key in (f"KVPARK_{name.upper()}", *ALIASES.get(name, ())):
-        if key in env:
+        # a Service named "kvpark" makes Kubernetes inject KVPARK_PORT=tcp://...: not ours
+        if key in env and not env[key].startswith(("tcp://", "udp://")):
             return env[key]
     return None
 

@@ -1,0 +1,33 @@
+"""Flags, their KVPARK_* environment twins and the llama.cpp aliases."""
+
+import pytest
+
+from kvpark.pod.args import parse_args
+
+
+def test_defaults():
+    args = parse_args([], env={})
+    assert (args.parallel, args.page_size, args.batch_size) == (4, 16, 512)
+    assert args.preempt and args.preempt_ram == "8192" and args.preempt_every == 0
+
+
+def test_environment_and_aliases_and_flags_win():
+    env = {"KVPARK_PARALLEL": "6", "LLAMA_ARG_PREEMPT_RAM": "0", "LLAMA_ARG_PREEMPT": "false",
+           "LLAMA_SERVER_PREEMPT_EVERY": "9", "KVPARK_API_KEY": "k"}
+    args = parse_args([], env=env)
+    assert (args.parallel, args.preempt_ram, args.preempt, args.preempt_every) == (6, "0", False, 9)
+    assert parse_args(["-np", "2", "--preempt"], env=env).parallel == 2
+    assert parse_args(["--preempt"], env=env).preempt is True
+    assert "k" not in repr(args)  # the API key never reaches a log
+
+
+def test_service_link_variables_are_ignored():
+    assert parse_args([], env={"KVPARK_PORT": "tcp://10.0.0.7:8080"}).port == 8080
+
+
+def test_bad_preempt_ram_is_refused():
+    with pytest.raises(SystemExit):
+        parse_args(["--preempt-ram", "-2"], env={})
+    with pytest.raises(SystemExit):
+        parse_args(["--preempt-ram", "lots"], env={})
+    assert parse_args(["--preempt-ram", "auto"], env={}).preempt_ram == "auto"
