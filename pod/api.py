@@ -37,6 +37,8 @@ from .text_output import TextOutput
 log = logging.getLogger("kvpark.api")
 
 OPEN_PATHS = {"/health", "/metrics", "/openapi.json"}
+NOTICES = {"parked": "preempted", "resumed": "resumed", "recomputed": "recomputed",
+           "keepalive": "keepalive"}
 CHAT_PARSERS = {
     "chat": protocol.parse_chat,
     "completion": protocol.parse_completion,
@@ -76,6 +78,7 @@ class RequestStream:
                 on_event=self.on_event,
                 index=index,
                 family_size=params.n,
+                priority=self.request.priority,
             ))
 
     # engine thread
@@ -95,13 +98,24 @@ class RequestStream:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
 
     # asyncio side
-    async def events(self) -> AsyncIterator[Event]:
+    async def events(self, keepalive: float | None = None) -> AsyncIterator[Event]:
+        """The sequences' events until all finished; a "keepalive" event every `keepalive`
+        seconds of silence while one of them is parked."""
         remaining = len(self.seqs)
         while remaining:
-            event = await self.queue.get()
+            parked = keepalive and any(s.is_parked for s in self.seqs)
+            try:
+                event = await asyncio.wait_for(self.queue.get(), keepalive if parked else None)
+            except TimeoutError:
+                yield Event("keepalive", -1)
+                continue
             if event.kind == "finished":
                 remaining -= 1
             yield event
+
+    def preempt_summary(self) -> dict[str, int]:
+        return {"parks": sum(s.n_preempt for s in self.seqs),
+                "recomputes": sum(s.n_recompute for s in self.seqs)}
 
     def text(self, index: int) -> str:
         return self.outputs[index].text
@@ -265,6 +279,45 @@ class Server:
         share = scheduler.pool.capacity_tokens // len(scheduler.slots)
         return JSONResponse([slot_entry(i, seq, share) for i, seq in enumerate(scheduler.slots)])
 
+    async def slot_action(self, request: Request) -> Response:
+        """POST /slots/{id}?action=park|unpark: park by the normal mode decision, or resume."""
+        self.check_auth(request)
+        stack = self.ready_stack()
+        slots = stack.scheduler.slots
+        try:
+            slot_id = int(request.path_params["slot_id"])
+        except ValueError:
+            raise ApiError(404, "no such slot", param="id") from None
+        if not 0 <= slot_id < len(slots):
+            raise ApiError(404, f"no slot {slot_id}: there are {len(slots)}", param="id")
+        action = request.query_params.get("action")
+        if action not in ("park", "unpark"):
+            raise ApiError(400, "'action': expected park or unpark", param="action")
+        done: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+
+        def act() -> None:  # on the engine thread
+            seq = slots[slot_id]
+            problem = None
+            if seq is None:
+                problem = f"slot {slot_id} is idle"
+            elif action == "park" and seq.is_parked and seq.preempt_manual:
+                problem = f"slot {slot_id} is already parked"
+            elif action == "unpark" and not seq.preempt_manual:
+                problem = f"slot {slot_id} was not parked by hand"
+            elif action == "park":
+                stack.scheduler.park_manually(seq)
+            else:
+                stack.scheduler.unpark(seq)
+            loop.call_soon_threadsafe(done.set_result, problem)
+
+        stack.engine.call_soon(act)
+        problem = await done
+        if problem:
+            raise ApiError(409, problem, param="id", error_type="conflict")
+        share = stack.scheduler.pool.capacity_tokens // len(slots)
+        return JSONResponse(slot_entry(slot_id, slots[slot_id], share))
+
     async def generate(self, request: Request) -> Response:
         kind = request.scope["route_kind"]
         self.check_auth(request)
@@ -317,9 +370,15 @@ class Server:
                             ) -> AsyncIterator[str]:
         fmt = ChunkFormatter(stack.model_name, stream)
         finished = 0
+        opened = False
         try:
-            yield from_lines(fmt.opening())
-            async for event in stream.events():
+            async for event in stream.events(self.args.sse_keepalive):
+                if event.kind in NOTICES:  # SSE comments: clients and proxies ignore them
+                    yield f": {NOTICES[event.kind]}\n\n"
+                    continue
+                if not opened:  # a request parked before its first token opens with a notice
+                    opened = True
+                    yield from_lines(fmt.opening())
                 seq = stream.seqs[event.index]
                 if event.kind == "text":
                     yield sse(fmt.text(event.index, event.text))
@@ -388,7 +447,8 @@ def slot_entry(slot_id: int, seq: Sequence | None, share: int) -> dict[str, Any]
     entry: dict[str, Any] = {"id": slot_id, "n_ctx": share, "is_processing": seq is not None,
                              "is_preempted": False, "n_preempt": 0, "n_recompute": 0,
                              "preempt_mode": None, "task": None, "n_tokens": 0,
-                             "n_prompt_tokens": 0, "n_generated": 0}
+                             "n_prompt_tokens": 0, "n_generated": 0, "priority": 0,
+                             "preempt_manual": False}
     if seq is not None:
         entry.update(
             is_preempted=seq.is_parked,
@@ -399,6 +459,8 @@ def slot_entry(slot_id: int, seq: Sequence | None, share: int) -> dict[str, Any]
             n_tokens=seq.num_computed,
             n_prompt_tokens=seq.num_prompt,
             n_generated=seq.num_generated,
+            priority=seq.priority,
+            preempt_manual=seq.preempt_manual,
             phase=("parked" if seq.is_parked else "replay" if seq.is_replaying
                    else "prompt" if seq.in_prompt else "generating"),
         )
@@ -416,6 +478,7 @@ def final_body(stack: ServingStack, stream: RequestStream) -> dict[str, Any]:
                 "id_slot": seq.slot_id}
         if gen.return_tokens:
             body["tokens"] = seq.generated_ids
+        body["preempt"] = stream.preempt_summary()
         return body
     if gen.kind == "chat":
         choices = [{"index": s.index, "message": {"role": "assistant",
@@ -428,7 +491,7 @@ def final_body(stack: ServingStack, stream: RequestStream) -> dict[str, Any]:
         obj = "text_completion"
     return {"id": stream.request_id, "object": obj, "created": created,
             "model": stack.model_name, "choices": choices, "usage": usage(seqs),
-            "timings": timings(seqs[0])}
+            "timings": timings(seqs[0]), "preempt": stream.preempt_summary()}
 
 
 def llama_stop_type(seq: Sequence) -> str:
@@ -525,6 +588,7 @@ def create_app(args: ServerArgs, stack: ServingStack | None = None) -> Starlette
             Route("/v1/models", server.models),
             Route("/health", server.health),
             Route("/slots", server.slots),
+            Route("/slots/{slot_id}", server.slot_action, methods=["POST"]),
             Route("/metrics", server.metrics),
             Route("/openapi.json", server.openapi),
         ],

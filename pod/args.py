@@ -32,6 +32,10 @@ class ServerArgs:
     preempt: bool = True
     preempt_ram: str = "8192"
     preempt_every: int = 0
+    preempt_high: float = 94.0  # % of the pool: park before the next step passes it
+    preempt_low: float = 80.0  # % of the pool: restore only below it
+    preempt_resume: str = "fair"  # restore order: fair (head-of-line by park time) or spec
+    sse_keepalive: float = 2.0  # seconds between ": keepalive" comments to a parked stream
     api_key: str | None = None
     threads: int = 0  # 0: pick from the machine
     max_queue: int = 256
@@ -64,6 +68,13 @@ def _preempt_ram(value: str) -> str:
     return str(mib)
 
 
+def _percent(value: str) -> float:
+    number = float(value)
+    if not 0 < number <= 100:
+        raise argparse.ArgumentTypeError(f"expected a percentage in (0, 100], got {value}")
+    return number
+
+
 def _positive(value: str) -> int:
     number = int(value)
     if number <= 0:
@@ -89,6 +100,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preempt-ram", type=_preempt_ram,
                    help="host MiB for swapped sequences: -1 no limit, 0 always recompute, auto")
     p.add_argument("--preempt-every", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--preempt-high", type=_percent,
+                   help="park proactively when the next step would pass PCT of the pool (94)")
+    p.add_argument("--preempt-low", type=_percent,
+                   help="restore parked sequences only while the pool stays below PCT (80)")
+    p.add_argument("--preempt-resume", choices=["fair", "spec"],
+                   help="restore order: fair = head-of-line by park time (default); spec = "
+                   "most-preempted first, then longest parked, fit-first")
+    p.add_argument("--sse-keepalive", type=float,
+                   help="seconds between ': keepalive' comments to a parked stream (2)")
     p.add_argument("--api-key")
     p.add_argument("--threads", "-t", type=int, help="torch threads (0: auto)")
     p.add_argument("--max-queue", type=_positive, help="queued requests before 503")
@@ -139,4 +159,10 @@ def parse_args(argv: Sequence[str] | None = None,
             values[f.name] = _coerce(str(f.type), raw)
     if "preempt_ram" in values:
         values["preempt_ram"] = _preempt_ram(str(values["preempt_ram"]))
-    return ServerArgs(**values)
+    args = ServerArgs(**values)
+    if args.preempt_low > args.preempt_high:
+        raise SystemExit(f"--preempt-low {args.preempt_low} must not exceed --preempt-high "
+                         f"{args.preempt_high}")
+    if args.preempt_resume not in ("fair", "spec"):
+        raise SystemExit(f"KVPARK_PREEMPT_RESUME must be fair or spec, not {args.preempt_resume}")
+    return args

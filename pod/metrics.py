@@ -19,6 +19,7 @@ from .slot import Sequence
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 COPY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 16, 32, 64)
+PARKS_BUCKETS = (0, 1, 2, 3, 5, 8, 13, 21, 50)
 
 
 class SchedulerCollector(Collector):
@@ -50,6 +51,16 @@ class SchedulerCollector(Collector):
                        stats.n_recompute_tokens)
         yield _counter("n_preempt_swap_fallback", "Swaps refused by host RAM, recomputed",
                        stats.n_swap_fallbacks)
+        ps = s.pool.page_size
+        yield _gauge("preempt_high_watermark_cells", "Pool cells past which a step parks first",
+                     s.high_pages * ps)
+        yield _gauge("preempt_low_watermark_cells", "Pool cells below which restores happen",
+                     s.low_pages * ps)
+        yield _counter("n_preempt_watermark", "Parks made before the wall (high watermark)",
+                       stats.n_watermark_parks)
+        yield _counter("n_restore_refused_watermark",
+                       "Restores that fit but were held back by the low watermark",
+                       stats.n_restore_refused_watermark)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -90,6 +101,13 @@ class Metrics:
                                      "Duration of a swap resume (host to pages)",
                                      buckets=COPY_BUCKETS, registry=r)
 
+        self.request_preemptions = Histogram(
+            "kvpark:request_preemptions", "Parks per finished request",
+            buckets=PARKS_BUCKETS, registry=r)
+        self.request_parked = Histogram(
+            "kvpark:request_parked_seconds", "Time parked per finished request",
+            buckets=(0,) + LATENCY_BUCKETS, registry=r)
+
     def on_step(self, plan: list[ScheduledSeq], seconds: float) -> None:
         self.step_seconds.observe(seconds)
         decoding = sum(1 for item in plan if item.num_tokens == 1 and item.samples)
@@ -105,6 +123,8 @@ class Metrics:
     def on_finish(self, seq: Sequence) -> None:
         outcome = "error" if seq.error else (seq.finish_reason or "unknown")
         self.requests.labels(outcome).inc()
+        self.request_preemptions.observe(seq.n_preempt)
+        self.request_parked.observe(seq.parked_seconds)
         self.prompt_tokens.inc(seq.num_prompt)
         self.generated_tokens.inc(seq.num_generated)
         self.latency.observe(time.monotonic() - seq.arrival)

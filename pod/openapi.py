@@ -32,6 +32,7 @@ def _sampling(max_tokens_names: tuple[str, ...], max_context: int) -> dict[str, 
         "ignore_eos": {"type": "boolean"},
         "n": {"type": "integer", "minimum": 1, "maximum": MAX_N},
         "stream": {"type": "boolean"},
+        "priority": {"type": "integer", "minimum": -(2**31), "maximum": 2**31 - 1},
         "stream_options": {"type": "object",
                            "properties": {"include_usage": {"type": "boolean"}}},
     }

@@ -3,7 +3,12 @@
 Victim: never the leader (most tokens); the smallest of the rest; a sequence parked
 PREEMPT_N_STARVED times, or part-way through a recompute replay, is passed over while another
 candidate exists; prompt-phase sequences are candidates; `n > 1` families are not.
-Restore: most-preempted first, then longest parked, fit-first.
+Restore (spec order): most-preempted first, then longest parked, fit-first.
+
+Beyond the spec: victims come from the lowest `priority` tier first (the leader rule applies
+inside a tier, and the leader of the highest tier is never parked); restores go by priority
+first. The "fair" restore order is head-of-line by park time: nobody passes a head that does
+not fit.
 """
 
 from __future__ import annotations
@@ -33,10 +38,22 @@ def _pass_over(candidates: list[Sequence], unwanted: Callable[[Sequence], bool])
 
 def choose_victim(active: list[Sequence]) -> Sequence | None:
     """Pick the running sequence to park, or None when no one may be parked."""
-    leader = get_leader(active)
-    candidates = [s for s in active if s is not leader and not s.in_family]
-    if not candidates:
+    if not active:
         return None
+    top = max(s.priority for s in active)
+    protected = get_leader([s for s in active if s.priority == top])  # someone always runs
+    for tier in sorted({s.priority for s in active}):
+        members = [s for s in active if s.priority == tier and s is not protected]
+        candidates = [s for s in members if not s.in_family]
+        if tier != top and len(candidates) > 1:  # the leader rule inside a lower tier
+            tier_leader = get_leader(members)
+            candidates = [s for s in candidates if s is not tier_leader]
+        if candidates:
+            return _smallest_fresh(candidates)
+    return None
+
+
+def _smallest_fresh(candidates: list[Sequence]) -> Sequence:
     candidates = _pass_over(candidates, lambda s: s.n_preempt >= PREEMPT_N_STARVED)
     candidates = _pass_over(candidates, lambda s: s.is_replaying)
     # smallest first; among equals the youngest, which has the least invested
@@ -48,8 +65,15 @@ def choose_mode(swap_bytes: int, can_hold: Callable[[int], bool]) -> PreemptMode
     return PreemptMode.SWAP if can_hold(swap_bytes) else PreemptMode.RECOMPUTE
 
 
-def restore_order(parked: Iterable[Sequence]) -> list[Sequence]:
-    return sorted(parked, key=lambda s: (-s.n_preempt, s.parked_at or 0.0, s.seq_id))
+RESUME_ORDERS = ("fair", "spec")
+
+
+def restore_order(parked: Iterable[Sequence], order: str = "spec") -> list[Sequence]:
+    """Priority first; then the spec's most-preempted, longest-parked, or "fair": park time."""
+    if order == "fair":
+        return sorted(parked, key=lambda s: (-s.priority, s.parked_at or 0.0, s.seq_id))
+    return sorted(parked, key=lambda s: (-s.priority, -s.n_preempt, s.parked_at or 0.0,
+                                         s.seq_id))
 
 
 def next_step_tokens(seq: Sequence, batch_size: int) -> int:

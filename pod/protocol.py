@@ -43,6 +43,7 @@ class GenerationRequest:
     include_usage: bool
     model: str | None
     return_tokens: bool = False  # llama.cpp's /completion option: generated token ids too
+    priority: int = 0  # higher is more important: parked last, restored first
 
 
 def _bad(param: str, message: str) -> ApiError:
@@ -118,6 +119,13 @@ def sampling_params(body: dict, max_context: int, max_tokens_names: tuple[str, .
         ignore_eos=_boolean(body, "ignore_eos", False),
         n=int(_integer(body, "n", 1, 1, MAX_N)),
     )
+
+
+INT32 = (-(2**31), 2**31 - 1)
+
+
+def _priority(body: dict) -> int:
+    return int(_integer(body, "priority", 0, *INT32))
 
 
 def _include_usage(body: dict) -> bool:
@@ -201,6 +209,7 @@ def parse_chat(body: dict, tokenizer: Tokenizer, max_context: int) -> Generation
         stream=_boolean(body, "stream", False),
         include_usage=_include_usage(body),
         model=_model(body),
+        priority=_priority(body),
     )
 
 
@@ -212,6 +221,7 @@ def parse_completion(body: dict, tokenizer: Tokenizer, max_context: int) -> Gene
         stream=_boolean(body, "stream", False),
         include_usage=_include_usage(body),
         model=_model(body),
+        priority=_priority(body),
     )
 
 
@@ -228,4 +238,5 @@ def parse_llama_completion(body: dict, tokenizer: Tokenizer, max_context: int
         include_usage=False,
         model=_model(body),
         return_tokens=_boolean(body, "return_tokens", False),
+        priority=_priority(body),
     )

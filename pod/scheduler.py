@@ -27,6 +27,9 @@ class SchedulerConfig:
     preempt: bool = True
     preempt_every: int = 0  # force a park + resume every N generated tokens (0: off)
     max_context: int = 1 << 30  # tokens one sequence may reach (finish_reason "length")
+    preempt_high: float = 0.94  # park proactively when the next step would pass this share
+    preempt_low: float = 0.80  # restore only while the pool stays below this share
+    resume_order: str = "fair"  # "fair" (head-of-line by park time) or "spec"
 
 
 @dataclass
@@ -37,6 +40,8 @@ class PreemptStats:
     n_preempt_recompute: int = 0
     n_recompute_tokens: int = 0
     n_swap_fallbacks: int = 0  # host allocation refused, parked by recompute instead
+    n_watermark_parks: int = 0  # parked before the wall: the next step passed the high mark
+    n_restore_refused_watermark: int = 0  # a restore that fit, held back by the low mark
     park_seconds: list[float] = field(default_factory=list)  # copy durations, drained by metrics
     resume_seconds: list[float] = field(default_factory=list)
 
@@ -93,6 +98,7 @@ class Scheduler:
         """End a sequence exactly once and give back everything it holds."""
         if seq.is_finished:
             return
+        seq.end_park(time.monotonic())
         self._release(seq)
         if seq in self.waiting:
             self.waiting.remove(seq)
@@ -121,7 +127,9 @@ class Scheduler:
         for slot_id, occupant in enumerate(self.slots):
             if occupant is not None or not self.waiting:
                 continue
-            seq = self.waiting.popleft()
+            # highest priority first, first come first served within a priority
+            seq = max(self.waiting, key=lambda s: (s.priority, -s.arrival, -s.seq_id))
+            self.waiting.remove(seq)
             seq.slot_id, seq.phase = slot_id, Phase.RUNNING
             self.slots[slot_id] = seq
             if len(seq.tokens) + 1 > self.pool.capacity_tokens:
@@ -135,12 +143,16 @@ class Scheduler:
             self._force_parks()
         while True:
             plan, blocked = self._grant_pages(self._ordered_running())
-            if not blocked:
+            over_high = not blocked and self._passes_high(plan)
+            if not blocked and not over_high:
                 break
             victim = policy.choose_victim(self.running) if self.config.preempt else None
             if victim is not None:
+                self.stats.n_watermark_parks += over_high
                 self.park(victim)
                 continue
+            if over_high:  # no one to park: run at the edge
+                break
             for seq in blocked:  # nobody can make room: the spec's (and llama.cpp's) failure
                 self.finish(seq, error=CONTEXT_EXCEEDED)
         for item in plan:
@@ -148,6 +160,24 @@ class Scheduler:
             missing = self.pool.pages_for(seq.num_computed + item.num_tokens) - len(seq.page_table)
             seq.page_table.extend(self.pool.allocate(missing))
         return plan
+
+    @property
+    def high_pages(self) -> int:
+        return int(self.pool.num_pages * self.config.preempt_high)
+
+    @property
+    def low_pages(self) -> int:
+        return int(self.pool.num_pages * self.config.preempt_low)
+
+    def _step_pages(self, plan: list[ScheduledSeq]) -> int:
+        return sum(self.pool.pages_for(i.seq.num_computed + i.num_tokens) - len(i.seq.page_table)
+                   for i in plan)
+
+    def _passes_high(self, plan: list[ScheduledSeq]) -> bool:
+        """Would this step push the pool past the high watermark? (park before the wall)"""
+        if not self.config.preempt or self.config.preempt_high >= 1.0:
+            return False
+        return self.pool.num_used_pages + self._step_pages(plan) > self.high_pages
 
     def _ordered_running(self) -> list[Sequence]:
         # decode rows first (cheap, latency-bound), then prefill and replay by arrival
@@ -205,6 +235,21 @@ class Scheduler:
         self.notify(seq, "parked")
         return mode
 
+    def park_manually(self, seq: Sequence) -> None:
+        """POST /slots/{id}?action=park: the normal mode decision; stays parked until unpark."""
+        if seq.phase is Phase.RUNNING:
+            self.park(seq)
+        seq.preempt_manual = True
+
+    def unpark(self, seq: Sequence) -> None:
+        """POST /slots/{id}?action=unpark: resume now if it fits, else join the restore queue."""
+        seq.preempt_manual = False
+        if seq.phase is not Phase.PARKED:
+            return
+        need = self.pool.pages_for(policy.restore_need_tokens(seq, self.config.batch_size))
+        if self.pool.can_allocate(need):
+            self.resume(seq)
+
     def _can_swap(self, num_bytes: int) -> bool:
         if self.host.budget_bytes == 0:  # --preempt-ram 0: never copy, always recompute
             return False
@@ -232,26 +277,36 @@ class Scheduler:
 
     # ---- restoring ---------------------------------------------------------------------------
     def _restore_parked(self) -> None:
-        parked = self.parked
+        parked = [s for s in self.parked if not s.preempt_manual]
         if not parked:
             return
-        ps = self.pool.page_size
         running = self.running
-        promised = policy.preempt_kv_reserve(running, ps) + sum(
+        promised = policy.preempt_kv_reserve(running, self.pool.page_size) + sum(
             self.pool.pages_for(s.num_computed + policy.next_step_tokens(s, self.config.batch_size))
             - len(s.page_table)
             for s in running
             if not s.is_replaying
         )
         available = self.pool.num_free_pages - promised
-        for seq in policy.restore_order(parked):
+        projected = self.pool.num_used_pages + promised
+        head_of_line = self.config.resume_order == "fair"
+        for seq in policy.restore_order(parked, self.config.resume_order):
             if policy.can_never_fit(seq, self.pool.capacity_tokens):
                 self.finish(seq, error=CONTEXT_EXCEEDED)
                 continue
             need = self.pool.pages_for(policy.restore_need_tokens(seq, self.config.batch_size))
-            if need <= available:
+            fits = need <= available
+            # hysteresis: with anyone running, wake a sequence only if the pool stays below LOW
+            below_low = not running or projected + need <= self.low_pages
+            if fits and not below_low:
+                self.stats.n_restore_refused_watermark += 1
+            if fits and below_low:
                 available -= need
+                projected += need
+                running = [*running, seq]
                 self.resume(seq)
+            elif head_of_line:
+                break  # nobody passes a head that does not fit
 
     def resume(self, seq: Sequence) -> None:
         assert seq.phase is Phase.PARKED, f"cannot resume a {seq.phase.value} sequence"
@@ -264,8 +319,8 @@ class Scheduler:
             self.stats.resume_seconds.append(time.perf_counter() - started)
         else:
             self.stats.n_recompute_tokens += seq.replay_until
-        parked_for = time.monotonic() - (seq.parked_at or time.monotonic())
-        seq.phase, seq.parked_at = Phase.RUNNING, None
+        parked_for = seq.end_park(time.monotonic())
+        seq.phase = Phase.RUNNING
         self.stats.n_resume += 1
         log.info("seq %s (slot %s) resumed after %.1f ms parked by %s", seq.request_id,
                  seq.slot_id, parked_for * 1e3, seq.preempt_mode.value)
@@ -278,6 +333,7 @@ class Scheduler:
         seq.num_computed += item.num_tokens
         if seq.replay_until and seq.num_computed >= seq.replay_until:
             seq.replay_until = 0
+            self.notify(seq, "recomputed")
         if sampled is not None:
             seq.tokens.append(sampled)
             seq.tokens_since_forced_park += 1

@@ -120,6 +120,9 @@ def build_stack(args: ServerArgs) -> ServingStack:
         # without max_tokens a sequence ends ("length") at the model's context or when it
         # alone fills the whole pool, whichever comes first
         max_context=min(config.max_position, pool.capacity_tokens),
+        preempt_high=args.preempt_high / 100,
+        preempt_low=args.preempt_low / 100,
+        resume_order=args.preempt_resume,
     )
     scheduler = Scheduler(scheduler_config, pool, host)
     metrics = Metrics(scheduler)
@@ -133,8 +136,9 @@ def build_stack(args: ServerArgs) -> ServingStack:
              args.parallel)
     log.info("attention backend %s%s", backend.name,
              f", CUDA graphs for batch buckets {graphs.buckets}" if graphs else "")
-    log.info("preemption %s; preempt-ram budget %s; preempt-every %d",
-             "on" if args.preempt else "off (--no-preempt)", budget.describe(),
-             args.preempt_every)
+    log.info("preemption %s; preempt-ram budget %s; preempt-every %d; watermarks %g%%/%g%%; "
+             "resume order %s", "on" if args.preempt else "off (--no-preempt)",
+             budget.describe(), args.preempt_every, args.preempt_high, args.preempt_low,
+             args.preempt_resume)
     return ServingStack(args, loaded.name, loaded.tokenizer, scheduler_config.max_context,
                         scheduler, engine, metrics, budget)

@@ -60,6 +60,10 @@ class Sequence:
     host_bytes: int = 0
     swapped_tokens: int = 0  # num_computed at the moment of a swap park
     tokens_since_forced_park: int = 0
+    priority: int = 0  # victims come from the lowest tier; restores go highest first
+    preempt_manual: bool = False  # parked through POST /slots/{id}?action=park; waits for unpark
+    parked_seconds: float = 0.0  # total time parked
+    max_parked_seconds: float = 0.0  # the longest single park
     # outcome and timings
     finish_reason: str | None = None
     error: str | None = None
@@ -109,3 +113,13 @@ class Sequence:
     @property
     def in_family(self) -> bool:
         return self.family_size > 1
+
+    def end_park(self, now: float) -> float:
+        """Close the current park's clock; returns how long it lasted."""
+        if self.parked_at is None:
+            return 0.0
+        lasted = now - self.parked_at
+        self.parked_seconds += lasted
+        self.max_parked_seconds = max(self.max_parked_seconds, lasted)
+        self.parked_at = None
+        return lasted
