@@ -5,7 +5,10 @@
    completed, parks (swap / recompute), recomputed tokens, aggregate tok/s per run and median;
 2. exactness: one request at a time with KVPARK_PREEMPT_EVERY against the same request without
    it, for a swap budget and for 0 (recompute): byte-identical, or the first divergent char;
-3. cost when it does not fire: one chat, preemption on vs --no-preempt, tok/s and the ratio.
+3. cost when it does not fire: one chat, preemption on vs --no-preempt, tok/s and the ratio;
+4. fairness: 8 chats on a pool that fits about 3, each request's longest park and p95, under
+   the "fair" (head-of-line by park time) and "spec" restore orders;
+5. watermarks: the results workload with --preempt-high/--preempt-low on (94/80) and off.
 
     python benchmarks/preemption.py --runs 3
 """
@@ -14,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import re
+import statistics
 import time
 
 from workload import (
@@ -95,6 +100,64 @@ def cost_when_idle(model: str, args) -> list[dict]:
     return rows
 
 
+RESUMED = re.compile(r"seq (\S+) \(slot \d+\) resumed after ([\d.]+) ms")
+
+
+def longest_parks(log: str) -> dict[str, float]:
+    """Each request's longest single park in seconds, from the server's 'resumed after' lines."""
+    longest: dict[str, float] = {}
+    for request_id, ms in RESUMED.findall(log):
+        longest[request_id] = max(longest.get(request_id, 0.0), float(ms) / 1e3)
+    return longest
+
+
+def p95(values: list[float]) -> float:
+    if len(values) < 2:
+        return max(values, default=0.0)
+    return statistics.quantiles(values, n=20, method="inclusive")[-1]
+
+
+def fairness(args) -> list[dict]:
+    rows = []
+    for order in ("fair", "spec"):
+        with ServerProcess(["-np", "8", "-c", str(args.fair_ctx), "--preempt-resume", order,
+                            "--threads", str(args.threads)], model=args.fair_model) as server:
+            prompts = [long_prompt(i, args.fair_prompt_tokens) for i in range(8)]
+            with cf.ThreadPoolExecutor(8) as pool:
+                chats = list(pool.map(lambda p: stream_chat(server.url, p, args.fair_tokens),
+                                      prompts))
+            parks = longest_parks(server.log())
+            m = server.metrics()
+        waits = [parks.get(rid, 0.0) for rid in parks] + [0.0] * (8 - len(parks))
+        rows.append({"order": order, "completed": sum(c.ok for c in chats),
+                     "parks": int(m["kvpark:n_preempt_total"]), "max_s": max(waits),
+                     "p95_s": p95(waits), "mean_s": statistics.mean(waits)})
+        print(f"  fairness {order}: {rows[-1]}", flush=True)
+    return rows
+
+
+def watermarks(args) -> list[dict]:
+    rows = []
+    for label, flags in (("on (94/80)", []),
+                         ("off", ["--preempt-high", "100", "--preempt-low", "100"])):
+        with ServerProcess(["-np", "4", "-c", str(args.pools[0]), "--threads",
+                            str(args.threads), *flags], model=args.model) as server:
+            prompts = [long_prompt(i, args.prompt_tokens) for i in range(4)]
+            started = time.perf_counter()
+            with cf.ThreadPoolExecutor(4) as pool:
+                chats = list(pool.map(lambda p: stream_chat(server.url, p, args.max_tokens),
+                                      prompts))
+            wall = time.perf_counter() - started
+            m = server.metrics()
+        rows.append({"watermarks": label, "completed": sum(c.ok for c in chats),
+                     "parks": int(m["kvpark:n_preempt_total"]),
+                     "early_parks": int(m["kvpark:n_preempt_watermark_total"]),
+                     "refused_restores": int(m["kvpark:n_restore_refused_watermark_total"]),
+                     "tok_s": sum(c.completion_tokens for c in chats) / wall})
+        print(f"  watermarks {label}: {rows[-1]}", flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="builtin://smollm2-135m")
@@ -107,7 +170,12 @@ def main() -> None:
     p.add_argument("--budgets", nargs="+", default=["8192", "64", "16", "0"])
     p.add_argument("--every", type=int, default=50)
     p.add_argument("--exact-tokens", type=int, default=300)
-    p.add_argument("--tables", nargs="+", default=["results", "exactness", "cost"])
+    p.add_argument("--tables", nargs="+",
+                   default=["results", "exactness", "cost", "fairness", "watermarks"])
+    p.add_argument("--fair-model", default="synthetic:tiny")
+    p.add_argument("--fair-ctx", type=int, default=5120)
+    p.add_argument("--fair-prompt-tokens", type=int, default=200)
+    p.add_argument("--fair-tokens", type=int, default=1500)
     p.add_argument("--out", default="benchmarks/results/preemption.json")
     args = p.parse_args()
     report: dict = {"args": vars(args)}
@@ -150,6 +218,23 @@ def main() -> None:
                       ", ".join(f"{r['tok_s']:.1f}" for r in rows
                                 if r["flag"] == "--no-preempt"),
                       f"{on / off:.2f}x", "byte-identical" if same else "differs"]])
+    if "fairness" in args.tables:
+        rows = fairness(args)
+        report["fairness"] = rows
+        print(f"\nfairness: 8 chats on -c {args.fair_ctx} ({args.fair_model}), longest park "
+              "per request")
+        print_table(["resume order", "completed", "parks", "max parked s", "p95 parked s",
+                     "mean parked s"],
+                    [[r["order"], f"{r['completed']} of 8", r["parks"], f"{r['max_s']:.2f}",
+                      f"{r['p95_s']:.2f}", f"{r['mean_s']:.2f}"] for r in rows])
+    if "watermarks" in args.tables:
+        rows = watermarks(args)
+        report["watermarks"] = rows
+        print(f"\nwatermarks: the results workload at -c {args.pools[0]}")
+        print_table(["watermarks", "completed", "parks", "early parks", "refused restores",
+                     "tok/s"],
+                    [[r["watermarks"], f"{r['completed']} of 4", r["parks"], r["early_parks"],
+                      r["refused_restores"], f"{r['tok_s']:.1f}"] for r in rows])
     write_json(args.out, report)
 
 

@@ -91,3 +91,23 @@ def test_parked_sequence_within_the_margin_of_the_pool_can_never_fit():
     capacity = 256
     assert policy.can_never_fit(seq("x", capacity - policy.PREEMPT_N_MARGIN), capacity)
     assert not policy.can_never_fit(seq("y", capacity - policy.PREEMPT_N_MARGIN - 1), capacity)
+
+
+def test_priority_tiers_pick_the_low_tier_even_its_only_member():
+    low = seq("low", 900, priority=-1)
+    high = seq("high", 100, priority=5)
+    assert policy.choose_victim([low, high]) is low
+    big_low, small_low = seq("big", 500, priority=0), seq("small", 50, priority=0)
+    top = seq("top", 10, priority=9)
+    # inside the low tier its leader is spared while another member exists
+    assert policy.choose_victim([big_low, small_low, top]) is small_low
+    # one tier: exactly the spec (the leader of everything is never chosen)
+    assert policy.choose_victim([seq("a", 10), seq("b", 20)]).request_id == "a"
+
+
+def test_restore_order_priority_first_then_the_chosen_order():
+    early = seq("early", 10, n_preempt=1, parked_at=1.0)
+    starved = seq("starved", 10, n_preempt=3, parked_at=5.0)
+    vip = seq("vip", 10, n_preempt=0, parked_at=9.0, priority=2)
+    assert policy.restore_order([early, starved, vip], "spec") == [vip, starved, early]
+    assert policy.restore_order([early, starved, vip], "fair") == [vip, early, starved]

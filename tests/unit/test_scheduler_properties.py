@@ -145,3 +145,36 @@ def test_overflowing_sequences_are_parked_and_all_finish():
     assert all(s.finish_reason == "length" and s.num_generated == 40 for s in seqs)
     assert stats.n_preempt_swap > 0 and stats.n_preempt_recompute > 0
     assert stats.n_resume == stats.n_preempt
+
+
+def parked_pair(order: str):
+    """A head parked first whose replay does not fit, and a small one parked after it (budget
+    0: both are recomputes, whose need is their whole replay)."""
+    pool = KVPool(num_layers=1, num_pages=NUM_PAGES, page_size=PAGE_SIZE, num_kv_heads=1,
+                  head_dim=2)
+    config = SchedulerConfig(num_slots=3, batch_size=8, resume_order=order,
+                             preempt_high=1.0, preempt_low=1.0)
+    scheduler = Scheduler(config, pool, HostStore(0))
+    finished: dict[int, int] = {}
+    runner_seq = make_seq(60, 10, finished)  # holds 15 of 24 pages
+    head, small = make_seq(40, 10, finished), make_seq(2, 10, finished)
+    for s in (runner_seq, head, small):
+        scheduler.add(s)
+    scheduler._admit()
+    runner_seq.page_table = pool.allocate(15)
+    runner_seq.num_computed = 60
+    for s, at in ((head, 1.0), (small, 2.0)):
+        scheduler.park(s)
+        s.parked_at = at
+    scheduler._restore_parked()
+    return head, small
+
+
+def test_fair_order_lets_nobody_pass_a_head_that_does_not_fit():
+    head, small = parked_pair("fair")
+    assert head.is_parked and small.is_parked
+
+
+def test_spec_order_is_fit_first():
+    head, small = parked_pair("spec")
+    assert head.is_parked and not small.is_parked
