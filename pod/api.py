@@ -106,7 +106,7 @@ class RequestStream:
             parked = keepalive and any(s.is_parked for s in self.seqs)
             try:
                 event = await asyncio.wait_for(self.queue.get(), keepalive if parked else None)
-            except TimeoutError:
+            except asyncio.TimeoutError:  # noqa: UP041 (a distinct class before Python 3.11)
                 yield Event("keepalive", -1)
                 continue
             if event.kind == "finished":

@@ -135,6 +135,15 @@ def get_openapi(max_context: int) -> dict[str, Any]:
             "/health": {"get": {"responses": {
                 "200": {"description": "ready"}, "503": {"description": "loading or draining"}}}},
             "/slots": plain_get,
+            "/slots/{slot_id}": {"post": {
+                "summary": "park or unpark a slot by hand",
+                "parameters": [
+                    {"name": "slot_id", "in": "path", "required": True,
+                     "schema": {"type": "integer", "minimum": 0}},
+                    {"name": "action", "in": "query", "required": True,
+                     "schema": {"type": "string", "enum": ["park", "unpark"]}}],
+                "responses": {"200": {"description": "the slot after the action"},
+                              **_error_responses((400, 401, 404, 409, 503))}}},
             "/metrics": {"get": {"responses": {
                 "200": {"description": "Prometheus text", "content": {
                     "text/plain": {"schema": {"type": "string"}}}},
