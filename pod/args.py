@@ -34,7 +34,7 @@ class ServerArgs:
     preempt_every: int = 0
     preempt_high: float = 94.0  # % of the pool: park before the next step passes it
     preempt_low: float = 80.0  # % of the pool: restore only below it
-    preempt_resume: str = "fair"  # restore order: fair (head-of-line by park time) or spec
+    preempt_resume: str = "spec"  # restore order: spec (measured lower worst wait) or fair
     sse_keepalive: float = 2.0  # seconds between ": keepalive" comments to a parked stream
     api_key: str | None = None
     threads: int = 0  # 0: pick from the machine
@@ -105,8 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preempt-low", type=_percent,
                    help="restore parked sequences only while the pool stays below PCT (80)")
     p.add_argument("--preempt-resume", choices=["fair", "spec"],
-                   help="restore order: fair = head-of-line by park time (default); spec = "
-                   "most-preempted first, then longest parked, fit-first")
+                   help="restore order: spec = most-preempted first, then longest parked, "
+                   "fit-first (default: the lower worst-case wait measured); fair = "
+                   "head-of-line by park time")
     p.add_argument("--sse-keepalive", type=float,
                    help="seconds between ': keepalive' comments to a parked stream (2)")
     p.add_argument("--api-key")

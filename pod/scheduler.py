@@ -29,7 +29,7 @@ class SchedulerConfig:
     max_context: int = 1 << 30  # tokens one sequence may reach (finish_reason "length")
     preempt_high: float = 0.94  # park proactively when the next step would pass this share
     preempt_low: float = 0.80  # restore only while the pool stays below this share
-    resume_order: str = "fair"  # "fair" (head-of-line by park time) or "spec"
+    resume_order: str = "spec"  # or "fair" (head-of-line by park time)
 
 
 @dataclass
