@@ -293,6 +293,13 @@ class TransferTracker:
             del self._in_flight[owner]
         return [(owner, transfer.settle(), ticket) for owner, transfer, ticket in landed]
 
+    def pages(self) -> list[int]:
+        """Device pages the transfers in flight hold."""
+        return [p for transfer, _ in self._in_flight.values() for p in transfer.pages]
+
+    def tickets(self) -> list[tuple[Hashable, Ticket]]:
+        return [(owner, ticket) for owner, (_, ticket) in self._in_flight.items()]
+
     def drain(self, wait: Callable[[Ticket], None]) -> list[tuple[Hashable, Release, Ticket]]:
         """Wait for every copy (shutdown) and settle them all."""
         for _, ticket in self._in_flight.values():

@@ -58,6 +58,7 @@ class Engine:
             self._stopping = True
             self._cond.notify()
         self._thread.join(timeout=30)
+        self.scheduler.wait_for_copies()  # no copy may outlive the buffers it writes
 
     def submit(self, seqs: list[Sequence]) -> None:
         with self._cond:
@@ -107,6 +108,9 @@ class Engine:
         """One schedule -> run -> postprocess round; False when there was nothing to run."""
         plan = self.scheduler.schedule()
         if not plan:
+            if len(self.scheduler.transfers):  # only copies in flight: wait for them
+                self.scheduler.wait_for_copies()
+                return True
             return False
         started = time.perf_counter()
         try:

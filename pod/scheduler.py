@@ -10,6 +10,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvpark.kernels.kv_copy import CopyEngine, Outcome, SyncCopyEngine, Ticket, TransferTracker
+
 from . import preemption as policy
 from .host_store import HostAllocationError, HostStore
 from .kv_pool import KVPool
@@ -57,10 +59,15 @@ class ScheduledSeq:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: KVPool, host: HostStore) -> None:
+    def __init__(self, config: SchedulerConfig, pool: KVPool, host: HostStore,
+                 copy: CopyEngine | None = None) -> None:
         self.config = config
         self.pool = pool
         self.host = host
+        # swap copies; on CUDA they run on their own stream while other slots keep decoding,
+        # and a sequence whose copy is in flight is neither scheduled nor chosen
+        self.copy = copy or SyncCopyEngine(pool)
+        self.transfers = TransferTracker()
         self.on_finish: Callable[[Sequence], None] = lambda seq: None  # metrics hook
         self.waiting: deque[Sequence] = deque()
         self.slots: list[Sequence | None] = [None] * config.num_slots
@@ -87,7 +94,13 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting) or any(s is not None for s in self.slots)
+        return bool(self.waiting) or any(s is not None for s in self.slots) or bool(
+            len(self.transfers))
+
+    @property
+    def pages_in_flight(self) -> list[int]:
+        """Pages held by swap copies still in flight (neither free nor in a page table)."""
+        return self.transfers.pages()
 
     # ---- admission and endings ---------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -99,7 +112,10 @@ class Scheduler:
         if seq.is_finished:
             return
         seq.end_park(time.monotonic())
-        self._release(seq)
+        if self.transfers.cancel(seq):  # the copy owns pages and host buffer until it lands
+            seq.page_table, seq.host_kv, seq.host_bytes = [], None, 0
+        else:
+            self._release(seq)
         if seq in self.waiting:
             self.waiting.remove(seq)
         if seq.slot_id is not None:
@@ -137,6 +153,7 @@ class Scheduler:
 
     # ---- the step plan -----------------------------------------------------------------------
     def schedule(self) -> list[ScheduledSeq]:
+        self.reap_copies()
         self._admit()
         if self.config.preempt:
             self._restore_parked()
@@ -149,7 +166,8 @@ class Scheduler:
             victim = policy.choose_victim(self.running) if self.config.preempt else None
             if victim is not None:
                 self.stats.n_watermark_parks += over_high
-                self.park(victim)
+                # a blocked step needs the pages now; a park before the wall can overlap
+                self.park(victim, wait=bool(blocked))
                 continue
             if over_high:  # no one to park: run at the edge
                 break
@@ -177,7 +195,8 @@ class Scheduler:
         """Would this step push the pool past the high watermark? (park before the wall)"""
         if not self.config.preempt or self.config.preempt_high >= 1.0:
             return False
-        return self.pool.num_used_pages + self._step_pages(plan) > self.high_pages
+        soon_free = len(self.pages_in_flight)  # parks in flight give their pages back
+        return self.pool.num_used_pages - soon_free + self._step_pages(plan) > self.high_pages
 
     def _ordered_running(self) -> list[Sequence]:
         # decode rows first (cheap, latency-bound), then prefill and replay by arrival
@@ -206,17 +225,22 @@ class Scheduler:
         return plan, blocked
 
     # ---- parking -----------------------------------------------------------------------------
-    def park(self, seq: Sequence) -> PreemptMode:
-        """Free a running sequence's pages: swap them to host RAM if the budget allows."""
+    def park(self, seq: Sequence, wait: bool = True) -> PreemptMode:
+        """Free a running sequence's pages: swap them to host RAM if the budget allows.
+
+        With `wait=False` an asynchronous copy may still be in flight on return: its pages come
+        back to the pool when it lands (see `reap_copies`).
+        """
         assert seq.phase is Phase.RUNNING, f"cannot park a {seq.phase.value} sequence"
         started = time.perf_counter()
         num_bytes = self.pool.swap_bytes(len(seq.page_table))
         mode = policy.choose_mode(num_bytes, self._can_swap)
+        ticket = None
         if mode is PreemptMode.SWAP:
             try:
                 seq.host_kv = self.host.allocate(self.pool.swap_shape(len(seq.page_table)),
                                                  self.pool.dtype)
-                self.pool.gather(seq.page_table, seq.host_kv)
+                ticket = self.copy.start_park(seq.page_table, seq.host_kv)
                 seq.host_bytes, seq.swapped_tokens = num_bytes, seq.num_computed
             except HostAllocationError as exc:
                 log.warning("seq %s: %s; parking by recompute", seq.request_id, exc)
@@ -225,7 +249,12 @@ class Scheduler:
         if mode is PreemptMode.RECOMPUTE:
             seq.replay_until = seq.num_computed
             seq.num_computed = 0
-        self.pool.free(seq.page_table)
+        if ticket is not None and wait:
+            self.copy.wait(ticket)
+        if ticket is not None and not self.copy.poll(ticket):
+            self.transfers.start(seq, ticket)  # the pages stay allocated until it lands
+        else:
+            self.pool.free(seq.page_table)
         seq.page_table = []
         seq.phase, seq.preempt_mode = Phase.PARKED, mode
         seq.parked_at = time.monotonic()
@@ -244,7 +273,7 @@ class Scheduler:
     def unpark(self, seq: Sequence) -> None:
         """POST /slots/{id}?action=unpark: resume now if it fits, else join the restore queue."""
         seq.preempt_manual = False
-        if seq.phase is not Phase.PARKED:
+        if seq.phase is not Phase.PARKED or self.transfers.is_busy(seq):
             return
         need = self.pool.pages_for(policy.restore_need_tokens(seq, self.config.batch_size))
         if self.pool.can_allocate(need):
@@ -259,7 +288,8 @@ class Scheduler:
         self.stats.n_preempt += 1
         if mode is PreemptMode.SWAP:
             self.stats.n_preempt_swap += 1
-            self.stats.park_seconds.append(seconds)
+            if not self.transfers.is_busy(seq):  # an async copy is timed when it lands
+                self.stats.park_seconds.append(seconds)
         else:
             self.stats.n_preempt_recompute += 1
             seq.n_recompute += 1
@@ -277,7 +307,8 @@ class Scheduler:
 
     # ---- restoring ---------------------------------------------------------------------------
     def _restore_parked(self) -> None:
-        parked = [s for s in self.parked if not s.preempt_manual]
+        parked = [s for s in self.parked
+                   if not s.preempt_manual and not self.transfers.is_busy(s)]
         if not parked:
             return
         running = self.running
@@ -309,16 +340,46 @@ class Scheduler:
                 break  # nobody passes a head that does not fit
 
     def resume(self, seq: Sequence) -> None:
+        """Give a parked sequence its pages back; an asynchronous copy completes it later."""
         assert seq.phase is Phase.PARKED, f"cannot resume a {seq.phase.value} sequence"
-        started = time.perf_counter()
         if seq.preempt_mode is PreemptMode.SWAP:
-            seq.page_table = self.pool.allocate(self.pool.pages_for(seq.swapped_tokens))
-            self.pool.scatter(seq.page_table, seq.host_kv)
-            self.host.release(seq.host_kv)
-            seq.host_kv, seq.host_bytes = None, 0
-            self.stats.resume_seconds.append(time.perf_counter() - started)
+            pages = self.pool.allocate(self.pool.pages_for(seq.swapped_tokens))
+            ticket = self.copy.start_resume(pages, seq.host_kv)
+            if not self.copy.poll(ticket):
+                self.transfers.start(seq, ticket)  # stays parked (and busy) until it lands
+                return
+            self._resumed_swap(seq, ticket)
         else:
             self.stats.n_recompute_tokens += seq.replay_until
+        self._mark_resumed(seq)
+
+    def _resumed_swap(self, seq: Sequence, ticket: Ticket) -> None:
+        seq.page_table = list(ticket.pages)
+        self.host.release(seq.host_kv)
+        seq.host_kv, seq.host_bytes = None, 0
+        self.stats.resume_seconds.append(time.perf_counter() - ticket.started_at)
+
+    def reap_copies(self) -> None:
+        """Settle swap copies that have landed: free parked pages, wake resumed sequences,
+        and give back everything a sequence cancelled mid-copy held."""
+        for seq, release, ticket in self.transfers.reap(self.copy.poll):
+            if release.outcome is Outcome.RESUMED:
+                self._resumed_swap(seq, ticket)
+                self._mark_resumed(seq)
+                continue
+            self.pool.free(list(release.free_pages))
+            if release.release_host:  # cancelled mid-copy
+                self.host.release(ticket.host_buf)
+            else:
+                self.stats.park_seconds.append(time.perf_counter() - ticket.started_at)
+
+    def wait_for_copies(self) -> None:
+        """Block until every copy in flight has landed, then settle them (idle or shutdown)."""
+        for _, ticket in self.transfers.tickets():
+            self.copy.wait(ticket)
+        self.reap_copies()
+
+    def _mark_resumed(self, seq: Sequence) -> None:
         parked_for = seq.end_park(time.monotonic())
         seq.phase = Phase.RUNNING
         self.stats.n_resume += 1

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpark.kernels.attention import AttentionBackend
+from kvpark.kernels.kv_copy import make_copy_engine
 from kvpark.kernels.torch_paged import TorchPagedAttention
 
 from .args import ServerArgs
@@ -124,7 +125,7 @@ def build_stack(args: ServerArgs) -> ServingStack:
         preempt_low=args.preempt_low / 100,
         resume_order=args.preempt_resume,
     )
-    scheduler = Scheduler(scheduler_config, pool, host)
+    scheduler = Scheduler(scheduler_config, pool, host, copy=make_copy_engine(pool))
     metrics = Metrics(scheduler)
     scheduler.on_finish = metrics.on_finish
     runner = ModelRunner(model, pool, backend, graphs=graphs)

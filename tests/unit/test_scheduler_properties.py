@@ -52,7 +52,7 @@ def make_seq(prompt_len: int, max_tokens: int, finished: dict) -> Sequence:
 
 def check_invariants(engine: Engine, seqs: list[Sequence], finished: dict) -> None:
     s = engine.scheduler
-    owned = [p for seq in s.active for p in seq.page_table]
+    owned = [p for seq in s.active for p in seq.page_table] + s.pages_in_flight
     assert len(owned) == len(set(owned)), "a page is in two page tables"
     assert not set(owned) & set(s.pool.free_page_ids()), "a page is both free and owned"
     assert len(owned) + s.pool.num_free_pages == s.pool.num_pages, "pages leaked"
