@@ -108,3 +108,15 @@ class ServerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def poll(predicate, what: str, deadline: float = 60.0):
+    """Poll server state until `predicate()` is truthy and return it (bounded by `deadline`
+    seconds): waiting for a condition, not sleeping for synchronisation."""
+    until = time.monotonic() + deadline
+    while time.monotonic() < until:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.005)
+    raise AssertionError(f"timed out after {deadline}s waiting for {what}")

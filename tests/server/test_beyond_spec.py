@@ -2,26 +2,14 @@
 
 import concurrent.futures as cf
 import json
-import time
 
 import httpx
 import openai
 import pytest
-from serverproc import ServerProcess
+from serverproc import ServerProcess, poll
 
-DEADLINE = 60.0
 KEY = "k-beyond"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-
-
-def poll(predicate, what):
-    deadline = time.monotonic() + DEADLINE
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.005)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def raw_stream(url, path, body, headers=None):

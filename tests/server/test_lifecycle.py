@@ -3,21 +3,9 @@
 import concurrent.futures as cf
 import json
 import signal
-import time
 
 import httpx
-from serverproc import ServerProcess
-
-DEADLINE = 60.0
-
-
-def wait_for(predicate, what):
-    deadline = time.monotonic() + DEADLINE
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
+from serverproc import ServerProcess, poll
 
 
 def stream_lines(url, body):
@@ -31,9 +19,9 @@ def test_full_queue_gets_503_with_retry_after():
             cf.ThreadPoolExecutor(2) as pool:
         endless = {"prompt": "run", "max_tokens": 4000, "ignore_eos": True}
         running = pool.submit(server.post, "/v1/completions", endless)
-        wait_for(lambda: server.metric("kvpark:requests_processing") == 1, "a running request")
+        poll(lambda: server.metric("kvpark:requests_processing") == 1, "a running request")
         queued = pool.submit(server.post, "/v1/completions", {**endless, "max_tokens": 2})
-        wait_for(lambda: server.metric("kvpark:requests_deferred") == 1, "a queued request")
+        poll(lambda: server.metric("kvpark:requests_deferred") == 1, "a queued request")
         rejected = server.post("/v1/completions", {"prompt": "x", "max_tokens": 2})
         assert rejected.status_code == 503 and rejected.headers["retry-after"] == "1"
         assert "queue is full" in rejected.json()["error"]["message"]
@@ -48,9 +36,9 @@ def test_sigterm_drains_running_requests_then_exits_zero():
             body = {"messages": [{"role": "user", "content": "long"}], "stream": True,
                     "max_tokens": 1500, "ignore_eos": True}
             stream = pool.submit(stream_lines, server.url, body)
-            wait_for(lambda: server.metric("kvpark:requests_processing") == 1, "a running stream")
+            poll(lambda: server.metric("kvpark:requests_processing") == 1, "a running stream")
             server.proc.send_signal(signal.SIGTERM)
-            wait_for(lambda: httpx.get(f"{server.url}/health").status_code == 503, "draining")
+            poll(lambda: httpx.get(f"{server.url}/health").status_code == 503, "draining")
             refused = server.chat("too late", max_tokens=2)
             assert refused.status_code == 503 and refused.headers["connection"] == "close"
             lines = stream.result()
@@ -67,7 +55,7 @@ def test_sigterm_timeout_ends_unfinished_requests_with_an_error():
             body = {"messages": [{"role": "user", "content": "endless"}], "stream": True,
                     "ignore_eos": True}  # no max_tokens: it cannot finish within a second
             stream = pool.submit(stream_lines, server.url, body)
-            wait_for(lambda: server.metric("kvpark:requests_processing") == 1, "a running stream")
+            poll(lambda: server.metric("kvpark:requests_processing") == 1, "a running stream")
             server.proc.send_signal(signal.SIGTERM)
             lines = stream.result()
         errors = [line for line in lines if isinstance(line, dict) and "error" in line]

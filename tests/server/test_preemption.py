@@ -9,26 +9,14 @@ import time
 
 import httpx
 import pytest
-from serverproc import ServerProcess
+from serverproc import ServerProcess, poll
 
 GREEDY = {"temperature": 0, "ignore_eos": True, "return_tokens": True}
-POLL_DEADLINE = 60.0
 
 
 def complete(server, prompt, n_predict, **extra):
     return server.post("/completion", {"prompt": prompt, "n_predict": n_predict, **GREEDY,
                                        **extra})
-
-
-def poll(predicate, what):
-    """Poll server state until `predicate` holds (bounded by a deadline)."""
-    deadline = time.monotonic() + POLL_DEADLINE
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.005)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def run_pair(server, prompts, n_predict):
