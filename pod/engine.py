@@ -94,9 +94,15 @@ class Engine:
             for seq in cancels:
                 seq.cancelled = True
                 self.scheduler.finish(seq, reason="cancelled")
-            for fn in calls:
-                fn()
-            if not self.step():
+            try:
+                for fn in calls:
+                    fn()
+                stepped = self.step()
+            except Exception:  # a scheduler bug must not leave every client hanging
+                log.exception("engine step failed; ending the requests it held")
+                self.scheduler.abort_all("internal error in the engine", status=500)
+                stepped = True
+            if not stepped:
                 with self._cond:
                     if not self._has_input():
                         self._cond.wait(IDLE_POLL_SECONDS)
