@@ -76,7 +76,9 @@ class ModelRunner:
                 sampling.append(item)
         sampled: dict[int, int] = {}
         if sampling:
-            logits = self.model.logits(hidden[torch.tensor(last_rows, device=device)]).cpu()
+            if len(last_rows) < hidden.shape[0]:  # a decode-only step samples every row
+                hidden = hidden[torch.tensor(last_rows, device=device)]
+            logits = self.model.logits(hidden).cpu()
             tokens = sample(logits, [i.seq.params for i in sampling],
                             [i.seq.generator for i in sampling])
             sampled = {id(item): token for item, token in zip(sampling, tokens)}

@@ -58,13 +58,14 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator]) -> list[int]:
-    """logits: [N, vocab] float32 -> one token id per row."""
-    greedy = logits.argmax(dim=-1).tolist()
-    tokens = []
+    """logits: [N, vocab] float32 -> one token id per row.
+
+    One argmax serves every greedy row; only rows that draw at random are visited one by one,
+    each with its own seeded generator.
+    """
+    tokens = logits.argmax(dim=-1).tolist()
     for row, (p, gen) in enumerate(zip(params, generators)):
-        if p.is_greedy:
-            tokens.append(greedy[row])
-        else:
+        if not p.is_greedy:
             probs = filter_logits(logits[row], p)
-            tokens.append(int(torch.multinomial(probs, 1, generator=gen).item()))
+            tokens[row] = int(torch.multinomial(probs, 1, generator=gen).item())
     return tokens

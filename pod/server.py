@@ -53,7 +53,10 @@ def pick_dtype(args: ServerArgs, device: torch.device) -> torch.dtype:
 
 
 def pick_threads(args: ServerArgs) -> int:
-    # on small shared machines extra torch threads were 5-10x slower under contention
+    # Half the cores, measured on a 2-core machine shared with other jobs (benchmarks/README.md,
+    # "CPU decode step"): with 2 threads a batch-4 decode step was ~15% faster in wall time but
+    # took ~55% more CPU, and a batch-1 step was 2x slower; a GEMM pass that must wait for a
+    # descheduled thread waits for all. Batch invariance holds at any count (oneDNN linears).
     return args.threads if args.threads > 0 else max(1, (os.cpu_count() or 2) // 2)
 
 

@@ -1,0 +1,237 @@
+"""The CPU decode path: packed linears, fused RoPE/norm, per-sequence attention, and the
+batch-invariance they promise (a row's bits never depend on which other rows share the step)."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvpark.kernels.attention import StepLayout
+from kvpark.kernels.torch_paged import TorchPagedAttention
+from kvpark.pod.kv_pool import KVPool
+from kvpark.pod.model.config import ModelConfig
+from kvpark.pod.model.llama import (
+    Linear,
+    LlamaModel,
+    WeightFormat,
+    apply_rope,
+    rms_norm,
+    rope_cos_sin,
+)
+from kvpark.pod.model.loader import LoadedModel
+from kvpark.pod.model.synthetic import synthetic_config, synthetic_weights
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from reference_llama import reference_logits  # noqa: E402
+
+PAGE = 16
+# SmolLM2's attention and MLP shapes (the oneDNN kernels the real model hits), two layers and a
+# small vocabulary so that the model builds in a blink
+SMALL = replace(synthetic_config("smollm2-135m"), num_layers=2, vocab_size=512)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def small_weights() -> dict[str, torch.Tensor]:
+    return synthetic_weights(SMALL)
+
+
+# ---- linears ------------------------------------------------------------------------------------
+ROW_COUNTS = [*range(2, 20), 31, 64, 100, 257, 512]
+
+
+@pytest.mark.parametrize("fmt", list(WeightFormat))
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (3072, 576), (576, 1536)])
+def test_linear_rows_do_not_depend_on_the_row_count(fmt, threads, out_features, in_features):
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(out_features)
+    layer = Linear(torch.randn(out_features, in_features, generator=gen) * 0.05, None, fmt)
+    x = torch.randn(600, in_features, generator=gen)
+    full = layer(x)
+    for rows in ROW_COUNTS:
+        for start in (0, 3):
+            assert torch.equal(layer(x[start : start + rows]), full[start : start + rows]), (
+                f"{rows} rows from row {start} differ from the same rows in a batch of 600"
+            )
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_f_linear(bias):
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(960, 576, generator=gen) * 0.05
+    b = torch.randn(960, generator=gen) if bias else None
+    layer = Linear(weight, b)
+    assert layer.packed is not None and layer.weight is None  # one copy of the weights in RAM
+    x = torch.randn(7, 576, generator=gen)
+    torch.testing.assert_close(layer(x), F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_linear_keeps_fp32_activations():
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(256, 576, generator=gen) * 0.05
+    x = torch.randn(5, 576, generator=gen)
+    y = Linear(weight, None, WeightFormat.BF16)(x)
+    assert y.dtype == torch.float32
+    exact = F.linear(x.double(), weight.double())
+    assert ((y.double() - exact).norm() / exact.norm()).item() < 1e-2
+
+
+# ---- elementwise pieces: the same bits as the plain formulas they replace ------------------------
+def test_rope_equals_rotate_half_bit_for_bit():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(11, 12, 64, generator=gen)
+    positions = torch.arange(100, 111)
+    cos, signed_sin = rope_cos_sin(positions, 64, 100000.0, torch.float32)
+    inv_freq = 1.0 / (100000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    c, s = angles.cos()[:, None, :], angles.sin()[:, None, :]
+    x1, x2 = x[..., :32], x[..., 32:]
+    rotate_half = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    assert torch.equal(apply_rope(x, cos, signed_sin), rotate_half)
+
+
+def test_rms_norm_equals_the_four_op_form_bit_for_bit():
+    gen = torch.Generator().manual_seed(4)
+    x, w = torch.randn(9, 576, generator=gen) * 3, torch.rand(576, generator=gen) + 0.5
+    plain = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w
+    assert torch.equal(rms_norm(x, w, 1e-5), plain)
+
+
+# ---- attention ----------------------------------------------------------------------------------
+def fill_pool(lens: list[int], hkv: int = 3, dim: int = 64, seed: int = 0):
+    """A pool whose sequences hold random K/V, pages interleaved as concurrent decoding leaves
+    them; the unused slots of each last page hold NaN, as a former owner could have left them:
+    reading them would poison the result."""
+    gen = torch.Generator().manual_seed(seed)
+    num_pages = sum(-(-n // PAGE) for n in lens)
+    cache = torch.randn(num_pages, 2, PAGE, hkv, dim, generator=gen)
+    order = list(range(num_pages))
+    tables: list[list[int]] = [[] for _ in lens]
+    while any(len(t) * PAGE < n for t, n in zip(tables, lens)):
+        for t, n in zip(tables, lens):
+            if len(t) * PAGE < n:
+                t.append(order.pop(0))
+    for table, n in zip(tables, lens):
+        cache[table[-1], :, (n - 1) % PAGE + 1 :] = float("nan")
+    return cache, tables
+
+
+def decode_step(cache, tables, lens, q):
+    backend = TorchPagedAttention()
+    backend.plan(StepLayout(tables, lens, [1] * len(lens), PAGE))
+    return backend.attend(q, cache)
+
+
+def test_a_decode_row_is_bitwise_independent_of_its_neighbours():
+    lens = [300, 1000, 17, 1, 64, 2049]
+    cache, tables = fill_pool(lens)
+    q = torch.randn(len(lens), 9, 64, generator=torch.Generator().manual_seed(5))
+    together = decode_step(cache, tables, lens, q)
+    assert torch.isfinite(together).all()
+    for i in range(len(lens)):
+        alone = decode_step(cache, [tables[i]], [lens[i]], q[i : i + 1])
+        assert torch.equal(alone, together[i : i + 1]), f"sequence {i} changed with neighbours"
+
+
+def test_attention_reads_a_strided_q_like_the_fused_qkv_view():
+    lens = [40, 70]
+    cache, tables = fill_pool(lens, seed=1)
+    qk = torch.randn(2, 9 + 3, 64, generator=torch.Generator().manual_seed(6))
+    strided = qk[:, :9]  # what the model hands over: q heads of the fused q|k rows
+    assert not strided.is_contiguous()
+    assert torch.equal(decode_step(cache, tables, lens, strided),
+                       decode_step(cache, tables, lens, strided.contiguous()))
+
+
+# ---- the whole model ----------------------------------------------------------------------------
+def run_steps(model: LlamaModel, steps: list[list[tuple[int, list[int]]]], num_seqs: int,
+              ) -> list[dict[int, torch.Tensor]]:
+    """Feed `steps`: each a list of (sequence, token ids); return each step's last-row logits per
+    sequence. Sequences get interleaved pages of one pool."""
+    c = model.config
+    pool = KVPool(c.num_layers, 64, PAGE, c.num_kv_heads, c.head_dim)
+    tables: list[list[int]] = [[] for _ in range(num_seqs)]
+    lens = [0] * num_seqs
+    backend = TorchPagedAttention()
+    out = []
+    for step in steps:
+        ids, positions = [], []
+        for seq, tokens in step:
+            lens[seq] += len(tokens)
+            tables[seq] += pool.allocate(pool.pages_for(lens[seq]) - len(tables[seq]))
+            ids += tokens
+            positions += range(lens[seq] - len(tokens), lens[seq])
+        backend.plan(StepLayout([tables[s] for s, _ in step], [lens[s] for s, _ in step],
+                                [len(t) for _, t in step], PAGE))
+        hidden = model(torch.tensor(ids), torch.tensor(positions), backend, pool.caches)
+        ends = torch.tensor(cumulative([len(t) for _, t in step])) - 1
+        logits = model.logits(hidden[ends])
+        out.append({seq: logits[i] for i, (seq, _) in enumerate(step)})
+    return out
+
+
+def cumulative(values: list[int]) -> list[int]:
+    total, out = 0, []
+    for v in values:
+        total += v
+        out.append(total)
+    return out
+
+
+@pytest.mark.parametrize("fmt", list(WeightFormat))
+@pytest.mark.parametrize("threads", [1, 2])
+def test_model_logits_are_independent_of_batch_neighbours(small_weights, fmt, threads):
+    torch.set_num_threads(threads)
+    model = LlamaModel(SMALL, small_weights, batch_invariant=True, weight_format=fmt)
+    prompt = [5, 9, 2, 77, 31, 8, 100]
+    decode = [[11], [12], [13], [14]]
+    alone = run_steps(model, [[(0, prompt)], *[[(0, t)] for t in decode]], 1)
+    # the same sequence, prefilled next to a long prompt and decoded next to two others, one of
+    # them still in its prefill
+    neighbours = run_steps(model, [
+        [(1, list(range(40, 90))), (0, prompt)],
+        [(0, decode[0]), (2, [3, 4])],
+        [(2, [6]), (0, decode[1]), (1, [7])],
+        [(1, [8]), (0, decode[2]), (3, list(range(200, 237)))],
+        [(0, decode[3])],
+    ], 4)
+    for step, (a, b) in enumerate(zip(alone, neighbours)):
+        assert torch.equal(a[0], b[0]), f"step {step}: logits changed with batch neighbours"
+
+
+def test_model_matches_the_reference_oracle(small_weights):
+    loaded = LoadedModel(SMALL, small_weights, tokenizer=None, name="small", source="small")
+    ids = [7, 300, 12, 5, 99, 250, 3, 41, 8, 17, 2, 64]
+    expected = reference_logits(loaded, ids)
+    model = LlamaModel(SMALL, small_weights)
+    # a chunked prefill of 5 + 4 tokens, then three decode steps
+    got = run_steps(model, [[(0, ids[:5])], [(0, ids[5:9])], *[[(0, [t])] for t in ids[9:]]], 1)
+    for step, end in enumerate([5, 9, 10, 11, 12]):
+        torch.testing.assert_close(got[step][0], expected[end - 1], rtol=1e-4, atol=1e-4)
+
+
+def test_qwen_shapes_with_bias_and_qk_norm_match_the_oracle():
+    config = ModelConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=16, attention_bias=True,
+                         qk_norm=True, tie_word_embeddings=False)
+    weights = synthetic_weights(config)
+    loaded = LoadedModel(config, weights, tokenizer=None, name="qwen", source="qwen")
+    ids = [1, 2, 3, 250, 17, 9]
+    got = run_steps(LlamaModel(config, weights), [[(0, ids[:4])], [(0, ids[4:5])],
+                                                  [(0, ids[5:])]], 1)
+    expected = reference_logits(loaded, ids)
+    for step, end in enumerate([4, 5, 6]):
+        torch.testing.assert_close(got[step][0], expected[end - 1], rtol=1e-4, atol=1e-4)
