@@ -171,8 +171,10 @@ class Scheduler:
                 continue
             if over_high:  # no one to park: run at the edge
                 break
-            for seq in blocked:  # nobody can make room: the spec's (and llama.cpp's) failure
-                self.finish(seq, error=CONTEXT_EXCEEDED)
+            # nobody can make room: the spec's (and llama.cpp's) failure, for one sequence at a
+            # time, the latest arrival first; its pages may be what the others were missing
+            latest = max(blocked, key=lambda s: (s.arrival, s.seq_id))
+            self.finish(latest, error=CONTEXT_EXCEEDED)
         for item in plan:
             seq = item.seq
             missing = self.pool.pages_for(seq.num_computed + item.num_tokens) - len(seq.page_table)

@@ -178,3 +178,17 @@ def test_fair_order_lets_nobody_pass_a_head_that_does_not_fit():
 def test_spec_order_is_fit_first():
     head, small = parked_pair("spec")
     assert head.is_parked and not small.is_parked
+
+
+def test_without_preemption_only_one_of_two_blocked_sequences_fails():
+    """Both need a page in the same step of a full pool: the later one fails, and the pages it
+    gives back let the earlier one go on."""
+    engine = make_engine(budget_pages=-1, preempt=False, preempt_every=0)
+    finished: dict[int, int] = {}
+    first, second = make_seq(30, 40, finished), make_seq(30, 40, finished)
+    for seq in (first, second):
+        engine.scheduler.add(seq)
+    while engine.scheduler.has_work:
+        engine.step()
+    assert second.error == "Context size has been exceeded." and first.error is None
+    assert first.finish_reason == "length" and first.num_generated == 40
