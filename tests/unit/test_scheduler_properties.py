@@ -30,11 +30,12 @@ class FakeRunner:
         return [7 if item.samples else None for item in plan]
 
 
-def make_engine(budget_pages: int, preempt: bool, preempt_every: int) -> Engine:
+def make_engine(budget_pages: int, preempt: bool, preempt_every: int,
+                batch_size: int = 8) -> Engine:
     pool = KVPool(num_layers=1, num_pages=NUM_PAGES, page_size=PAGE_SIZE, num_kv_heads=1,
                   head_dim=2)
     budget = budget_pages if budget_pages < 0 else budget_pages * pool.page_bytes
-    config = SchedulerConfig(num_slots=3, batch_size=8, preempt=preempt,
+    config = SchedulerConfig(num_slots=3, batch_size=batch_size, preempt=preempt,
                              preempt_every=preempt_every)
     return Engine(Scheduler(config, pool, HostStore(budget)), FakeRunner(), frozenset({EOS}))
 
@@ -183,9 +184,10 @@ def test_spec_order_is_fit_first():
 def test_without_preemption_only_one_of_two_blocked_sequences_fails():
     """Both need a page in the same step of a full pool: the later one fails, and the pages it
     gives back let the earlier one go on."""
-    engine = make_engine(budget_pages=-1, preempt=False, preempt_every=0)
+    # a step budget that takes both prompts at once, so they grow in lockstep
+    engine = make_engine(budget_pages=-1, preempt=False, preempt_every=0, batch_size=64)
     finished: dict[int, int] = {}
-    first, second = make_seq(30, 40, finished), make_seq(30, 40, finished)
+    first, second = make_seq(32, 40, finished), make_seq(32, 40, finished)
     for seq in (first, second):
         engine.scheduler.add(seq)
     while engine.scheduler.has_work:
