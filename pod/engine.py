@@ -92,7 +92,6 @@ class Engine:
             for seq in incoming:
                 self.scheduler.add(seq)
             for seq in cancels:
-                seq.cancelled = True
                 self.scheduler.finish(seq, reason="cancelled")
             try:
                 for fn in calls:

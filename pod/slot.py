@@ -71,7 +71,6 @@ class Sequence:
     prompt_seconds: float = 0.0  # compute time of the prompt as sent (replays excluded)
     first_token_at: float | None = None
     finished_at: float | None = None
-    cancelled: bool = False
 
     def __post_init__(self) -> None:
         if not self.tokens:
