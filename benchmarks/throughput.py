@@ -5,6 +5,7 @@
     python benchmarks/throughput.py --launch "-np 4 -c 8192" --peer http://127.0.0.1:8081
 
 Aggregate tok/s = completion tokens of all chats / wall time of the round (prefill included).
+Every prompt starts with a line unique to its round, so a prompt cache never skips a prefill.
 With --peer the same workload runs against the peer in the same run, alternating rounds, and
 the table shows the ratio kvpark / peer.
 """
@@ -19,8 +20,10 @@ import time
 from workload import ServerProcess, long_prompt, median, print_table, stream_chat, write_json
 
 
-def run_round(url: str, concurrency: int, prompt_tokens: int, max_tokens: int) -> dict:
-    prompts = [long_prompt(i, prompt_tokens) for i in range(concurrency)]
+def run_round(url: str, concurrency: int, prompt_tokens: int, max_tokens: int,
+              salt: str) -> dict:
+    # each server sees each prompt once: no prefix-cache hits from an earlier round
+    prompts = [long_prompt(i, prompt_tokens, salt) for i in range(concurrency)]
     started = time.perf_counter()
     with cf.ThreadPoolExecutor(concurrency) as pool:
         results = list(pool.map(lambda p: stream_chat(url, p, max_tokens), prompts))
@@ -59,10 +62,11 @@ def main() -> None:
     try:
         targets = {"kvpark": url, **({"peer": args.peer} if args.peer else {})}
         measured: dict[tuple[str, int], list[dict]] = {}
-        for _ in range(args.rounds):
+        for round_no in range(args.rounds):
             for concurrency in args.concurrency:
                 for name, target in targets.items():  # alternate: same conditions for both
-                    result = run_round(target, concurrency, args.prompt_tokens, args.max_tokens)
+                    result = run_round(target, concurrency, args.prompt_tokens, args.max_tokens,
+                                       salt=f"{round_no}.{concurrency}")
                     measured.setdefault((name, concurrency), []).append(result)
                     print(f"{name} x{concurrency}: {result['tok_s']:.1f} tok/s "
                           f"({result['completed']}/{concurrency} completed)")

@@ -22,11 +22,18 @@ PARAGRAPH = ("Here are some notes to read carefully before answering. They descr
              "weather as it changed, and the small boats that passed by one after another. ")
 
 
-def long_prompt(index: int, approx_tokens: int) -> str:
-    """About `approx_tokens` tokens of context followed by a question (~50 tokens/paragraph)."""
+def long_prompt(index: int, approx_tokens: int, salt: str = "") -> str:
+    """About `approx_tokens` tokens of context followed by a question (~50 tokens/paragraph).
+
+    Prompts share everything but the question; a `salt` puts a distinct first line in front, so
+    a server with a prompt cache (llama-server reuses a slot's KV for a common prefix) computes
+    every prompt in full, as kvpark does.
+    """
     paragraphs = max(1, approx_tokens // 50)
     topic = TOPICS[index % len(TOPICS)]
-    return PARAGRAPH * paragraphs + f"\nNow, ignoring the notes, write a long essay about {topic}."
+    head = f"Notes, batch {salt}, reader {index}:\n" if salt else ""
+    return (head + PARAGRAPH * paragraphs
+            + f"\nNow, ignoring the notes, write a long essay about {topic}.")
 
 
 @dataclass
