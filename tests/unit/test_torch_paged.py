@@ -20,7 +20,8 @@ def plain_causal_attention(q, k, v, q_offset):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).float()
 
 
-def run_two_steps(prior_lens, q_lens, hq, hkv, d, page_size, shuffle, seed):
+def run_two_steps(prior_lens, q_lens, hq, hkv, d, page_size, shuffle, seed,
+                  make_backend=TorchPagedAttention):
     """Step 1 writes each sequence's prior KV; step 2 appends q_lens tokens and attends."""
     gen = torch.Generator().manual_seed(seed)
     totals = [p + q for p, q in zip(prior_lens, q_lens)]
@@ -36,7 +37,7 @@ def run_two_steps(prior_lens, q_lens, hq, hkv, d, page_size, shuffle, seed):
     ks = [torch.randn(t, hkv, d, generator=gen) for t in totals]
     vs = [torch.randn(t, hkv, d, generator=gen) for t in totals]
     qs = [torch.randn(q, hq, d, generator=gen) for q in q_lens]
-    backend = TorchPagedAttention()
+    backend = make_backend()
     prior = [i for i, p in enumerate(prior_lens) if p > 0]
     if prior:
         backend.plan(StepLayout([tables[i] for i in prior], [prior_lens[i] for i in prior],

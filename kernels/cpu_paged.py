@@ -1,0 +1,156 @@
+"""Paged attention on the CPU that reads K and V in place: a small C kernel (csrc/).
+
+The torch reference gathers every sequence's pages into a contiguous copy before SDPA, once per
+layer; at decode that copy costs as much as the attention itself (benchmarks/README.md, "CPU
+decode step"). `csrc/paged_attention.c` walks the page table instead. It is compiled on first use
+with the system C compiler for this CPU (`-O3 -march=native`, well under a second) into a cache
+folder and loaded with ctypes: no torch headers, no build step at install time. Where no compiler
+works, `load_kernel` raises `KernelUnavailable` and the server keeps the torch backend.
+
+Every query row is computed by the same arithmetic whatever else the step holds (see the C
+file), so greedy output stays independent of batch neighbours and of prompt chunking, and a
+recompute replay reproduces the decode rows' bits. Float32 only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shlex
+import subprocess
+import sysconfig
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .attention import StepLayout, get_plan_arrays
+from .torch_paged import TorchPagedAttention
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
+CFLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-pthread", "-std=c11")
+CACHE_ENV = "KVPARK_KERNEL_CACHE"
+
+
+class KernelUnavailable(RuntimeError):
+    """The C kernel could not be built or loaded here."""
+
+
+def compiler() -> list[str]:
+    cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
+    return shlex.split(cc)[:1]  # sysconfig's CC may carry flags for another toolchain
+
+
+def cpu_fingerprint() -> str:
+    # -march=native: a library built on one CPU may not run on another sharing the cache folder
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = ""
+    return platform.machine() + flags
+
+
+def cache_dir() -> Path:
+    explicit = os.environ.get(CACHE_ENV)
+    if explicit:
+        return Path(explicit)
+    home_cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvpark"
+    try:
+        home_cache.mkdir(parents=True, exist_ok=True)
+        if os.access(home_cache, os.W_OK):
+            return home_cache
+    except OSError:
+        pass
+    return Path(tempfile.gettempdir()) / f"kvpark-kernels-{os.getuid()}"  # read-only home
+
+
+def build(source: Path = SOURCE) -> Path:
+    """The compiled library for this source, compiler and CPU (built once, then reused)."""
+    cc = compiler()
+    key = hashlib.sha256(source.read_bytes() + " ".join(cc + list(CFLAGS)).encode()
+                         + cpu_fingerprint().encode()).hexdigest()[:16]
+    folder = cache_dir()
+    target = folder / f"{source.stem}-{key}.so"
+    if target.exists():
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    partial = folder / f".{target.name}.{os.getpid()}"
+    try:
+        done = subprocess.run([*cc, *CFLAGS, str(source), "-o", str(partial), "-lm"],
+                              capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise KernelUnavailable(f"C compiler {cc[0]!r} did not run: {exc}") from exc
+    if done.returncode != 0:
+        partial.unlink(missing_ok=True)
+        raise KernelUnavailable(f"{cc[0]} failed on {source.name}: {done.stderr.strip()[-800:]}")
+    os.replace(partial, target)  # atomic: concurrent builders each publish a whole file
+    return target
+
+
+@functools.cache
+def load_kernel() -> ctypes.CDLL:
+    try:
+        lib = ctypes.CDLL(str(build()))
+    except OSError as exc:
+        raise KernelUnavailable(f"cannot load the built kernel: {exc}") from exc
+    fn = lib.kvpark_paged_attention
+    i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+    fn.argtypes = [ptr, i64, i64, ptr, ptr, i32, ptr, ptr, ptr, ptr, i32, i32, i32, i32,
+                   ctypes.c_float, i32]
+    fn.restype = i32
+    return lib
+
+
+def is_available() -> bool:
+    try:
+        load_kernel()
+        return True
+    except KernelUnavailable as exc:
+        log.debug("C paged attention unavailable: %s", exc)
+        return False
+
+
+class CpuPagedAttention(TorchPagedAttention):
+    """The torch reference's planning and KV append; attention by the C kernel."""
+
+    name = "cpu"
+
+    def __init__(self, device: torch.device | str = "cpu", num_threads: int = 1) -> None:
+        super().__init__(device)
+        # One thread by default: measured on 2 cores, the kernel's own threads lost to torch's
+        # OpenMP workers, which spin on the cores for a while after every GEMM
+        # (benchmarks/README.md, "CPU decode step").
+        self.num_threads = num_threads
+        assert self.device.type == "cpu", "the C kernel runs on the CPU"
+        self._kernel = load_kernel().kvpark_paged_attention
+        self._arrays = None
+
+    def plan(self, layout: StepLayout) -> None:
+        self._arrays = get_plan_arrays(layout)
+        self._kv_lens = torch.tensor(layout.kv_lens, dtype=torch.int32)
+        self._page_size = layout.page_size
+        super().plan(layout)  # the append targets (and views for a non-float32 fallback)
+
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+        if q.dtype != torch.float32 or kv_cache.dtype != torch.float32:
+            return super().attend(q, kv_cache)
+        # q: [T, Hq, D] (a strided view of the qkv output); kv_cache: [pages, 2, ps, Hkv, D]
+        assert q.stride(-1) == 1 and kv_cache.is_contiguous(), "dense head_dim and cache"
+        num_tokens, num_heads, head_dim = q.shape
+        out = torch.empty(num_tokens, num_heads, head_dim)
+        a = self._arrays
+        status = self._kernel(
+            q.data_ptr(), q.stride(0), q.stride(1), kv_cache.data_ptr(), out.data_ptr(),
+            len(self._kv_lens), a.qo_indptr.data_ptr(), self._kv_lens.data_ptr(),
+            a.kv_indptr.data_ptr(), a.kv_indices.data_ptr(), num_heads, kv_cache.shape[-2],
+            head_dim, self._page_size, head_dim ** -0.5, self.num_threads)
+        if status != 0:
+            raise RuntimeError(f"paged attention kernel failed (status {status})")
+        return out

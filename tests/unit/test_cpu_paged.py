@@ -1,0 +1,130 @@
+"""The C paged attention (kernels/cpu_paged.py) against plain attention and the torch oracle."""
+
+import random
+
+import pytest
+import torch
+from test_torch_paged import plain_causal_attention, relative_error, run_two_steps
+
+from kvpark.kernels import cpu_paged
+from kvpark.kernels.attention import StepLayout
+from kvpark.kernels.cpu_paged import CpuPagedAttention, KernelUnavailable
+from kvpark.kernels.torch_paged import TorchPagedAttention
+
+pytestmark = pytest.mark.skipif(not cpu_paged.is_available(),
+                                reason="no working C compiler for the CPU kernel")
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 4, 32), (8, 2, 16), (6, 1, 8), (8, 2, 128)])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_mixed_batch_matches_plain_attention(hq, hkv, d, shuffle):
+    # prefill from empty, prefill continuing a prefix, decode at a page boundary, decode inside
+    # a partial page, a one-token prompt, and a prefill longer than one row tile (8)
+    prior_lens = [0, 21, 16, 37, 0, 5]
+    q_lens = [19, 12, 1, 1, 1, 30]
+    out, expected = run_two_steps(prior_lens, q_lens, hq, hkv, d, 16, shuffle, seed=hq * d,
+                                  make_backend=CpuPagedAttention)
+    assert relative_error(out, expected) < 1e-5
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_shapes_match_plain_attention(seed):
+    rng = random.Random(seed)
+    hkv = rng.choice([1, 2, 3])
+    hq = hkv * rng.choice([1, 2, 3, 4])
+    d = rng.choice([8, 16, 24, 64])  # 24: a head_dim with a tail past the 16 lanes
+    page_size = rng.choice([1, 4, 16])
+    n = rng.randint(1, 6)
+    prior_lens = [rng.choice([0, rng.randint(1, 70)]) for _ in range(n)]
+    q_lens = [rng.choice([1, rng.randint(1, 40)]) for _ in range(n)]
+    out, expected = run_two_steps(prior_lens, q_lens, hq, hkv, d, page_size, True, seed,
+                                  make_backend=CpuPagedAttention)
+    assert relative_error(out, expected) < 1e-5
+
+
+def step_output(backend, cache, tables, kv_lens, q_lens, q):
+    backend.plan(StepLayout(tables, kv_lens, q_lens, 16))
+    return backend.attend(q, cache)
+
+
+def test_a_row_has_the_same_bits_alone_beside_others_and_as_a_prefill_row():
+    """Decode row of sequence A at position 99: alone, beside two other sequences, and as the
+    last row of a 40-token prefill chunk (a recompute replay) - the same bits every time."""
+    gen = torch.Generator().manual_seed(3)
+    hq, hkv, d = 9, 3, 64
+    cache = torch.randn(40, 2, 16, hkv, d, generator=gen)
+    table_a, table_b, table_c = list(range(0, 7)), list(range(10, 20)), list(range(30, 33))
+    rows_a = torch.randn(40, hq, d, generator=gen)  # queries of A's positions 60..99
+    others = torch.randn(6, hq, d, generator=gen)
+    backend = CpuPagedAttention()
+    alone = step_output(backend, cache, [table_a], [100], [1], rows_a[-1:])
+    beside = step_output(backend, cache, [table_b, table_a, table_c], [150, 100, 40],
+                         [5, 1, 1], torch.cat([others[:5], rows_a[-1:], others[5:]]))[5:6]
+    in_prefill = step_output(backend, cache, [table_c, table_a], [40, 100], [1, 40],
+                             torch.cat([others[:1], rows_a]))[-1:]
+    assert torch.equal(alone, beside)
+    assert torch.equal(alone, in_prefill)
+
+
+def test_threads_do_not_change_the_bits():
+    gen = torch.Generator().manual_seed(5)
+    cache = torch.randn(64, 2, 16, 3, 64, generator=gen)
+    tables = [list(range(i * 16, i * 16 + 16)) for i in range(4)]
+    q = torch.randn(4 + 30, 9, 64, generator=gen)
+    layout_args = (tables, [250, 200, 256, 31], [1, 1, 1, 31])
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(step_output(CpuPagedAttention(), cache, *layout_args, q))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_reads_a_strided_q_like_the_fused_qkv_view():
+    gen = torch.Generator().manual_seed(7)
+    hq, hkv, d = 9, 3, 64
+    qkv = torch.randn(5, (hq + hkv) * d, generator=gen)
+    q = qkv.view(5, hq + hkv, d)[:, :hq]  # row stride (hq + hkv) * d, like the model's view
+    cache = torch.randn(8, 2, 16, hkv, d, generator=gen)
+    args = ([[0, 1], [2, 3, 4]], [20, 40], [1, 4], q)
+    got = step_output(CpuPagedAttention(), cache, *args[:3], q)
+    want = step_output(TorchPagedAttention(), cache, *args[:3], q.contiguous())
+    assert relative_error(got, want) < 1e-5
+
+
+def test_long_context_matches_plain_attention():
+    gen = torch.Generator().manual_seed(11)
+    hq, hkv, d, kv_len = 9, 3, 64, 3000
+    k, v = torch.randn(kv_len, hkv, d, generator=gen), torch.randn(kv_len, hkv, d, generator=gen)
+    pages = -(-kv_len // 16)
+    cache = torch.zeros(pages, 2, 16, hkv, d)
+    padding = torch.zeros(pages * 16 - kv_len, hkv, d)
+    cache[:, 0] = torch.cat([k, padding]).view(pages, 16, hkv, d)
+    cache[:, 1] = torch.cat([v, padding]).view(pages, 16, hkv, d)
+    q = torch.randn(1, hq, d, generator=gen) * 4  # sharp softmax: exp over a wide range
+    got = step_output(CpuPagedAttention(), cache, [list(range(pages))], [kv_len], [1], q)
+    assert relative_error(got, plain_causal_attention(q, k, v, kv_len - 1)) < 1e-5
+
+
+def test_a_failed_build_says_why(tmp_path, monkeypatch):
+    broken = tmp_path / "broken.c"
+    broken.write_text("this is not C\n")
+    monkeypatch.setenv(cpu_paged.CACHE_ENV, str(tmp_path / "cache"))
+    with pytest.raises(KernelUnavailable, match="failed on broken.c"):
+        cpu_paged.build(broken)
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with pytest.raises(KernelUnavailable, match="did not run"):
+        cpu_paged.build(broken)
+
+
+def test_the_build_is_cached_per_source(tmp_path, monkeypatch):
+    monkeypatch.setenv(cpu_paged.CACHE_ENV, str(tmp_path))
+    first = cpu_paged.build()
+    mtime = first.stat().st_mtime_ns
+    assert cpu_paged.build() == first and first.stat().st_mtime_ns == mtime
+    other = tmp_path / "other.c"
+    other.write_text(cpu_paged.SOURCE.read_text() + "\n/* changed */\n")
+    assert cpu_paged.build(other) != first
