@@ -19,7 +19,7 @@ from .host_store import HostStore
 from .kv_pool import KVPool
 from .metrics import Metrics
 from .model.config import ModelConfig
-from .model.llama import LlamaModel
+from .model.llama import LlamaModel, WeightFormat
 from .model.loader import LoadedModel, load_model_files
 from .model.tokenizer import Tokenizer
 from .runner import ModelRunner
@@ -52,6 +52,14 @@ def pick_dtype(args: ServerArgs, device: torch.device) -> torch.dtype:
     return getattr(torch, args.dtype)
 
 
+def pick_weight_format(args: ServerArgs, device: torch.device,
+                       dtype: torch.dtype) -> WeightFormat:
+    """bf16 linears are a CPU option over a float32 model (on CUDA the dtype says it all)."""
+    if args.weights == "fp32" or device.type != "cpu" or dtype != torch.float32:
+        return WeightFormat.FP32
+    return WeightFormat.BF16
+
+
 def pick_threads(args: ServerArgs) -> int:
     # Half the cores, measured on a 2-core machine shared with other jobs (benchmarks/README.md,
     # "CPU decode step"): with 2 threads a batch-4 decode step was ~15% faster in wall time but
@@ -80,7 +88,28 @@ def pick_backend(args: ServerArgs, device: torch.device, config: ModelConfig,
             log.warning("FlashInfer unavailable (%s); using the torch backend", exc)
     if args.attention_backend == "flashinfer":
         raise ValueError("--attention-backend flashinfer needs a CUDA device")
+    if args.attention_backend in ("auto", "cpu") and device.type == "cpu":
+        return pick_cpu_backend(args, dtype)
+    if args.attention_backend == "cpu":
+        raise ValueError("--attention-backend cpu runs on the CPU only")
     return TorchPagedAttention(device)
+
+
+def pick_cpu_backend(args: ServerArgs, dtype: torch.dtype) -> AttentionBackend:
+    """The C kernel (reads pages in place) where it builds; the torch reference otherwise."""
+    from kvpark.kernels.cpu_paged import CpuPagedAttention, KernelUnavailable
+
+    if dtype != torch.float32:
+        if args.attention_backend == "cpu":
+            raise ValueError("--attention-backend cpu computes in float32 only")
+        return TorchPagedAttention("cpu")
+    try:
+        return CpuPagedAttention()
+    except KernelUnavailable as exc:
+        if args.attention_backend == "cpu":
+            raise
+        log.warning("C paged attention unavailable (%s); using the torch backend", exc)
+        return TorchPagedAttention("cpu")
 
 
 def pick_num_pages(args: ServerArgs, config: ModelConfig, dtype: torch.dtype,
@@ -104,7 +133,8 @@ def build_stack(args: ServerArgs) -> ServingStack:
     loaded: LoadedModel = load_model_files(args.model, device=device, dtype=dtype)
     config = loaded.config
     model = LlamaModel(config, loaded.weights,
-                       batch_invariant=args.batch_invariant and device.type == "cpu")
+                       batch_invariant=args.batch_invariant and device.type == "cpu",
+                       weight_format=pick_weight_format(args, device, dtype))
     pool = KVPool(config.num_layers, pick_num_pages(args, config, dtype, device), args.page_size,
                   config.num_kv_heads, config.head_dim, dtype=dtype, device=device)
     backend = pick_backend(args, device, config, dtype)
@@ -133,8 +163,9 @@ def build_stack(args: ServerArgs) -> ServingStack:
     scheduler.on_finish = metrics.on_finish
     runner = ModelRunner(model, pool, backend, graphs=graphs)
     engine = Engine(scheduler, runner, loaded.tokenizer.eos_token_ids, on_step=metrics.on_step)
-    log.info("model %s (%s): %d layers, %d/%d heads, %s on %s", loaded.name, loaded.source,
-             config.num_layers, config.num_heads, config.num_kv_heads, dtype, device)
+    log.info("model %s (%s): %d layers, %d/%d heads, %s on %s, linears %s", loaded.name,
+             loaded.source, config.num_layers, config.num_heads, config.num_kv_heads, dtype,
+             device, model.weight_format.value)
     log.info("KV pool: %d pages x %d tokens = %d tokens, %.1f MiB; %d slots", pool.num_pages,
              pool.page_size, pool.capacity_tokens, pool.page_bytes * pool.num_pages / 2**20,
              args.parallel)

@@ -32,3 +32,24 @@ def test_bad_preempt_ram_is_refused():
     with pytest.raises(SystemExit):
         parse_args(["--preempt-ram", "lots"], env={})
     assert parse_args(["--preempt-ram", "auto"], env={}).preempt_ram == "auto"
+
+
+def test_weights_flag_and_its_reach():
+    import torch
+
+    from kvpark.pod.model.llama import WeightFormat
+    from kvpark.pod.server import pick_weight_format
+
+    assert parse_args([], env={}).weights == "fp32"
+    assert parse_args([], env={"KVPARK_WEIGHTS": "bf16"}).weights == "bf16"
+    with pytest.raises(SystemExit):
+        parse_args([], env={"KVPARK_WEIGHTS": "int4"})
+    with pytest.raises(SystemExit):
+        parse_args(["--weights", "int4"], env={})
+    bf16 = parse_args(["--weights", "bf16"], env={})
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert pick_weight_format(bf16, cpu, torch.float32) is WeightFormat.BF16
+    # a bf16 model, or CUDA, already computes in its dtype: nothing to reformat
+    assert pick_weight_format(bf16, cpu, torch.bfloat16) is WeightFormat.FP32
+    assert pick_weight_format(bf16, cuda, torch.bfloat16) is WeightFormat.FP32
+    assert pick_weight_format(parse_args([], env={}), cpu, torch.float32) is WeightFormat.FP32

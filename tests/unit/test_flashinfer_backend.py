@@ -57,14 +57,22 @@ def test_importing_the_module_does_not_import_flashinfer(monkeypatch):
     spec.loader.exec_module(probe)
 
 
-def test_server_picks_torch_on_cpu_and_refuses_flashinfer():
+def test_server_picks_a_cpu_backend_on_cpu_and_refuses_flashinfer():
+    from kvpark.kernels.cpu_paged import CpuPagedAttention, is_available
     from kvpark.pod.args import ServerArgs
     from kvpark.pod.model.synthetic import synthetic_config
     from kvpark.pod.server import pick_backend
 
     cpu, config = torch.device("cpu"), synthetic_config("tiny")
-    assert isinstance(pick_backend(ServerArgs(attention_backend="auto"), cpu, config,
-                                   torch.float32), TorchPagedAttention)
+    auto = pick_backend(ServerArgs(attention_backend="auto"), cpu, config, torch.float32)
+    assert isinstance(auto, CpuPagedAttention if is_available() else TorchPagedAttention)
+    torch_backend = pick_backend(ServerArgs(attention_backend="torch"), cpu, config,
+                                 torch.float32)
+    assert type(torch_backend) is TorchPagedAttention
+    bf16 = pick_backend(ServerArgs(attention_backend="auto"), cpu, config, torch.bfloat16)
+    assert type(bf16) is TorchPagedAttention  # the C kernel is float32 only
+    with pytest.raises(ValueError, match="float32 only"):
+        pick_backend(ServerArgs(attention_backend="cpu"), cpu, config, torch.bfloat16)
     with pytest.raises(ValueError, match="needs a CUDA device"):
         pick_backend(ServerArgs(attention_backend="flashinfer"), cpu, config, torch.float32)
 
