@@ -30,7 +30,9 @@ from torch.profiler import ProfilerActivity, profile
 
 import kvpark.pod.model.llama as llama_module
 import kvpark.pod.runner as runner_module
+from kvpark.kernels import cpu_paged
 from kvpark.kernels.attention import AttentionBackend
+from kvpark.kernels.cpu_paged import CpuPagedAttention
 from kvpark.kernels.torch_paged import TorchPagedAttention
 from kvpark.pod.host_store import HostStore
 from kvpark.pod.kv_pool import KVPool
@@ -54,27 +56,36 @@ def now() -> float:
 
 @dataclass(frozen=True)
 class Variant:
-    """One measured configuration, `WEIGHTS[,KV][@THREADS]`: `fp32`, `bf16`, `fp32,float16@2`.
+    """One measured configuration, `WEIGHTS[,KV][@THREADS][+BACKEND]`: `fp32`, `bf16`,
+    `fp32,float16@2`, `fp32+torch`.
 
-    WEIGHTS is a `WeightFormat`; KV the pool's dtype (float32 unless given).
+    WEIGHTS is a `WeightFormat`; KV the pool's dtype (float32 unless given); BACKEND the
+    attention backend, `cpu` (the C kernel) or `torch`, by default what the server picks.
     """
 
     name: str
     weight_format: WeightFormat
     kv_dtype: torch.dtype
     threads: int
+    backend: str
 
     @classmethod
     def parse(cls, spec: str, default_threads: int) -> Variant:
-        formats, _, threads = spec.partition("@")
+        rest, _, backend = spec.partition("+")
+        formats, _, threads = rest.partition("@")
         weights, _, kv = formats.partition(",")
-        return cls(spec, WeightFormat(weights), getattr(torch, kv or "float32"),
-                   int(threads) if threads else default_threads)
+        kv_dtype = getattr(torch, kv or "float32")
+        if not backend:
+            usable = kv_dtype == torch.float32 and cpu_paged.is_available()
+            backend = "cpu" if usable else "torch"
+        return cls(spec, WeightFormat(weights), kv_dtype,
+                   int(threads) if threads else default_threads, backend)
 
     def make(self, loaded: LoadedModel) -> tuple[LlamaModel, AttentionBackend]:
         model = LlamaModel(loaded.config, loaded.weights, batch_invariant=True,
                            weight_format=self.weight_format)
-        return model, TorchPagedAttention()
+        backend = CpuPagedAttention() if self.backend == "cpu" else TorchPagedAttention()
+        return model, backend
 
 
 # ---- timing hooks -------------------------------------------------------------------------------
