@@ -5,7 +5,13 @@
    (weights + the batch's KV) over the device copy bandwidth measured here;
 2. attention alone: FlashInfer vs the torch backend, decode and prefill, per layer call;
 3. park costs for a ~1000-token sequence: swap park/resume (sync and async engines) and the
-   recompute (a prefill of the same tokens).
+   recompute (a prefill of the same tokens);
+4. the results table of benchmarks/preemption.py, in process: four concurrent chats of ~1000-token
+   prompts through the real Engine and Scheduler on a pool that cannot hold them, per host budget
+   (ample / inside the park-size range / 0): completed, parks by mode, aggregate tokens/s, time
+   parked, and the latency from resume to the next token (swap: copy-in; recompute: the replay).
+   In process because the GPU machine has no server dependencies (HTTP, tokenizer) and the GGUF
+   is too large to travel; the token ids are random, the model synthetic.
 
 `--dry-run` runs every CPU-capable path on synthetic:tiny in seconds (CI-free smoke test of
 this script); sections that need CUDA or FlashInfer are recorded as skipped with the reason.
@@ -19,6 +25,7 @@ import os
 import platform
 import statistics
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -38,13 +45,22 @@ from kvpark.kernels.flashinfer_paged import (  # noqa: E402
     FlashInferPagedAttention,
     FlashInferUnavailable,
 )
-from kvpark.kernels.kv_copy import CudaAsyncCopyEngine, SyncCopyEngine  # noqa: E402
+from kvpark.kernels.kv_copy import (  # noqa: E402
+    CudaAsyncCopyEngine,
+    SyncCopyEngine,
+    make_copy_engine,
+)
 from kvpark.kernels.torch_paged import TorchPagedAttention  # noqa: E402
 from kvpark.pod.cuda_graphs import DecodeGraphRunner  # noqa: E402
+from kvpark.pod.engine import Engine  # noqa: E402
 from kvpark.pod.host_store import HostStore  # noqa: E402
 from kvpark.pod.kv_pool import KVPool  # noqa: E402
 from kvpark.pod.model.llama import LlamaModel  # noqa: E402
 from kvpark.pod.model.synthetic import synthetic_config, synthetic_weights  # noqa: E402
+from kvpark.pod.runner import ModelRunner  # noqa: E402
+from kvpark.pod.sampling import SamplingParams  # noqa: E402
+from kvpark.pod.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from kvpark.pod.slot import Sequence  # noqa: E402
 
 PAGE_SIZE = 16
 
@@ -61,6 +77,16 @@ class BenchConfig:
     park_tokens: int
     prefill_seqs: int
     copy_bytes: int
+    chats: ChatsConfig
+
+
+@dataclass(frozen=True)
+class ChatsConfig:
+    prompt: int  # tokens of the first chat's prompt; the others are a little longer
+    output: int  # generated tokens per chat (ignore_eos: a fixed length)
+    pool: int  # tokens the KV pool holds: less than the four chats need together
+    runs: int
+    timeout_s: float
 
 
 @dataclass
@@ -69,6 +95,7 @@ class Report:
     decode: list[dict] = field(default_factory=list)
     attention: list[dict] = field(default_factory=list)
     parks: list[dict] = field(default_factory=list)
+    chats: list[dict] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
@@ -328,6 +355,130 @@ def recompute_row(model: LlamaModel, pool: KVPool, pages: list[int], cfg: BenchC
             "gb_s": None}
 
 
+# ---- 4. four chats through the scheduler --------------------------------------------------------
+NUM_CHATS = 4
+
+
+class ChatRecorder:
+    """The chats' event stream (what an SSE client sees), timed: resume-to-next-token latency
+    by park mode, and a signal when all have finished."""
+
+    def __init__(self, count: int) -> None:
+        self.remaining = count
+        self.done = threading.Event()
+        self.resumed_at: dict[int, tuple[str, float]] = {}
+        self.resume_latency: dict[str, list[float]] = {"swap": [], "recompute": []}
+
+    def on_event(self, seq: Sequence, kind: str, token: int | None) -> bool:
+        now = time.perf_counter()
+        if kind == "resumed":
+            self.resumed_at[seq.seq_id] = (seq.preempt_mode.value, now)
+        elif kind == "token" and seq.seq_id in self.resumed_at:
+            mode, at = self.resumed_at.pop(seq.seq_id)
+            self.resume_latency[mode].append(now - at)
+        elif kind == "finished":
+            self.remaining -= 1
+            if self.remaining == 0:
+                self.done.set()
+        return False
+
+
+def chat_budgets(pool: KVPool, cfg: BenchConfig) -> list[tuple[str, int]]:
+    one_park = pool.swap_bytes(pool.pages_for(cfg.chats.prompt))
+    # room for one ~prompt-sized park, not two: some parks swap, the rest recompute
+    return [("ample", -1), ("inside park range", one_park * 3 // 2), ("0", 0)]
+
+
+def chat_sequences(cfg: BenchConfig, recorder: ChatRecorder, vocab: int) -> list[Sequence]:
+    seqs = []
+    for i in range(NUM_CHATS):
+        gen = torch.Generator().manual_seed(i)
+        prompt = torch.randint(0, vocab, (cfg.chats.prompt + 16 * i,), generator=gen).tolist()
+        seqs.append(Sequence(
+            request_id=f"chat{i}", prompt_ids=prompt, generator=torch.Generator(),
+            params=SamplingParams(temperature=0, max_tokens=cfg.chats.output, ignore_eos=True),
+            on_event=recorder.on_event))
+    return seqs
+
+
+def run_chats(model: LlamaModel, runner: ModelRunner, cfg: BenchConfig, pool: KVPool,
+              budget: int) -> tuple[list[Sequence], Scheduler, ChatRecorder, float]:
+    host = HostStore(budget, pin_memory=cfg.device.type == "cuda")
+    config = SchedulerConfig(num_slots=NUM_CHATS, max_context=pool.capacity_tokens)
+    scheduler = Scheduler(config, pool, host, copy=make_copy_engine(pool))
+    engine = Engine(scheduler, runner, frozenset())
+    recorder = ChatRecorder(NUM_CHATS)
+    seqs = chat_sequences(cfg, recorder, model.config.vocab_size)
+    engine.start()
+    started = time.perf_counter()
+    engine.submit(seqs)
+    finished = recorder.done.wait(cfg.chats.timeout_s)
+    wall = time.perf_counter() - started
+    engine.stop()
+    if not finished:
+        raise TimeoutError(f"chats unfinished after {cfg.chats.timeout_s:.0f} s")
+    return seqs, scheduler, recorder, wall
+
+
+def ms(values: list[float], pick: Callable[[list[float]], float]) -> float | None:
+    return round(pick(values) * 1e3, 2) if values else None
+
+
+def chats_row(label: str, budget: int, seqs: list[Sequence], scheduler: Scheduler,
+              recorder: ChatRecorder, wall: float, cfg: BenchConfig) -> dict:
+    stats = scheduler.stats
+    parked = [s.parked_seconds for s in seqs]
+    return {
+        "budget": label, "budget_mib": "unbounded" if budget < 0 else round(budget / 2**20, 1),
+        "completed": f"{sum(s.num_generated == cfg.chats.output for s in seqs)}/{len(seqs)}",
+        "swap": stats.n_preempt_swap, "recompute": stats.n_preempt_recompute,
+        "recomputed_tokens": stats.n_recompute_tokens,
+        "agg_tok_s": round(sum(s.num_generated for s in seqs) / wall, 1),
+        "wall_s": round(wall, 2),
+        "parked_s_max": round(max(parked), 3), "parked_s_sum": round(sum(parked), 3),
+        "swap_out_ms": ms(stats.park_seconds, statistics.median),
+        "swap_in_ms": ms(stats.resume_seconds, statistics.median),
+        "resume_to_token_ms_swap": ms(recorder.resume_latency["swap"], statistics.median),
+        "resume_to_token_ms_recompute": ms(recorder.resume_latency["recompute"],
+                                           statistics.median),
+    }
+
+
+def chat_backend(model: LlamaModel, cfg: BenchConfig) -> AttentionBackend:
+    try:
+        return make_flashinfer(model, cfg)
+    except FlashInferUnavailable:
+        return TorchPagedAttention(cfg.device)
+
+
+def bench_chats(model: LlamaModel, cfg: BenchConfig, report: Report) -> None:
+    """As the server runs on CUDA: FlashInfer, decode graphs, asynchronous swap copies."""
+    c = model.config
+    pool = KVPool(c.num_layers, cfg.chats.pool // PAGE_SIZE, PAGE_SIZE, c.num_kv_heads,
+                  c.head_dim, cfg.dtype, cfg.device)
+    backend = chat_backend(model, cfg)
+    graphs = None
+    if cfg.device.type == "cuda" and hasattr(backend, "plan_graph"):
+        graphs = DecodeGraphRunner(model, pool, backend, max_batch=NUM_CHATS)
+        graphs.capture_all()  # takes a scratch page, as in the server
+    runner = ModelRunner(model, pool, backend, graphs=graphs)
+    free_pages = pool.num_free_pages
+    report.env["chats"] = {**asdict(cfg.chats), "backend": backend.name,
+                           "cuda_graphs": graphs is not None,
+                           "copy_engine": type(make_copy_engine(pool)).__name__}
+    for label, budget in chat_budgets(pool, cfg):
+        rows = []
+        for _ in range(cfg.chats.runs):
+            seqs, scheduler, recorder, wall = run_chats(model, runner, cfg, pool, budget)
+            assert pool.num_free_pages == free_pages, "pages leaked"
+            rows.append(chats_row(label, budget, seqs, scheduler, recorder, wall, cfg))
+        row = min(rows, key=lambda r: r["wall_s"])  # the least disturbed run
+        row["runs_tok_s"] = [r["agg_tok_s"] for r in rows]
+        report.chats.append(row)
+        print_row("chats", row)
+    if graphs is not None:
+        graphs.close()
+
 # ---- output -------------------------------------------------------------------------------------
 def print_row(section: str, row: dict) -> None:
     print(f"[{section}] " + " ".join(f"{k}={v}" for k, v in row.items()), flush=True)
@@ -348,7 +499,8 @@ def write_report(report: Report, out: Path) -> None:
     parts = ["# GPU benchmark\n", "```\n" + json.dumps(report.env, indent=1, default=str)
              + "\n```\n", "## Decode step vs HBM floor\n", markdown_table(report.decode),
              "## Attention per layer call\n", markdown_table(report.attention),
-             "## Park costs\n", markdown_table(report.parks)]
+             "## Park costs\n", markdown_table(report.parks),
+             "## Four concurrent chats on a pool too small for all\n", markdown_table(report.chats)]
     if report.skipped:
         parts += ["## Skipped\n", "".join(f"- {s}\n" for s in report.skipped)]
     if report.errors:
@@ -392,15 +544,20 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, Path]:
     p.add_argument("--batches", default="1,8,32,64")
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--chat-output", type=int, default=256, help="tokens each chat generates")
     args = p.parse_args(argv)
     if args.dry_run:
         cfg = BenchConfig("synthetic:tiny", torch.device("cpu"), torch.float32, [1, 2], 40, 2, 1,
-                          park_tokens=100, prefill_seqs=2, copy_bytes=16 << 20)
+                          park_tokens=100, prefill_seqs=2, copy_bytes=16 << 20,
+                          chats=ChatsConfig(prompt=60, output=24, pool=240, runs=1,
+                                            timeout_s=120))
     else:
         assert torch.cuda.is_available(), "the GPU benchmark needs CUDA (or use --dry-run)"
         cfg = BenchConfig(args.model, torch.device("cuda"), torch.bfloat16,
                           [int(b) for b in args.batches.split(",")], args.context, args.steps,
-                          warmup=3, park_tokens=1000, prefill_seqs=4, copy_bytes=2 << 30)
+                          warmup=3, park_tokens=1000, prefill_seqs=4, copy_bytes=2 << 30,
+                          chats=ChatsConfig(prompt=1000, output=args.chat_output, pool=3072,
+                                            runs=2, timeout_s=60))
     return cfg, Path(args.out)
 
 
@@ -417,6 +574,7 @@ def main(argv: list[str] | None = None) -> int:
     run_section("decode", lambda: bench_decode(model, cfg, bandwidth, report), report)
     run_section("attention", lambda: bench_attention(model, cfg, report), report)
     run_section("parks", lambda: bench_parks(model, cfg, report), report)
+    run_section("chats", lambda: bench_chats(model, cfg, report), report)
     write_report(report, out)
     return 1 if report.errors else 0
 
