@@ -429,7 +429,7 @@ def chats_row(label: str, budget: int, seqs: list[Sequence], scheduler: Schedule
     stats = scheduler.stats
     parked = [s.parked_seconds for s in seqs]
     return {
-        "budget": label, "budget_mib": "unbounded" if budget < 0 else round(budget / 2**20, 1),
+        "budget": label, "budget_mib": "unbounded" if budget < 0 else round(budget / 2**20, 3),
         "completed": f"{sum(s.num_generated == cfg.chats.output for s in seqs)}/{len(seqs)}",
         "swap": stats.n_preempt_swap, "recompute": stats.n_preempt_recompute,
         "recomputed_tokens": stats.n_recompute_tokens,
