@@ -56,11 +56,12 @@ def now() -> float:
 
 @dataclass(frozen=True)
 class Variant:
-    """One measured configuration, `WEIGHTS[,KV][@THREADS][+BACKEND]`: `fp32`, `bf16`,
+    """One measured configuration, `WEIGHTS[,KV][@THREADS][+BACKEND]`: `fp32`, `bf16`, `gguf`,
     `fp32,float16@2`, `fp32+torch`.
 
-    WEIGHTS is a `WeightFormat`; KV the pool's dtype (float32 unless given); BACKEND the
-    attention backend, `cpu` (the C kernel) or `torch`, by default what the server picks.
+    WEIGHTS is a `WeightFormat` or `gguf` (float32, decode rows from the GGUF's blocks: the
+    server's default); KV the pool's dtype (float32 unless given); BACKEND the attention
+    backend, `cpu` (the C kernel) or `torch`, by default what the server picks.
     """
 
     name: str
@@ -68,6 +69,7 @@ class Variant:
     kv_dtype: torch.dtype
     threads: int
     backend: str
+    blocks: bool = False
 
     @classmethod
     def parse(cls, spec: str, default_threads: int) -> Variant:
@@ -78,12 +80,14 @@ class Variant:
         if not backend:
             usable = kv_dtype == torch.float32 and cpu_paged.is_available()
             backend = "cpu" if usable else "torch"
-        return cls(spec, WeightFormat(weights), kv_dtype,
-                   int(threads) if threads else default_threads, backend)
+        blocks = weights == "gguf"
+        return cls(spec, WeightFormat("fp32" if blocks else weights), kv_dtype,
+                   int(threads) if threads else default_threads, backend, blocks)
 
     def make(self, loaded: LoadedModel) -> tuple[LlamaModel, AttentionBackend]:
         model = LlamaModel(loaded.config, loaded.weights, batch_invariant=True,
-                           weight_format=self.weight_format)
+                           weight_format=self.weight_format,
+                           quantized=loaded.quantized if self.blocks else None)
         backend = CpuPagedAttention() if self.backend == "cpu" else TorchPagedAttention()
         return model, backend
 

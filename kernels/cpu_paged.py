@@ -16,88 +16,23 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import platform
-import shlex
-import subprocess
-import sysconfig
-import tempfile
-from pathlib import Path
 
 import torch
 
 from .attention import StepLayout, get_plan_arrays
+from .cbuild import CSRC, KernelUnavailable, build
 from .torch_paged import TorchPagedAttention
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
-CFLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-pthread", "-std=c11")
-CACHE_ENV = "KVPARK_KERNEL_CACHE"
-
-
-class KernelUnavailable(RuntimeError):
-    """The C kernel could not be built or loaded here."""
-
-
-def compiler() -> list[str]:
-    cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
-    return shlex.split(cc)[:1]  # sysconfig's CC may carry flags for another toolchain
-
-
-def cpu_fingerprint() -> str:
-    # -march=native: a library built on one CPU may not run on another sharing the cache folder
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        flags = ""
-    return platform.machine() + flags
-
-
-def cache_dir() -> Path:
-    explicit = os.environ.get(CACHE_ENV)
-    if explicit:
-        return Path(explicit)
-    home_cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvpark"
-    try:
-        home_cache.mkdir(parents=True, exist_ok=True)
-        if os.access(home_cache, os.W_OK):
-            return home_cache
-    except OSError:
-        pass
-    return Path(tempfile.gettempdir()) / f"kvpark-kernels-{os.getuid()}"  # read-only home
-
-
-def build(source: Path = SOURCE) -> Path:
-    """The compiled library for this source, compiler and CPU (built once, then reused)."""
-    cc = compiler()
-    key = hashlib.sha256(source.read_bytes() + " ".join(cc + list(CFLAGS)).encode()
-                         + cpu_fingerprint().encode()).hexdigest()[:16]
-    folder = cache_dir()
-    target = folder / f"{source.stem}-{key}.so"
-    if target.exists():
-        return target
-    folder.mkdir(parents=True, exist_ok=True)
-    partial = folder / f".{target.name}.{os.getpid()}"
-    try:
-        done = subprocess.run([*cc, *CFLAGS, str(source), "-o", str(partial), "-lm"],
-                              capture_output=True, text=True, timeout=120)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise KernelUnavailable(f"C compiler {cc[0]!r} did not run: {exc}") from exc
-    if done.returncode != 0:
-        partial.unlink(missing_ok=True)
-        raise KernelUnavailable(f"{cc[0]} failed on {source.name}: {done.stderr.strip()[-800:]}")
-    os.replace(partial, target)  # atomic: concurrent builders each publish a whole file
-    return target
+SOURCE = CSRC / "paged_attention.c"
 
 
 @functools.cache
 def load_kernel() -> ctypes.CDLL:
     try:
-        lib = ctypes.CDLL(str(build()))
+        lib = ctypes.CDLL(str(build(SOURCE)))
     except OSError as exc:
         raise KernelUnavailable(f"cannot load the built kernel: {exc}") from exc
     fn = lib.kvpark_paged_attention

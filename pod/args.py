@@ -43,7 +43,7 @@ class ServerArgs:
     shutdown_timeout: float = 30.0
     attention_backend: str = "auto"
     dtype: str = "auto"
-    weights: str = "fp32"  # CPU linears: fp32 (the checkpoint's values) or bf16 (half the bytes)
+    weights: str = "auto"  # CPU linears: auto / gguf (decode from the GGUF's blocks), fp32, bf16
     device: str = "auto"
     batch_invariant: bool = True
     cuda_graph: bool = True
@@ -118,9 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-timeout", type=float, help="seconds to drain on SIGTERM")
     p.add_argument("--attention-backend", choices=["auto", "torch", "cpu", "flashinfer"])
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--weights", choices=["fp32", "bf16"],
-                   help="CPU: how the linears hold their weights; bf16 reads half the bytes per "
-                        "step and rounds activations to bf16 inside each GEMM (default fp32)")
+    p.add_argument("--weights", choices=["auto", "gguf", "fp32", "bf16"],
+                   help="CPU linears. auto: decode rows read a GGUF's own Q4_1/Q8_0 blocks when "
+                        "there are any (gguf insists), prefill rows float32; fp32: float32 for "
+                        "all rows; bf16: bf16 weights, activations rounded to bf16 in each GEMM")
     p.add_argument("--device", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction,
                    help="results independent of batch composition on the CPU (default on)")
@@ -168,8 +169,8 @@ def parse_args(argv: Sequence[str] | None = None,
     if args.preempt_low > args.preempt_high:
         raise SystemExit(f"--preempt-low {args.preempt_low} must not exceed --preempt-high "
                          f"{args.preempt_high}")
-    if args.weights not in ("fp32", "bf16"):
-        raise SystemExit(f"KVPARK_WEIGHTS must be fp32 or bf16, not {args.weights}")
+    if args.weights not in ("auto", "gguf", "fp32", "bf16"):
+        raise SystemExit(f"KVPARK_WEIGHTS must be auto, gguf, fp32 or bf16, not {args.weights}")
     if args.preempt_resume not in ("fair", "spec"):
         raise SystemExit(f"KVPARK_PREEMPT_RESUME must be fair or spec, not {args.preempt_resume}")
     return args

@@ -10,7 +10,7 @@ from kvpark.kernels.attention import AttentionBackend, StepLayout
 
 from .cuda_graphs import DecodeGraphRunner
 from .kv_pool import KVPool
-from .model.llama import LlamaModel
+from .model.llama import BlockRows, LlamaModel
 from .sampling import sample
 from .scheduler import ScheduledSeq
 
@@ -57,7 +57,12 @@ class ModelRunner:
             positions.extend(range(start, start + item.num_tokens))
         device = self.model.device
         layout = self.get_layout(plan)
-        if self.graphs is not None and self.graphs.can_run(layout):
+        rows = None
+        if self.model.has_blocks:  # generated-token rows read the GGUF's quantised blocks
+            rows = BlockRows.from_mask([p >= item.seq.num_prompt for item in plan
+                                        for p in range(item.seq.num_computed,
+                                                       item.seq.num_computed + item.num_tokens)])
+        if self.graphs is not None and self.graphs.can_run(layout) and rows is None:
             hidden = self.graphs.run(ids, positions, layout)  # a view the next replay rewrites
         else:
             self.backend.plan(layout)
@@ -66,6 +71,7 @@ class ModelRunner:
                 torch.tensor(positions, dtype=torch.long, device=device),
                 self.backend,
                 self.pool.caches,
+                rows,
             )
         last_rows, sampling = [], []
         end = 0
@@ -78,7 +84,10 @@ class ModelRunner:
         if sampling:
             if len(last_rows) < hidden.shape[0]:  # a decode-only step samples every row
                 hidden = hidden[torch.tensor(last_rows, device=device)]
-            logits = self.model.logits(hidden).cpu()
+            head_rows = None if rows is None else BlockRows.from_mask(
+                [item.seq.num_computed + item.num_tokens - 1 >= item.seq.num_prompt
+                 for item in sampling])
+            logits = self.model.logits(hidden, head_rows).cpu()
             tokens = sample(logits, [i.seq.params for i in sampling],
                             [i.seq.generator for i in sampling])
             sampled = {id(item): token for item, token in zip(sampling, tokens)}

@@ -8,8 +8,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpark.kernels import quant_linear
 from kvpark.kernels.attention import AttentionBackend
 from kvpark.kernels.kv_copy import make_copy_engine
+from kvpark.kernels.quant_linear import QuantizedWeight
 from kvpark.kernels.torch_paged import TorchPagedAttention
 
 from .args import ServerArgs
@@ -55,9 +57,28 @@ def pick_dtype(args: ServerArgs, device: torch.device) -> torch.dtype:
 def pick_weight_format(args: ServerArgs, device: torch.device,
                        dtype: torch.dtype) -> WeightFormat:
     """bf16 linears are a CPU option over a float32 model (on CUDA the dtype says it all)."""
-    if args.weights == "fp32" or device.type != "cpu" or dtype != torch.float32:
+    if args.weights != "bf16" or device.type != "cpu" or dtype != torch.float32:
         return WeightFormat.FP32
     return WeightFormat.BF16
+
+
+def pick_blocks(args: ServerArgs, loaded: LoadedModel, device: torch.device,
+                dtype: torch.dtype) -> dict[str, QuantizedWeight] | None:
+    """A GGUF's own blocks for decode rows on a float32 CPU model (`--weights auto|gguf`)."""
+    if args.weights not in ("auto", "gguf"):
+        return None
+    reason = None
+    if not loaded.quantized:
+        reason = "the checkpoint has no Q4_1 / Q8_0 matrices"
+    elif device.type != "cpu" or dtype != torch.float32:
+        reason = "decode from blocks is a float32 CPU path"
+    elif not quant_linear.is_available():
+        reason = "the C kernel did not build (see --attention-backend cpu)"
+    if reason is None:
+        return loaded.quantized
+    if args.weights == "gguf":
+        raise ValueError(f"--weights gguf: {reason}")
+    return None
 
 
 def pick_threads(args: ServerArgs) -> int:
@@ -134,7 +155,8 @@ def build_stack(args: ServerArgs) -> ServingStack:
     config = loaded.config
     model = LlamaModel(config, loaded.weights,
                        batch_invariant=args.batch_invariant and device.type == "cpu",
-                       weight_format=pick_weight_format(args, device, dtype))
+                       weight_format=pick_weight_format(args, device, dtype),
+                       quantized=pick_blocks(args, loaded, device, dtype))
     pool = KVPool(config.num_layers, pick_num_pages(args, config, dtype, device), args.page_size,
                   config.num_kv_heads, config.head_dim, dtype=dtype, device=device)
     backend = pick_backend(args, device, config, dtype)
@@ -163,9 +185,10 @@ def build_stack(args: ServerArgs) -> ServingStack:
     scheduler.on_finish = metrics.on_finish
     runner = ModelRunner(model, pool, backend, graphs=graphs)
     engine = Engine(scheduler, runner, loaded.tokenizer.eos_token_ids, on_step=metrics.on_step)
-    log.info("model %s (%s): %d layers, %d/%d heads, %s on %s, linears %s", loaded.name,
+    log.info("model %s (%s): %d layers, %d/%d heads, %s on %s, linears %s%s", loaded.name,
              loaded.source, config.num_layers, config.num_heads, config.num_kv_heads, dtype,
-             device, model.weight_format.value)
+             device, model.weight_format.value,
+             ", decode rows from the GGUF's blocks" if model.has_blocks else "")
     log.info("KV pool: %d pages x %d tokens = %d tokens, %.1f MiB; %d slots", pool.num_pages,
              pool.page_size, pool.capacity_tokens, pool.page_bytes * pool.num_pages / 2**20,
              args.parallel)

@@ -12,12 +12,14 @@ other rows share the step.
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kvpark.kernels.attention import AttentionBackend
+from kvpark.kernels.quant_linear import QuantizedWeight, quant_linear
 
 from .config import ModelConfig
 
@@ -40,6 +42,32 @@ def can_prepack(weight: torch.Tensor) -> bool:
             and weight.dtype in (torch.float32, torch.bfloat16))
 
 
+@dataclass(frozen=True)
+class BlockRows:
+    """Which rows of a step read a linear's quantised blocks, and which the dense weight.
+
+    The runner marks the rows of generated tokens (positions past the prompt), first fed or
+    replayed: a property of the sequence alone, so a row takes the same kernels whatever its
+    neighbours, however its prompt was chunked, and a recompute replay reproduces its bits.
+    """
+
+    blocks: torch.Tensor  # row indices, int64
+    dense: torch.Tensor
+
+    @classmethod
+    def from_mask(cls, from_blocks: list[bool]) -> BlockRows:
+        mask = torch.tensor(from_blocks, dtype=torch.bool)
+        return cls(mask.nonzero()[:, 0], (~mask).nonzero()[:, 0])
+
+    @property
+    def num_blocks(self) -> int:
+        return self.blocks.shape[0]
+
+    @property
+    def num_dense(self) -> int:
+        return self.dense.shape[0]
+
+
 class Linear:
     """y = x W^T (+ b); on the CPU the weight is reordered once into oneDNN's blocked layout.
 
@@ -49,7 +77,9 @@ class Linear:
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
-                 fmt: WeightFormat = WeightFormat.FP32) -> None:
+                 fmt: WeightFormat = WeightFormat.FP32,
+                 blocks: QuantizedWeight | None = None) -> None:
+        self.blocks = blocks  # the checkpoint's quantised blocks: decode rows read these
         self.compute_dtype = torch.bfloat16 if fmt is WeightFormat.BF16 else weight.dtype
         weight = weight.to(self.compute_dtype)
         self.bias = None if bias is None else bias.to(self.compute_dtype)
@@ -57,7 +87,27 @@ class Linear:
                        if can_prepack(weight) else None)
         self.weight = None if self.packed is not None else weight  # no second copy in RAM
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, rows: BlockRows | None = None) -> torch.Tensor:
+        """With `rows`, the rows it names read the quantised blocks (when there are any)."""
+        if rows is None:  # the model padded x for the dense GEMM
+            return self.dense(x)
+        # the model does not pad when it hands `rows` down: the dense GEMM keeps its row
+        # invariance only from MIN_INVARIANT_ROWS rows on, the block kernel at any count
+        if self.blocks is None or rows.num_blocks == 0:
+            return self.dense(pad_rows(x, MIN_INVARIANT_ROWS))[: x.shape[0]]
+        if rows.num_dense == 0:
+            return self.from_blocks(x)
+        out = torch.empty(x.shape[0], self.blocks.out_features, dtype=x.dtype)
+        dense_x = pad_rows(x.index_select(0, rows.dense), MIN_INVARIANT_ROWS)
+        out.index_copy_(0, rows.dense, self.dense(dense_x)[: rows.num_dense])
+        out.index_copy_(0, rows.blocks, self.from_blocks(x.index_select(0, rows.blocks)))
+        return out
+
+    def from_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        y = quant_linear(x, self.blocks)
+        return y if self.bias is None else y + self.bias
+
+    def dense(self, x: torch.Tensor) -> torch.Tensor:
         out_dtype = x.dtype
         if x.dtype != self.compute_dtype:
             x = x.to(self.compute_dtype)
@@ -68,9 +118,9 @@ class Linear:
         return y if y.dtype == out_dtype else y.to(out_dtype)
 
 
-def linear(x: torch.Tensor, layer: Linear) -> torch.Tensor:
+def linear(x: torch.Tensor, layer: Linear, rows: BlockRows | None = None) -> torch.Tensor:
     """Every GEMM of the model goes through here (benchmarks/profile_step.py times it)."""
-    return layer(x)
+    return layer(x, rows)
 
 
 def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -106,22 +156,35 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     return x * cos + swapped * signed_sin
 
 
+def fused_blocks(quantized: dict[str, QuantizedWeight] | None,
+                 names: list[str]) -> QuantizedWeight | None:
+    """The blocks of `names` stacked as one fused linear; None unless every part has them."""
+    if not quantized or any(name not in quantized for name in names):
+        return None
+    return QuantizedWeight.cat([quantized[name] for name in names])
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], prefix: str,
-                 fmt: WeightFormat = WeightFormat.FP32) -> None:
+                 fmt: WeightFormat = WeightFormat.FP32,
+                 quantized: dict[str, QuantizedWeight] | None = None) -> None:
         super().__init__()
         self.config = config
         attn, mlp = f"{prefix}.self_attn", f"{prefix}.mlp"
+        qkv_names = [f"{attn}.{p}_proj.weight" for p in "qkv"]
+        gate_up_names = [f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"]
         self.qkv = Linear(
-            torch.cat([weights[f"{attn}.{p}_proj.weight"] for p in "qkv"]),
+            torch.cat([weights[name] for name in qkv_names]),
             torch.cat([weights[f"{attn}.{p}_proj.bias"] for p in "qkv"])
             if config.attention_bias else None,
-            fmt,
+            fmt, fused_blocks(quantized, qkv_names),
         )
-        self.o = Linear(weights[f"{attn}.o_proj.weight"], None, fmt)
-        self.gate_up = Linear(torch.cat([weights[f"{mlp}.gate_proj.weight"],
-                                         weights[f"{mlp}.up_proj.weight"]]), None, fmt)
-        self.down = Linear(weights[f"{mlp}.down_proj.weight"], None, fmt)
+        self.o = Linear(weights[f"{attn}.o_proj.weight"], None, fmt,
+                        fused_blocks(quantized, [f"{attn}.o_proj.weight"]))
+        self.gate_up = Linear(torch.cat([weights[name] for name in gate_up_names]), None, fmt,
+                              fused_blocks(quantized, gate_up_names))
+        self.down = Linear(weights[f"{mlp}.down_proj.weight"], None, fmt,
+                           fused_blocks(quantized, [f"{mlp}.down_proj.weight"]))
         # the dense weights under their old names (None once packed), for byte counts
         self.qkv_weight, self.qkv_bias = self.qkv.weight, self.qkv.bias
         self.o_weight, self.gate_up_weight = self.o.weight, self.gate_up.weight
@@ -133,51 +196,60 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 backend: AttentionBackend, kv_cache: torch.Tensor,
-                num_tokens: int) -> torch.Tensor:
-        """x: [rows, hidden], of which the first `num_tokens` are real (the rest pad GEMMs)."""
+                num_tokens: int, rows: BlockRows | None = None) -> torch.Tensor:
+        """x: [rows, hidden], of which the first `num_tokens` are real (the rest pad GEMMs);
+        `rows`: which read quantised blocks (see `Linear`)."""
         c = self.config
-        rows = x.shape[0]
+        num_rows = x.shape[0]
         h = rms_norm(x, self.input_norm, c.rms_norm_eps)
-        qkv = linear(h, self.qkv)
+        qkv = linear(h, self.qkv, rows)
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        v = qkv[:, q_size + kv_size :].view(rows, c.num_kv_heads, c.head_dim)
+        v = qkv[:, q_size + kv_size :].view(num_rows, c.num_kv_heads, c.head_dim)
         if self.q_norm is None:  # RoPE on q and k heads in one go
-            qk = qkv[:, : q_size + kv_size].view(rows, c.num_heads + c.num_kv_heads, c.head_dim)
+            qk = qkv[:, : q_size + kv_size].view(num_rows, c.num_heads + c.num_kv_heads,
+                                                 c.head_dim)
             qk = apply_rope(qk, cos, sin)
             q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
             if not q.is_cpu:  # FlashInfer wants q dense
                 q = q.contiguous()
         else:
-            q = qkv[:, :q_size].view(rows, c.num_heads, c.head_dim)
-            k = qkv[:, q_size : q_size + kv_size].view(rows, c.num_kv_heads, c.head_dim)
+            q = qkv[:, :q_size].view(num_rows, c.num_heads, c.head_dim)
+            k = qkv[:, q_size : q_size + kv_size].view(num_rows, c.num_kv_heads, c.head_dim)
             q = apply_rope(rms_norm(q, self.q_norm, c.rms_norm_eps), cos, sin)
             k = apply_rope(rms_norm(k, self.k_norm, c.rms_norm_eps), cos, sin)
-        if num_tokens < rows:
+        if num_tokens < num_rows:
             q, k, v = q[:num_tokens], k[:num_tokens], v[:num_tokens]
         backend.append_kv(kv_cache, k, v)
         attn = backend.attend(q, kv_cache).reshape(num_tokens, q_size)
-        x = x + linear(pad_rows(attn, rows), self.o)
+        x = x + linear(pad_rows(attn, num_rows), self.o, rows)
         h = rms_norm(x, self.post_attn_norm, c.rms_norm_eps)
-        gate, up = linear(h, self.gate_up).chunk(2, dim=-1)
-        return x + linear(F.silu(gate) * up, self.down)
+        gate, up = linear(h, self.gate_up, rows).chunk(2, dim=-1)
+        return x + linear(F.silu(gate) * up, self.down, rows)
 
 
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
                  batch_invariant: bool = True,
-                 weight_format: WeightFormat = WeightFormat.FP32) -> None:
+                 weight_format: WeightFormat = WeightFormat.FP32,
+                 quantized: dict[str, QuantizedWeight] | None = None) -> None:
+        """`quantized`: a GGUF's blocks by weight name; decode rows then read them (CPU only)."""
         super().__init__()
         self.config = config
         self.batch_invariant = batch_invariant
         self.weight_format = weight_format
         self.embed = weights["model.embed_tokens.weight"]
         self.final_norm = weights["model.norm.weight"]
-        self.head = Linear(weights.get("lm_head.weight", self.embed), None, weight_format)
+        head_name = "lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"
+        self.head = Linear(weights[head_name], None, weight_format,
+                           fused_blocks(quantized, [head_name]))
         self.lm_head = self.head.weight  # dense (None once packed), for byte counts
         self.layers = [
-            DecoderLayer(config, weights, f"model.layers.{i}", weight_format)
+            DecoderLayer(config, weights, f"model.layers.{i}", weight_format, quantized)
             for i in range(config.num_layers)
         ]
+        # generated-token rows read quantised blocks where the runner says so (`BlockRows`)
+        self.has_blocks = self.head.blocks is not None or any(
+            layer.qkv.blocks is not None for layer in self.layers)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -193,19 +265,27 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                backend: AttentionBackend, kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        """input_ids, positions: [T] -> final hidden states [T, hidden] (normed)."""
+                backend: AttentionBackend, kv_caches: list[torch.Tensor],
+                rows: BlockRows | None = None) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, hidden] (normed). `rows`: which
+        rows read quantised blocks (with none, or no `rows`, every linear is dense)."""
         num_tokens = input_ids.shape[0]
-        # pad once here rather than at every GEMM: padding rows ride along, never attend
-        x = pad_rows(self.embed[input_ids], self.min_rows)
-        cos, sin = rope_cos_sin(pad_rows(positions[:, None], self.min_rows)[:, 0],
+        if not self.has_blocks:
+            rows = None
+        # pad once here rather than at every GEMM: padding rows ride along, never attend; with
+        # `rows`, `Linear` pads only the dense rows (the block kernel needs none)
+        min_rows = 1 if rows is not None else self.min_rows
+        x = pad_rows(self.embed[input_ids], min_rows)
+        cos, sin = rope_cos_sin(pad_rows(positions[:, None], min_rows)[:, 0],
                                 self.config.head_dim, self.config.rope_theta, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, backend, kv_cache, num_tokens)
+            x = layer(x, cos, sin, backend, kv_cache, num_tokens, rows)
         return rms_norm(x[:num_tokens], self.final_norm, self.config.rms_norm_eps)
 
     @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, hidden] -> float32 logits [N, vocab]."""
-        rows = hidden.shape[0]
-        return linear(pad_rows(hidden, self.min_rows), self.head)[:rows].float()
+    def logits(self, hidden: torch.Tensor, rows: BlockRows | None = None) -> torch.Tensor:
+        """hidden: [N, hidden] -> float32 logits [N, vocab]; `rows` as in `forward`."""
+        if self.has_blocks and rows is not None:
+            return linear(hidden, self.head, rows).float()
+        num_rows = hidden.shape[0]
+        return linear(pad_rows(hidden, self.min_rows), self.head)[:num_rows].float()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,9 @@ import gguf
 import numpy as np
 import torch
 from safetensors import safe_open
+
+from kvpark.kernels.quant_linear import KINDS as QUANT_KINDS
+from kvpark.kernels.quant_linear import QuantizedWeight
 
 from .config import ModelConfig
 from .synthetic import synthetic_config, synthetic_weights, weight_shapes
@@ -62,6 +65,8 @@ class LoadedModel:
     tokenizer: Tokenizer
     name: str  # what /v1/models shows
     source: str  # the file or directory it came from (or the synthetic spec)
+    # a GGUF's Q4_1 / Q8_0 matrices as stored (rows in the weights' order), for decode on the CPU
+    quantized: dict[str, QuantizedWeight] = field(default_factory=dict)
 
 
 def load_model_files(
@@ -117,12 +122,15 @@ def load_gguf(
     path = Path(path)
     reader = gguf.GGUFReader(path)
     config = gguf_config(reader)
-    weights = {
-        hf_name: tensor.to(device=device, dtype=dtype)
-        for hf_name, tensor in _gguf_tensors(reader, config)
-    }
+    weights: dict[str, torch.Tensor] = {}
+    quantized: dict[str, QuantizedWeight] = {}
+    for hf_name, tensor, blocks in _gguf_tensors(reader, config):
+        weights[hf_name] = tensor.to(device=device, dtype=dtype)
+        if blocks is not None:
+            quantized[hf_name] = blocks
     _check_weights(weights, config, str(path))
-    return LoadedModel(config, weights, Tokenizer.from_gguf(reader), name or path.stem, str(path))
+    return LoadedModel(config, weights, Tokenizer.from_gguf(reader), name or path.stem, str(path),
+                       quantized)
 
 
 def gguf_config(reader: gguf.GGUFReader) -> ModelConfig:
@@ -170,15 +178,22 @@ def _f32(value: float) -> float:
 
 
 def _gguf_tensors(reader: gguf.GGUFReader, config: ModelConfig):
-    """Yields (HF name, fp32 tensor [out, in]) one at a time, so peak host memory is one tensor."""
+    """Yields (HF name, fp32 tensor [out, in], its GGUF blocks or None) one at a time, so peak
+    host memory is one tensor."""
     for tensor in reader.tensors:
         hf_name = _hf_name(tensor.name)
         shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
         array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
         weight = torch.from_numpy(np.array(array, dtype=np.float32))  # copy off the read-only mmap
+        blocks = None
+        if tensor.tensor_type.name in QUANT_KINDS and len(shape) == 2:
+            blocks = QuantizedWeight.from_gguf(tensor.tensor_type.name, tensor.data, shape[0])
         if config.architecture == "llama":
             weight = _unpermute_llama_rope(hf_name, weight, config)
-        yield hf_name, weight
+            if blocks is not None:  # the same row order as the weight
+                order = torch.arange(shape[0])[:, None]
+                blocks = blocks.take_rows(_unpermute_llama_rope(hf_name, order, config)[:, 0])
+        yield hf_name, weight, blocks
 
 
 def _hf_name(gguf_name: str) -> str:

@@ -40,7 +40,7 @@ def test_weights_flag_and_its_reach():
     from kvpark.pod.model.llama import WeightFormat
     from kvpark.pod.server import pick_weight_format
 
-    assert parse_args([], env={}).weights == "fp32"
+    assert parse_args([], env={}).weights == "auto"
     assert parse_args([], env={"KVPARK_WEIGHTS": "bf16"}).weights == "bf16"
     with pytest.raises(SystemExit):
         parse_args([], env={"KVPARK_WEIGHTS": "int4"})

@@ -6,9 +6,10 @@ import pytest
 import torch
 from test_torch_paged import plain_causal_attention, relative_error, run_two_steps
 
-from kvpark.kernels import cpu_paged
+from kvpark.kernels import cbuild, cpu_paged
 from kvpark.kernels.attention import StepLayout
-from kvpark.kernels.cpu_paged import CpuPagedAttention, KernelUnavailable
+from kvpark.kernels.cbuild import KernelUnavailable
+from kvpark.kernels.cpu_paged import CpuPagedAttention
 from kvpark.kernels.torch_paged import TorchPagedAttention
 
 pytestmark = pytest.mark.skipif(not cpu_paged.is_available(),
@@ -112,19 +113,19 @@ def test_long_context_matches_plain_attention():
 def test_a_failed_build_says_why(tmp_path, monkeypatch):
     broken = tmp_path / "broken.c"
     broken.write_text("this is not C\n")
-    monkeypatch.setenv(cpu_paged.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(cbuild.CACHE_ENV, str(tmp_path / "cache"))
     with pytest.raises(KernelUnavailable, match="failed on broken.c"):
-        cpu_paged.build(broken)
+        cbuild.build(broken)
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     with pytest.raises(KernelUnavailable, match="did not run"):
-        cpu_paged.build(broken)
+        cbuild.build(broken)
 
 
 def test_the_build_is_cached_per_source(tmp_path, monkeypatch):
-    monkeypatch.setenv(cpu_paged.CACHE_ENV, str(tmp_path))
-    first = cpu_paged.build()
+    monkeypatch.setenv(cbuild.CACHE_ENV, str(tmp_path))
+    first = cbuild.build(cpu_paged.SOURCE)
     mtime = first.stat().st_mtime_ns
-    assert cpu_paged.build() == first and first.stat().st_mtime_ns == mtime
+    assert cbuild.build(cpu_paged.SOURCE) == first and first.stat().st_mtime_ns == mtime
     other = tmp_path / "other.c"
     other.write_text(cpu_paged.SOURCE.read_text() + "\n/* changed */\n")
-    assert cpu_paged.build(other) != first
+    assert cbuild.build(other) != first

@@ -1,0 +1,123 @@
+"""Linears over a GGUF checkpoint's own Q4_1 / Q8_0 blocks, for decode rows on the CPU.
+
+A CPU decode step reads every weight once: 538 MB in float32 for SmolLM2-135M, against ~100 MB
+for its Q4_1 blocks (repacked with float32 scales) and the Q8_0 embedding. `csrc/quant_linear.c`
+dequantises a block in registers and multiplies float32 activations; the weights are the same
+numbers as the float32 dequantisation, summed in another order. Rows are independent (a row's
+bits never depend on the other rows of a call). Prefill rows keep the float32 oneDNN GEMMs,
+which are compute-bound there and much faster than this kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .cbuild import CSRC, KernelUnavailable, build
+
+SOURCE = CSRC / "quant_linear.c"
+BLOCK = 32
+KINDS = {"Q4_1": 0, "Q8_0": 1}
+BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}  # GGUF: fp16 scale (+ fp16 min), then the quants
+
+
+@functools.cache
+def load_kernel():
+    try:
+        lib = ctypes.CDLL(str(build(SOURCE)))
+    except OSError as exc:
+        raise KernelUnavailable(f"cannot load the built kernel: {exc}") from exc
+    fn = lib.kvpark_quant_linear
+    i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [i32, ptr, ptr, ptr, i32, i32, ptr, i64, i32, ptr, i64, ptr]
+    fn.restype = i32
+    return fn
+
+
+def is_available() -> bool:
+    try:
+        load_kernel()
+        return True
+    except KernelUnavailable:
+        return False
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """W [out, in] as blocks of 32 inputs: float32 scales (and mins), then the quants."""
+
+    kind: str  # "Q4_1" or "Q8_0"
+    scale: torch.Tensor  # [out, in / 32] float32
+    mins: torch.Tensor | None  # [out, in / 32] float32 (Q4_1)
+    quants: torch.Tensor  # [out, in / 32, 16] uint8 nibbles (Q4_1) or [out, in / 32, 32] int8
+
+    @property
+    def out_features(self) -> int:
+        return self.scale.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.scale.shape[1] * BLOCK
+
+    @property
+    def nbytes(self) -> int:
+        parts = (self.scale, self.mins, self.quants)
+        return sum(p.numel() * p.element_size() for p in parts if p is not None)
+
+    @classmethod
+    def from_gguf(cls, kind: str, raw: np.ndarray, out_features: int) -> QuantizedWeight:
+        """raw: the tensor's bytes as GGUF stores them, row by row."""
+        blocks = np.ascontiguousarray(raw).reshape(out_features, -1, BLOCK_BYTES[kind])
+        scale = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0]
+                                 .astype(np.float32))
+        if kind == "Q4_1":
+            mins = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0]
+                                    .astype(np.float32))
+            return cls(kind, scale, mins, torch.from_numpy(blocks[..., 4:].copy()))
+        quants = torch.from_numpy(blocks[..., 2:].copy().view(np.int8))
+        return cls(kind, scale, None, quants)
+
+    def take_rows(self, rows: torch.Tensor) -> QuantizedWeight:
+        """The output rows `rows` (a permutation, e.g. undoing GGUF's RoPE pairing)."""
+        return QuantizedWeight(self.kind, self.scale[rows].contiguous(),
+                               None if self.mins is None else self.mins[rows].contiguous(),
+                               self.quants[rows].contiguous())
+
+    @staticmethod
+    def cat(parts: list[QuantizedWeight]) -> QuantizedWeight | None:
+        """Output rows stacked (fused qkv, gate_up); None unless all parts share one format."""
+        kinds = {p.kind for p in parts}
+        if len(kinds) != 1 or len({p.in_features for p in parts}) != 1:
+            return None
+        mins = None if parts[0].mins is None else torch.cat([p.mins for p in parts])
+        return QuantizedWeight(parts[0].kind, torch.cat([p.scale for p in parts]), mins,
+                               torch.cat([p.quants for p in parts]))
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [out, in], as gguf's dequantisation gives it (for tests)."""
+        if self.kind == "Q4_1":
+            q = torch.cat([self.quants & 15, self.quants >> 4], dim=-1).float()
+            w = q * self.scale[..., None] + self.mins[..., None]
+        else:
+            w = self.quants.float() * self.scale[..., None]
+        return w.reshape(self.out_features, self.in_features)
+
+
+def quant_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """x [rows, in] float32 (dense rows) -> x W^T [rows, out] float32."""
+    assert x.dtype == torch.float32 and x.stride(-1) == 1, "float32 rows with dense features"
+    rows = x.shape[0]
+    y = torch.empty(rows, weight.out_features)
+    scratch = torch.empty(max(1, min(rows, 8) * weight.in_features // BLOCK))
+    mins = weight.mins.data_ptr() if weight.mins is not None else None
+    status = load_kernel()(KINDS[weight.kind], weight.scale.data_ptr(), mins,
+                           weight.quants.data_ptr(), weight.out_features, weight.in_features,
+                           x.data_ptr(), x.stride(0), rows, y.data_ptr(), y.stride(0),
+                           scratch.data_ptr())
+    if status != 0:
+        raise RuntimeError(f"quantised linear kernel failed (status {status})")
+    return y

@@ -1,0 +1,123 @@
+"""Decode rows from a GGUF's own Q4_1 / Q8_0 blocks (kernels/quant_linear.py + csrc/)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvpark.kernels import quant_linear as ql
+from kvpark.kernels.attention import StepLayout
+from kvpark.kernels.cpu_paged import CpuPagedAttention
+from kvpark.pod.kv_pool import KVPool
+from kvpark.pod.model.llama import BlockRows, LlamaModel
+from kvpark.pod.model.loader import load_model_files
+
+pytestmark = pytest.mark.skipif(not ql.is_available(), reason="no working C compiler")
+PAGE = 16
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    torch.set_num_threads(1)
+    return load_model_files("builtin://smollm2-135m")
+
+
+@pytest.mark.parametrize("name", [
+    "model.layers.0.self_attn.q_proj.weight",  # rows un-permuted like the weight (RoPE pairs)
+    "model.layers.0.self_attn.k_proj.weight",
+    "model.layers.7.mlp.down_proj.weight",
+    "model.embed_tokens.weight",  # Q8_0, the tied lm_head
+])
+def test_blocks_hold_exactly_the_loaded_weights(smollm2, name):
+    blocks = smollm2.quantized[name]
+    assert blocks.kind == ("Q8_0" if "embed" in name else "Q4_1")
+    assert torch.equal(blocks.dequantize(), smollm2.weights[name])
+
+
+@pytest.mark.parametrize("name", ["model.layers.3.mlp.gate_proj.weight",
+                                  "model.embed_tokens.weight"])
+def test_rows_match_the_float32_linear_and_do_not_depend_on_each_other(smollm2, name):
+    blocks, dense = smollm2.quantized[name], smollm2.weights[name]
+    x = torch.randn(19, dense.shape[1], generator=torch.Generator().manual_seed(1))
+    y = ql.quant_linear(x, blocks)
+    expected = F.linear(x.double(), dense.double()).float()
+    assert ((y - expected).norm() / expected.norm()).item() < 1e-5
+    for rows in (slice(0, 1), slice(3, 5), slice(8, 17), slice(18, 19)):  # across row tiles
+        assert torch.equal(ql.quant_linear(x[rows].contiguous(), blocks), y[rows])
+
+
+def test_cat_and_take_rows_keep_rows_together(smollm2):
+    q = smollm2.quantized["model.layers.1.self_attn.q_proj.weight"]
+    k = smollm2.quantized["model.layers.1.self_attn.k_proj.weight"]
+    fused = ql.QuantizedWeight.cat([q, k])
+    assert torch.equal(fused.dequantize(), torch.cat([q.dequantize(), k.dequantize()]))
+    order = torch.randperm(q.out_features, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(q.take_rows(order).dequantize(), q.dequantize()[order])
+    embed = smollm2.quantized["model.embed_tokens.weight"]
+    assert ql.QuantizedWeight.cat([q, embed]) is None  # mixed formats do not fuse
+
+
+def run_steps(model, steps, prompt_lens):
+    """Each step: (sequence, token ids) pairs; rows past a sequence's prompt read the blocks, as
+    the runner marks them. Returns each step's last-row logits per sequence."""
+    c = model.config
+    pool = KVPool(c.num_layers, 32, PAGE, c.num_kv_heads, c.head_dim)
+    num_seqs = len(prompt_lens)
+    tables, lens, out = [[] for _ in range(num_seqs)], [0] * num_seqs, []
+    backend = CpuPagedAttention()  # row-invariant across decode and prefill rows, like this path
+    for step in steps:
+        ids, positions, from_blocks, last = [], [], [], []
+        for seq, tokens in step:
+            lens[seq] += len(tokens)
+            tables[seq] += pool.allocate(pool.pages_for(lens[seq]) - len(tables[seq]))
+            ids += tokens
+            new = range(lens[seq] - len(tokens), lens[seq])
+            positions += new
+            from_blocks += [p >= prompt_lens[seq] for p in new]
+            last.append(new[-1] >= prompt_lens[seq])
+        backend.plan(StepLayout([tables[s] for s, _ in step], [lens[s] for s, _ in step],
+                                [len(t) for _, t in step], PAGE))
+        rows = BlockRows.from_mask(from_blocks)
+        hidden = model(torch.tensor(ids), torch.tensor(positions), backend, pool.caches, rows)
+        ends = torch.tensor([len(t) for _, t in step]).cumsum(0) - 1
+        logits = model.logits(hidden[ends], BlockRows.from_mask(last))
+        out.append({seq: logits[i] for i, (seq, _) in enumerate(step)})
+    return out
+
+
+PROMPT = [1, 504, 3458, 314, 253, 1345, 30, 2]
+GENERATED = [[28], [6353], [30]]
+
+
+@pytest.fixture(scope="module")
+def models(smollm2):
+    return (LlamaModel(smollm2.config, smollm2.weights, quantized=smollm2.quantized),
+            LlamaModel(smollm2.config, smollm2.weights))
+
+
+def test_decode_from_blocks_is_independent_of_neighbours_and_close_to_float32(models):
+    model, dense = models
+    assert model.has_blocks and not dense.has_blocks
+    alone = run_steps(model, [[(0, PROMPT)], *[[(0, t)] for t in GENERATED]], [8])
+    neighbours = run_steps(model, [
+        [(1, list(range(40, 90))), (0, PROMPT)],
+        [(0, GENERATED[0]), (2, [3])],  # a one-token prompt beside it
+        [(2, [6, 7]), (0, GENERATED[1]), (1, [7])],
+        [(1, [8]), (0, GENERATED[2])],
+    ], [8, 50, 2])
+    for step, (a, b) in enumerate(zip(alone, neighbours)):
+        assert torch.equal(a[0], b[0]), f"step {step}: logits changed with batch neighbours"
+    reference = run_steps(dense, [[(0, PROMPT)], *[[(0, t)] for t in GENERATED]], [8])
+    for a, r in zip(alone, reference):
+        assert ((a[0] - r[0]).norm() / r[0].norm()).item() < 1e-4
+
+
+def test_a_recompute_replay_reproduces_the_decoded_bits(models):
+    model, _ = models
+    decoded = run_steps(model, [[(0, PROMPT)], *[[(0, t)] for t in GENERATED]], [8])
+    # the pages were dropped: prompt and generated tokens fed again, in chunks of any size
+    replay = [token for chunk in GENERATED for token in chunk]
+    whole = run_steps(model, [[(0, PROMPT + replay)]], [8])
+    chunked = run_steps(model, [[(0, PROMPT[:5])], [(0, PROMPT[5:] + replay[:1])],
+                                [(0, replay[1:])]], [8])
+    assert torch.equal(whole[0][0], decoded[-1][0])
+    assert torch.equal(chunked[-1][0], decoded[-1][0])
