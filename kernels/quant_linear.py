@@ -112,7 +112,7 @@ def quant_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     assert x.dtype == torch.float32 and x.stride(-1) == 1, "float32 rows with dense features"
     rows = x.shape[0]
     y = torch.empty(rows, weight.out_features)
-    scratch = torch.empty(max(1, min(rows, 8) * weight.in_features // BLOCK))
+    scratch = torch.empty(max(1, min(rows, 4) * weight.in_features // BLOCK))
     mins = weight.mins.data_ptr() if weight.mins is not None else None
     status = load_kernel()(KINDS[weight.kind], weight.scale.data_ptr(), mins,
                            weight.quants.data_ptr(), weight.out_features, weight.in_features,

@@ -15,7 +15,7 @@
 #include <string.h>
 
 #define LANES 16
-#define ROW_TILE 8
+#define ROW_TILE 4 /* input rows per pass over the weights */
 #define BLOCK 32
 
 typedef float vf __attribute__((vector_size(LANES * 4)));
@@ -71,50 +71,98 @@ static void block_sums(const float *x, int64_t x_stride, int rows, int nb, float
         }
 }
 
+/* sum over blocks of min * block sum, LANES blocks at a time (a fixed order per row) */
+static inline float mins_dot(const float *mins, const float *xsum, int nb) {
+    vf acc = (vf){0};
+    int b = 0;
+    for (; b + LANES <= nb; b += LANES) acc += load(mins + b) * load(xsum + b);
+    float tail = 0.0f;
+    for (; b < nb; b++) tail += mins[b] * xsum[b];
+    return hsum(acc) + tail;
+}
+
+/* `n_out` output rows from `o` for `rows` input rows, all compile-time constants where called, so
+ * the accumulators live in registers. Each (output, row) keeps two chains, the low and the high
+ * halves of every block, summed in block order: the same arithmetic whatever the tiling, so a
+ * row's result never depends on the rows or outputs computed beside it. */
 static inline __attribute__((always_inline)) void q4_1_tile(
     const float *scale, const float *mins, const uint8_t *quants, int nb, const float *x,
-    int64_t x_stride, const float *xsum, int rows, float *y, int64_t y_stride, int o) {
-    vf acc[ROW_TILE];
-    float msum[ROW_TILE];
-    for (int r = 0; r < rows; r++) {
-        acc[r] = (vf){0};
-        msum[r] = 0.0f;
-    }
+    int64_t x_stride, const float *xsum, float *y, int64_t y_stride, int o, const int n_out,
+    const int rows) {
+    vf lo_acc[4][4], hi_acc[4][4];
+    for (int j = 0; j < n_out; j++)
+        for (int r = 0; r < rows; r++) lo_acc[j][r] = hi_acc[j][r] = (vf){0};
     for (int b = 0; b < nb; b++) {
-        vu8 q;
-        memcpy(&q, quants + ((int64_t)o * nb + b) * 16, sizeof q);
-        const float d = scale[(int64_t)o * nb + b], m = mins[(int64_t)o * nb + b];
-        /* d * q is exact in float32 (an 11-bit scale times a 4-bit quant) */
-        const vf lo = d * u8_to_float(q & 15);
-        const vf hi = d * u8_to_float(q >> 4);
+        vf xl[4], xh[4];
         for (int r = 0; r < rows; r++) {
-            const float *xb = x + r * x_stride + b * BLOCK;
-            acc[r] += lo * load(xb) + hi * load(xb + LANES);
-            msum[r] += m * xsum[r * nb + b];
+            xl[r] = load(x + r * x_stride + b * BLOCK);
+            xh[r] = load(x + r * x_stride + b * BLOCK + LANES);
+        }
+        for (int j = 0; j < n_out; j++) {
+            const int64_t at = (int64_t)(o + j) * nb + b;
+            vu8 q;
+            memcpy(&q, quants + at * 16, sizeof q);
+            /* d * q is exact in float32 (an 11-bit scale times a 4-bit quant) */
+            const vf lo = scale[at] * u8_to_float(q & 15);
+            const vf hi = scale[at] * u8_to_float(q >> 4);
+            for (int r = 0; r < rows; r++) {
+                lo_acc[j][r] += lo * xl[r];
+                hi_acc[j][r] += hi * xh[r];
+            }
         }
     }
-    for (int r = 0; r < rows; r++) y[r * y_stride + o] = hsum(acc[r]) + msum[r];
+    for (int j = 0; j < n_out; j++)
+        for (int r = 0; r < rows; r++)
+            y[r * y_stride + o + j] = hsum(lo_acc[j][r] + hi_acc[j][r])
+                                      + mins_dot(mins + (int64_t)(o + j) * nb, xsum + r * nb, nb);
 }
 
 static inline __attribute__((always_inline)) void q8_0_tile(
-    const float *scale, const int8_t *quants, int nb, const float *x, int64_t x_stride, int rows,
-    float *y, int64_t y_stride, int o) {
-    vf acc[ROW_TILE];
-    for (int r = 0; r < rows; r++) acc[r] = (vf){0};
+    const float *scale, const int8_t *quants, int nb, const float *x, int64_t x_stride,
+    float *y, int64_t y_stride, int o, const int n_out, const int rows) {
+    vf lo_acc[4][4], hi_acc[4][4];
+    for (int j = 0; j < n_out; j++)
+        for (int r = 0; r < rows; r++) lo_acc[j][r] = hi_acc[j][r] = (vf){0};
     for (int b = 0; b < nb; b++) {
-        vi8 q0, q1;
-        memcpy(&q0, quants + ((int64_t)o * nb + b) * BLOCK, sizeof q0);
-        memcpy(&q1, quants + ((int64_t)o * nb + b) * BLOCK + LANES, sizeof q1);
-        const float d = scale[(int64_t)o * nb + b];
-        /* d * q is exact in float32 (an 11-bit scale times an 8-bit quant) */
-        const vf w0 = d * i8_to_float(q0), w1 = d * i8_to_float(q1);
+        vf xl[4], xh[4];
         for (int r = 0; r < rows; r++) {
-            const float *xb = x + r * x_stride + b * BLOCK;
-            acc[r] += w0 * load(xb) + w1 * load(xb + LANES);
+            xl[r] = load(x + r * x_stride + b * BLOCK);
+            xh[r] = load(x + r * x_stride + b * BLOCK + LANES);
+        }
+        for (int j = 0; j < n_out; j++) {
+            const int64_t at = (int64_t)(o + j) * nb + b;
+            vi8 q0, q1;
+            memcpy(&q0, quants + at * BLOCK, sizeof q0);
+            memcpy(&q1, quants + at * BLOCK + LANES, sizeof q1);
+            /* d * q is exact in float32 (an 11-bit scale times an 8-bit quant) */
+            const vf w0 = scale[at] * i8_to_float(q0), w1 = scale[at] * i8_to_float(q1);
+            for (int r = 0; r < rows; r++) {
+                lo_acc[j][r] += w0 * xl[r];
+                hi_acc[j][r] += w1 * xh[r];
+            }
         }
     }
-    for (int r = 0; r < rows; r++) y[r * y_stride + o] = hsum(acc[r]);
+    for (int j = 0; j < n_out; j++)
+        for (int r = 0; r < rows; r++)
+            y[r * y_stride + o + j] = hsum(lo_acc[j][r] + hi_acc[j][r]);
 }
+
+/* all outputs for a tile of `rows` (1..4) input rows: 4 outputs at a time for 1-2 rows, 2 for
+ * 3-4 (registers), then one at a time */
+#define OUTPUTS(kind_call, rows)                                                               \
+    do {                                                                                       \
+        const int step = (rows) <= 2 ? 4 : 2;                                                  \
+        int o = 0;                                                                             \
+        if (step == 4)                                                                         \
+            for (; o + 4 <= out_features; o += 4) kind_call(4, rows);                          \
+        else                                                                                   \
+            for (; o + 2 <= out_features; o += 2) kind_call(2, rows);                          \
+        for (; o < out_features; o++) kind_call(1, rows);                                      \
+    } while (0)
+
+#define Q4(n_out, rows)                                                                        \
+    q4_1_tile(scale, mins, quants, nb, xt, x_stride, xsum_scratch, yt, y_stride, o, n_out, rows)
+#define Q8(n_out, rows) q8_0_tile(scale, quants, nb, xt, x_stride, yt, y_stride, o, n_out, rows)
 
 /* kind 0: Q4_1, 1: Q8_0. x: [rows, in] (row stride x_stride), y: [rows, out] (y_stride).
  * `xsum_scratch` holds rows * in / 32 floats (Q4_1). Returns 0, or 1 on bad arguments. */
@@ -129,12 +177,19 @@ int kvpark_quant_linear(int kind, const float *scale, const float *mins, const v
         float *yt = y + first * y_stride;
         if (kind == 0) {
             block_sums(xt, x_stride, n, nb, xsum_scratch);
-            for (int o = 0; o < out_features; o++)
-                q4_1_tile(scale, mins, quants, nb, xt, x_stride, xsum_scratch, n, yt, y_stride,
-                          o);
+            switch (n) {
+            case 1: OUTPUTS(Q4, 1); break;
+            case 2: OUTPUTS(Q4, 2); break;
+            case 3: OUTPUTS(Q4, 3); break;
+            default: OUTPUTS(Q4, 4); break;
+            }
         } else {
-            for (int o = 0; o < out_features; o++)
-                q8_0_tile(scale, quants, nb, xt, x_stride, n, yt, y_stride, o);
+            switch (n) {
+            case 1: OUTPUTS(Q8, 1); break;
+            case 2: OUTPUTS(Q8, 2); break;
+            case 3: OUTPUTS(Q8, 3); break;
+            default: OUTPUTS(Q8, 4); break;
+            }
         }
     }
     return 0;
