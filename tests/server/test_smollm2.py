@@ -42,3 +42,40 @@ def test_four_concurrent_streaming_chats_decode_in_one_batch(smollm2_server):
     single = (after['kvpark:decode_batch_size_bucket{le="1.0"}']
               - before['kvpark:decode_batch_size_bucket{le="1.0"}'])
     assert steps > single, "no decode step carried more than one sequence"
+
+
+# ---- decode rows from the GGUF's own blocks (--weights auto) -----------------------------------
+GREEDY = {"temperature": 0, "ignore_eos": True, "return_tokens": True}
+PROMPTS = ["The history of bread begins", "Rivers carry water from mountains to",
+           "A short poem about the sea:", "def fibonacci(n):"]
+
+
+def complete(server, prompt: str, n_predict: int) -> dict:
+    response = server.post("/completion", {"prompt": prompt, "n_predict": n_predict, **GREEDY})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_decode_reads_the_gguf_blocks_and_stays_batch_invariant(smollm2_server):
+    assert "decode rows from the GGUF's blocks" in smollm2_server.log()
+    alone = complete(smollm2_server, PROMPTS[0], 48)
+    with cf.ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(lambda p: complete(smollm2_server, p, 48), PROMPTS))
+    assert together[0]["tokens"] == alone["tokens"]
+    assert together[0]["content"].encode() == alone["content"].encode()
+
+
+def test_forced_recompute_parks_are_byte_identical_on_the_cpu(smollm2_server):
+    """A recompute replay feeds generated tokens through the same kernels as their decode."""
+    from serverproc import ServerProcess
+
+    expected = [complete(smollm2_server, p, 64) for p in PROMPTS[:2]]
+    with ServerProcess(["-np", "2", "-c", "4096", "--preempt-ram", "0"],
+                       model="builtin://smollm2-135m",
+                       env={"KVPARK_PREEMPT_EVERY": "16"}) as server:
+        got = [complete(server, p, 64) for p in PROMPTS[:2]]
+        m = server.metrics()
+    assert m["kvpark:n_preempt_recompute_total"] >= 6 and m["kvpark:n_preempt_swap_total"] == 0
+    assert m["kvpark:n_recompute_tokens_total"] > 0
+    for e, g in zip(expected, got):
+        assert g["tokens"] == e["tokens"] and g["content"].encode() == e["content"].encode()
