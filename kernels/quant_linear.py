@@ -13,11 +13,14 @@ from __future__ import annotations
 import ctypes
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from .cbuild import CSRC, KernelUnavailable, build
+
+if TYPE_CHECKING:  # numpy only where a GGUF is read: the GPU machine has none
+    import numpy as np
 
 SOURCE = CSRC / "quant_linear.c"
 BLOCK = 32
@@ -71,6 +74,8 @@ class QuantizedWeight:
     @classmethod
     def from_gguf(cls, kind: str, raw: np.ndarray, out_features: int) -> QuantizedWeight:
         """raw: the tensor's bytes as GGUF stores them, row by row."""
+        import numpy as np
+
         blocks = np.ascontiguousarray(raw).reshape(out_features, -1, BLOCK_BYTES[kind])
         scale = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0]
                                  .astype(np.float32))

@@ -21,3 +21,30 @@ def test_shim_maps_the_package_dirs_and_leaves_stdlib_operator_alone(tmp_path):
     assert not out[0].startswith(str(REPO))  # the standard library's operator
     assert out[1] == str(shim / "kvpark" / "kernels" / "flashinfer_paged.py")
     assert out[2] == str(shim / "kvpark" / "pod" / "cuda_graphs.py")
+
+
+BLOCK_SERVER_DEPS = """
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in {"numpy", "gguf", "tokenizers", "safetensors", "starlette",
+                                  "uvicorn", "jinja2", "prometheus_client"}:
+            raise ModuleNotFoundError(f"{name} is not on the GPU machine", name=name)
+sys.meta_path.insert(0, Block())
+"""
+
+
+def test_what_the_gpu_check_imports_needs_no_server_dependencies(tmp_path):
+    """The GPU machine has torch and triton only: the model, runner, engine, scheduler and every
+    kernel module must import without numpy, gguf, tokenizers, starlette and the rest."""
+    shim = _kvpark_path.make_shim(tmp_path)
+    probe = BLOCK_SERVER_DEPS + (
+        "import kvpark.pod.model.llama, kvpark.pod.runner, kvpark.pod.engine\n"
+        "import kvpark.pod.scheduler, kvpark.pod.model.synthetic, kvpark.pod.cuda_graphs\n"
+        "import kvpark.kernels.cpu_paged, kvpark.kernels.quant_linear, kvpark.kernels.kv_copy\n"
+        "import kvpark.kernels.flashinfer_paged\n"
+        "print('ok')\n")
+    env = {**os.environ, "PYTHONPATH": str(shim)}
+    done = subprocess.run([sys.executable, "-c", probe], env=env, cwd=tmp_path,
+                          capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
