@@ -7,6 +7,7 @@ compiler works, `build` raises `KernelUnavailable` and callers keep their torch 
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import platform
@@ -77,3 +78,11 @@ def build(source: Path) -> Path:
         raise KernelUnavailable(f"{cc[0]} failed on {source.name}: {done.stderr.strip()[-800:]}")
     os.replace(partial, target)  # atomic: concurrent builders each publish a whole file
     return target
+
+
+def load_library(source: Path) -> ctypes.CDLL:
+    """Build `source` if needed and load it."""
+    try:
+        return ctypes.CDLL(str(build(source)))
+    except OSError as exc:
+        raise KernelUnavailable(f"cannot load the built {source.stem} kernel: {exc}") from exc

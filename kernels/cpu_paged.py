@@ -21,7 +21,7 @@ import logging
 import torch
 
 from .attention import StepLayout, get_plan_arrays
-from .cbuild import CSRC, KernelUnavailable, build
+from .cbuild import CSRC, KernelUnavailable, load_library
 from .torch_paged import TorchPagedAttention
 
 log = logging.getLogger(__name__)
@@ -31,10 +31,7 @@ SOURCE = CSRC / "paged_attention.c"
 
 @functools.cache
 def load_kernel() -> ctypes.CDLL:
-    try:
-        lib = ctypes.CDLL(str(build(SOURCE)))
-    except OSError as exc:
-        raise KernelUnavailable(f"cannot load the built kernel: {exc}") from exc
+    lib = load_library(SOURCE)
     fn = lib.kvpark_paged_attention
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     fn.argtypes = [ptr, i64, i64, ptr, ptr, i32, ptr, ptr, ptr, ptr, i32, i32, i32, i32,

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .cbuild import CSRC, KernelUnavailable, build
+from .cbuild import CSRC, KernelUnavailable, load_library
 
 if TYPE_CHECKING:  # numpy only where a GGUF is read: the GPU machine has none
     import numpy as np
@@ -30,11 +30,7 @@ BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}  # GGUF: fp16 scale (+ fp16 min), then th
 
 @functools.cache
 def load_kernel():
-    try:
-        lib = ctypes.CDLL(str(build(SOURCE)))
-    except OSError as exc:
-        raise KernelUnavailable(f"cannot load the built kernel: {exc}") from exc
-    fn = lib.kvpark_quant_linear
+    fn = load_library(SOURCE).kvpark_quant_linear
     i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [i32, ptr, ptr, ptr, i32, i32, ptr, i64, i32, ptr, i64, ptr]
     fn.restype = i32

@@ -81,6 +81,21 @@ static inline float mins_dot(const float *mins, const float *xsum, int nb) {
     return hsum(acc) + tail;
 }
 
+static inline __attribute__((always_inline)) void zero_accumulators(
+    vf lo_acc[4][4], vf hi_acc[4][4], const int n_out, const int rows) {
+    for (int j = 0; j < n_out; j++)
+        for (int r = 0; r < rows; r++) lo_acc[j][r] = hi_acc[j][r] = (vf){0};
+}
+
+/* the two 16-input halves of block b of each row */
+static inline __attribute__((always_inline)) void load_block_halves(
+    const float *x, int64_t x_stride, int b, const int rows, vf *xl, vf *xh) {
+    for (int r = 0; r < rows; r++) {
+        xl[r] = load(x + r * x_stride + b * BLOCK);
+        xh[r] = load(x + r * x_stride + b * BLOCK + LANES);
+    }
+}
+
 /* `n_out` output rows from `o` for `rows` input rows, all compile-time constants where called, so
  * the accumulators live in registers. Each (output, row) keeps two chains, the low and the high
  * halves of every block, summed in block order: the same arithmetic whatever the tiling, so a
@@ -90,14 +105,10 @@ static inline __attribute__((always_inline)) void q4_1_tile(
     int64_t x_stride, const float *xsum, float *y, int64_t y_stride, int o, const int n_out,
     const int rows) {
     vf lo_acc[4][4], hi_acc[4][4];
-    for (int j = 0; j < n_out; j++)
-        for (int r = 0; r < rows; r++) lo_acc[j][r] = hi_acc[j][r] = (vf){0};
+    zero_accumulators(lo_acc, hi_acc, n_out, rows);
     for (int b = 0; b < nb; b++) {
         vf xl[4], xh[4];
-        for (int r = 0; r < rows; r++) {
-            xl[r] = load(x + r * x_stride + b * BLOCK);
-            xh[r] = load(x + r * x_stride + b * BLOCK + LANES);
-        }
+        load_block_halves(x, x_stride, b, rows, xl, xh);
         for (int j = 0; j < n_out; j++) {
             const int64_t at = (int64_t)(o + j) * nb + b;
             vu8 q;
@@ -121,14 +132,10 @@ static inline __attribute__((always_inline)) void q8_0_tile(
     const float *scale, const int8_t *quants, int nb, const float *x, int64_t x_stride,
     float *y, int64_t y_stride, int o, const int n_out, const int rows) {
     vf lo_acc[4][4], hi_acc[4][4];
-    for (int j = 0; j < n_out; j++)
-        for (int r = 0; r < rows; r++) lo_acc[j][r] = hi_acc[j][r] = (vf){0};
+    zero_accumulators(lo_acc, hi_acc, n_out, rows);
     for (int b = 0; b < nb; b++) {
         vf xl[4], xh[4];
-        for (int r = 0; r < rows; r++) {
-            xl[r] = load(x + r * x_stride + b * BLOCK);
-            xh[r] = load(x + r * x_stride + b * BLOCK + LANES);
-        }
+        load_block_halves(x, x_stride, b, rows, xl, xh);
         for (int j = 0; j < n_out; j++) {
             const int64_t at = (int64_t)(o + j) * nb + b;
             vi8 q0, q1;

@@ -1,12 +1,21 @@
-"""The reference paged attention against plain causal attention on contiguous tensors."""
+"""The paged attention backends of the CPU (the torch reference and the C kernel) against plain
+causal attention on contiguous tensors."""
 
 import random
 
 import pytest
 import torch
 
+from kvpark.kernels import cpu_paged
 from kvpark.kernels.attention import StepLayout, get_plan_arrays
+from kvpark.kernels.cpu_paged import CpuPagedAttention
 from kvpark.kernels.torch_paged import TorchPagedAttention
+
+BACKENDS = [
+    pytest.param(TorchPagedAttention, id="torch"),
+    pytest.param(CpuPagedAttention, id="cpu", marks=pytest.mark.skipif(
+        not cpu_paged.is_available(), reason="no working C compiler for the CPU kernel")),
+]
 
 
 def plain_causal_attention(q, k, v, q_offset):
@@ -57,28 +66,33 @@ def relative_error(out, expected):
     return ((out - expected).norm() / expected.norm()).item()
 
 
-@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 4, 32), (8, 2, 16), (6, 1, 8)])
+@pytest.mark.parametrize("make_backend", BACKENDS)
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 4, 32), (8, 2, 16), (6, 1, 8),
+                                      (8, 2, 128)])
 @pytest.mark.parametrize("shuffle", [False, True])
-def test_mixed_batch_matches_plain_attention(hq, hkv, d, shuffle):
+def test_mixed_batch_matches_plain_attention(make_backend, hq, hkv, d, shuffle):
     # prefill from empty, prefill continuing a prefix, decode at a page boundary, decode inside
-    # a partial page, and a one-token prompt
-    prior_lens = [0, 21, 16, 37, 0]
-    q_lens = [19, 12, 1, 1, 1]
-    out, expected = run_two_steps(prior_lens, q_lens, hq, hkv, d, 16, shuffle, seed=hq * d)
+    # a partial page, a one-token prompt, and a prefill longer than the C kernel's row tile (8)
+    prior_lens = [0, 21, 16, 37, 0, 5]
+    q_lens = [19, 12, 1, 1, 1, 30]
+    out, expected = run_two_steps(prior_lens, q_lens, hq, hkv, d, 16, shuffle, seed=hq * d,
+                                  make_backend=make_backend)
     assert relative_error(out, expected) < 1e-5
 
 
+@pytest.mark.parametrize("make_backend", BACKENDS)
 @pytest.mark.parametrize("seed", range(8))
-def test_random_shapes_match_plain_attention(seed):
+def test_random_shapes_match_plain_attention(make_backend, seed):
     rng = random.Random(seed)
     hkv = rng.choice([1, 2, 3])
     hq = hkv * rng.choice([1, 2, 3, 4])
-    d = rng.choice([8, 16, 64])
+    d = rng.choice([8, 16, 24, 64])  # 24: a head_dim with a tail past the C kernel's 16 lanes
     page_size = rng.choice([1, 4, 16])
     n = rng.randint(1, 6)
     prior_lens = [rng.choice([0, rng.randint(1, 70)]) for _ in range(n)]
     q_lens = [rng.choice([1, rng.randint(1, 40)]) for _ in range(n)]
-    out, expected = run_two_steps(prior_lens, q_lens, hq, hkv, d, page_size, True, seed)
+    out, expected = run_two_steps(prior_lens, q_lens, hq, hkv, d, page_size, True, seed,
+                                  make_backend=make_backend)
     assert relative_error(out, expected) < 1e-5
 
 
