@@ -2,8 +2,9 @@
 
 A CPU decode step reads every weight once: 538 MB in float32 for SmolLM2-135M, against ~100 MB
 for its Q4_1 blocks (repacked with float32 scales) and the Q8_0 embedding. `csrc/quant_linear.c`
-dequantises a block in registers and multiplies float32 activations; the weights are the same
-numbers as the float32 dequantisation, summed in another order. Rows are independent (a row's
+widens a block in registers and multiplies float32 activations: per block sum((d*q) * x) +
+m * sum(x), d*q exact in float32, the float32 dequantisation's sum reassociated. Rows are
+independent (a row's
 bits never depend on the other rows of a call). Prefill rows keep the float32 oneDNN GEMMs,
 which are compute-bound there and much faster than this kernel.
 """

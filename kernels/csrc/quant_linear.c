@@ -2,8 +2,9 @@
  *
  * A decode step on the CPU is bound by reading the weights: float32 is 4 bytes a weight, Q4_1
  * 0.75 here (24 bytes per 32: float32 scale and min, 16 bytes of nibbles), Q8_0 1.125. The
- * weights are the checkpoint's own blocks, dequantised in registers: the products are the same
- * numbers as with the float32 dequantisation, summed in another order. Activations stay float32.
+ * weights are the checkpoint's own blocks, widened in registers: per block of 32,
+ * sum((d*q) * x) + m * sum(x), with d*q exact in float32, which is the float32 dequantisation's
+ * sum of (d*q + m) * x reassociated. Activations stay float32.
  *
  * Layout (kernels/quant_linear.py repacks GGUF blocks into it): for output row o and block b of
  * 32 inputs, scale[o * nb + b], min[o * nb + b] (Q4_1 only) and the quants at
