@@ -4,9 +4,8 @@ A CPU decode step reads every weight once: 538 MB in float32 for SmolLM2-135M, a
 for its Q4_1 blocks (repacked with float32 scales) and the Q8_0 embedding. `csrc/quant_linear.c`
 widens a block in registers and multiplies float32 activations: per block sum((d*q) * x) +
 m * sum(x), d*q exact in float32, the float32 dequantisation's sum reassociated. Rows are
-independent (a row's
-bits never depend on the other rows of a call). Prefill rows keep the float32 oneDNN GEMMs,
-which are compute-bound there and much faster than this kernel.
+independent (a row's bits never depend on the other rows of a call). Prefill rows keep the
+float32 oneDNN GEMMs, which are compute-bound there and much faster than this kernel.
 """
 
 from __future__ import annotations
