@@ -1,8 +1,9 @@
 """Compile and load the C kernels (csrc/) on first use: the system C compiler, no torch headers.
 
-Built for this CPU (`-march=native`) into a cache folder keyed by source, compiler, flags and the
-CPU's feature flags, then loaded with ctypes (which releases the GIL during a call). Where no
-compiler works, `build` raises `KernelUnavailable` and callers keep their torch path.
+Built for one instruction set of this CPU (`cpu_features.Isa`: by default the best it has) into a
+cache folder keyed by source, compiler, flags and the CPU's feature flags, then loaded with ctypes
+(which releases the GIL during a call). Where no compiler works, `build` raises
+`KernelUnavailable` and callers keep their torch path.
 """
 
 from __future__ import annotations
@@ -10,17 +11,18 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
-import platform
 import shlex
 import subprocess
 import sysconfig
 import tempfile
 from pathlib import Path
 
+from .cpu_features import ISA_CFLAGS, Isa, detect, fingerprint
+
 CSRC = Path(__file__).parent / "csrc"
 # -ffp-contract=fast: a*b+c as one fused multiply-add (ISO C mode would keep them apart); the
 # same for every tile and call, so results stay deterministic
-CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-pthread", "-std=c11")
+CFLAGS = ("-O3", "-ffp-contract=fast", "-fPIC", "-shared", "-pthread", "-std=c11")
 CACHE_ENV = "KVPARK_KERNEL_CACHE"
 
 
@@ -31,16 +33,6 @@ class KernelUnavailable(RuntimeError):
 def compiler() -> list[str]:
     cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
     return shlex.split(cc)[:1]  # sysconfig's CC may carry flags for another toolchain
-
-
-def cpu_fingerprint() -> str:
-    # -march=native: a library built on one CPU may not run on another sharing the cache folder
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        flags = ""
-    return platform.machine() + flags
 
 
 def cache_dir() -> Path:
@@ -57,19 +49,33 @@ def cache_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"kvpark-kernels-{os.getuid()}"  # read-only home
 
 
-def build(source: Path) -> Path:
-    """The compiled library for this source, compiler and CPU (built once, then reused)."""
+def pick_isa(isa: Isa | None) -> Isa:
+    """`isa`, or the best this CPU has; one it cannot run is refused rather than crash later."""
+    runnable = detect().isas
+    if isa is None:
+        return runnable[0]
+    if isa not in runnable:
+        raise KernelUnavailable(f"this CPU cannot run the {isa.value} build (it has "
+                                f"{', '.join(i.value for i in runnable)})")
+    return isa
+
+
+def build(source: Path, isa: Isa | None = None) -> Path:
+    """The compiled library for this source, ISA, compiler and CPU (built once, then reused)."""
+    isa = pick_isa(isa)
     cc = compiler()
-    key = hashlib.sha256(source.read_bytes() + " ".join(cc + list(CFLAGS)).encode()
-                         + cpu_fingerprint().encode()).hexdigest()[:16]
+    flags = [*CFLAGS, *ISA_CFLAGS[isa]]
+    # -march=native: a library built on one CPU may not run on another sharing the cache folder
+    key = hashlib.sha256(source.read_bytes() + " ".join(cc + flags).encode()
+                         + fingerprint().encode()).hexdigest()[:16]
     folder = cache_dir()
-    target = folder / f"{source.stem}-{key}.so"
+    target = folder / f"{source.stem}-{isa.value}-{key}.so"
     if target.exists():
         return target
     folder.mkdir(parents=True, exist_ok=True)
     partial = folder / f".{target.name}.{os.getpid()}"
     try:
-        done = subprocess.run([*cc, *CFLAGS, str(source), "-o", str(partial), "-lm"],
+        done = subprocess.run([*cc, *flags, str(source), "-o", str(partial), "-lm"],
                               capture_output=True, text=True, timeout=120)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise KernelUnavailable(f"C compiler {cc[0]!r} did not run: {exc}") from exc
@@ -80,9 +86,9 @@ def build(source: Path) -> Path:
     return target
 
 
-def load_library(source: Path) -> ctypes.CDLL:
-    """Build `source` if needed and load it."""
+def load_library(source: Path, isa: Isa | None = None) -> ctypes.CDLL:
+    """Build `source` for `isa` (default: the best this CPU has) if needed and load it."""
     try:
-        return ctypes.CDLL(str(build(source)))
+        return ctypes.CDLL(str(build(source, isa)))
     except OSError as exc:
         raise KernelUnavailable(f"cannot load the built {source.stem} kernel: {exc}") from exc

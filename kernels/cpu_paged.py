@@ -3,9 +3,9 @@
 The torch reference gathers every sequence's pages into a contiguous copy before SDPA, once per
 layer; at decode that copy costs as much as the attention itself (benchmarks/README.md, "CPU
 decode step"). `csrc/paged_attention.c` walks the page table instead. It is compiled on first use
-with the system C compiler for this CPU (`-O3 -march=native`, well under a second) into a cache
-folder and loaded with ctypes: no torch headers, no build step at install time. Where no compiler
-works, `load_kernel` raises `KernelUnavailable` and the server keeps the torch backend.
+with the system C compiler for this CPU (`-O3 -march=native`, the AVX-512 or AVX2 build as
+`cpu_features` finds; well under a second) into a cache folder and loaded with ctypes: no torch
+headers, no build step at install time. Where no compiler works, `load_kernel` raises `KernelUnavailable` and the server keeps the torch backend.
 
 Every query row is computed by the same arithmetic whatever else the step holds (see the C
 file), so greedy output stays independent of batch neighbours and of prompt chunking, and a
@@ -22,6 +22,7 @@ import torch
 
 from .attention import StepLayout, get_plan_arrays
 from .cbuild import CSRC, KernelUnavailable, load_library
+from .cpu_features import Isa
 from .torch_paged import TorchPagedAttention
 
 log = logging.getLogger(__name__)
@@ -30,8 +31,9 @@ SOURCE = CSRC / "paged_attention.c"
 
 
 @functools.cache
-def load_kernel() -> ctypes.CDLL:
-    lib = load_library(SOURCE)
+def load_kernel(isa: Isa | None = None) -> ctypes.CDLL:
+    """The kernel built for `isa` (default: the best this CPU has)."""
+    lib = load_library(SOURCE, isa)
     fn = lib.kvpark_paged_attention
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     fn.argtypes = [ptr, i64, i64, ptr, ptr, i32, ptr, ptr, ptr, ptr, i32, i32, i32, i32,
@@ -54,14 +56,15 @@ class CpuPagedAttention(TorchPagedAttention):
 
     name = "cpu"
 
-    def __init__(self, device: torch.device | str = "cpu", num_threads: int = 1) -> None:
+    def __init__(self, device: torch.device | str = "cpu", num_threads: int = 1,
+                 isa: Isa | None = None) -> None:
         super().__init__(device)
         # One thread by default: measured on 2 cores, the kernel's own threads lost to torch's
         # OpenMP workers, which spin on the cores for a while after every GEMM
         # (benchmarks/README.md, "CPU decode step").
         self.num_threads = num_threads
         assert self.device.type == "cpu", "the C kernel runs on the CPU"
-        self._kernel = load_kernel().kvpark_paged_attention
+        self._kernel = load_kernel(isa).kvpark_paged_attention
         self._arrays = None
 
     def plan(self, layout: StepLayout) -> None:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .cbuild import CSRC, KernelUnavailable, load_library
+from .cpu_features import Isa
 
 if TYPE_CHECKING:  # numpy only where a GGUF is read: the GPU machine has none
     import numpy as np
@@ -29,8 +30,9 @@ BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}  # GGUF: fp16 scale (+ fp16 min), then th
 
 
 @functools.cache
-def load_kernel():
-    fn = load_library(SOURCE).kvpark_quant_linear
+def load_kernel(isa: Isa | None = None):
+    """The kernel built for `isa` (default: the best this CPU has)."""
+    fn = load_library(SOURCE, isa).kvpark_quant_linear
     i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [i32, ptr, ptr, ptr, i32, i32, ptr, i64, i32, ptr, i64, ptr]
     fn.restype = i32
@@ -108,14 +110,14 @@ class QuantizedWeight:
         return w.reshape(self.out_features, self.in_features)
 
 
-def quant_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+def quant_linear(x: torch.Tensor, weight: QuantizedWeight, isa: Isa | None = None) -> torch.Tensor:
     """x [rows, in] float32 (dense rows) -> x W^T [rows, out] float32."""
     assert x.dtype == torch.float32 and x.stride(-1) == 1, "float32 rows with dense features"
     rows = x.shape[0]
     y = torch.empty(rows, weight.out_features)
     scratch = torch.empty(max(1, min(rows, 4) * weight.in_features // BLOCK))
     mins = weight.mins.data_ptr() if weight.mins is not None else None
-    status = load_kernel()(KINDS[weight.kind], weight.scale.data_ptr(), mins,
+    status = load_kernel(isa)(KINDS[weight.kind], weight.scale.data_ptr(), mins,
                            weight.quants.data_ptr(), weight.out_features, weight.in_features,
                            x.data_ptr(), x.stride(0), rows, y.data_ptr(), y.stride(0),
                            scratch.data_ptr())

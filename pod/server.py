@@ -8,8 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpark.kernels import quant_linear
+from kvpark.kernels import cpu_features, quant_linear
 from kvpark.kernels.attention import AttentionBackend
+from kvpark.kernels.cpu_features import CpuFeatures
 from kvpark.kernels.kv_copy import make_copy_engine
 from kvpark.kernels.quant_linear import QuantizedWeight
 from kvpark.kernels.torch_paged import TorchPagedAttention
@@ -54,10 +55,16 @@ def pick_dtype(args: ServerArgs, device: torch.device) -> torch.dtype:
     return getattr(torch, args.dtype)
 
 
-def pick_weight_format(args: ServerArgs, device: torch.device,
-                       dtype: torch.dtype) -> WeightFormat:
-    """bf16 linears are a CPU option over a float32 model (on CUDA the dtype says it all)."""
+def pick_weight_format(args: ServerArgs, device: torch.device, dtype: torch.dtype,
+                       cpu: CpuFeatures | None = None) -> WeightFormat:
+    """bf16 linears are a CPU option over a float32 model (on CUDA the dtype says it all); a CPU
+    without oneDNN's bf16 GEMMs keeps float32 (unpacked bf16 GEMMs there are slower than it)."""
     if args.weights != "bf16" or device.type != "cpu" or dtype != torch.float32:
+        return WeightFormat.FP32
+    cpu = cpu or cpu_features.detect()
+    if not cpu.can_bf16_gemm:
+        log.warning("--weights bf16: this CPU has no bf16 GEMMs for oneDNN (they need AVX-512 "
+                    "BW/VL/DQ or AVX-NE-CONVERT; %s); using fp32 linears", cpu.describe())
         return WeightFormat.FP32
     return WeightFormat.BF16
 
@@ -151,6 +158,8 @@ def build_stack(args: ServerArgs) -> ServingStack:
     torch.set_num_threads(pick_threads(args))
     device = pick_device(args)
     dtype = pick_dtype(args, device)
+    if device.type == "cpu":
+        cpu_features.detect()  # logs what the CPU paths below are chosen from
     loaded: LoadedModel = load_model_files(args.model, device=device, dtype=dtype)
     config = loaded.config
     model = LlamaModel(config, loaded.weights,

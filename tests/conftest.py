@@ -7,3 +7,14 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+import pytest  # noqa: E402
+from cpu_isa import runnable_isa  # noqa: E402
+
+from kvpark.kernels.cpu_features import Isa  # noqa: E402
+
+
+@pytest.fixture(params=list(Isa), ids=lambda isa: isa.value)
+def isa(request) -> Isa:
+    """Each C kernel build this CPU can run (see cpu_isa.py)."""
+    return runnable_isa(request.param)

@@ -15,9 +15,24 @@
 #include <stdint.h>
 #include <string.h>
 
-#define LANES 16
 #define ROW_TILE 4 /* input rows per pass over the weights */
 #define BLOCK 32
+#define HALF 16 /* Q4_1: low nibbles are a block's first 16 inputs, high nibbles the last 16 */
+
+/* One vector register's worth of floats, and how many (output, row) tiles fit in the registers:
+ * AVX-512 has 32 registers of 16 floats, AVX2 16 of 8 (generic vectors wider than the registers
+ * spill, which made the kernel 8x slower on AVX2). Per ISA the arithmetic order is fixed: a
+ * row's bits do not depend on the tiling or the other rows of a call. */
+#if defined(__AVX512F__)
+#define LANES 16
+#define OUTS_FEW_ROWS 4 /* outputs per tile for 1-2 input rows */
+#define OUTS_MANY_ROWS 2 /* for 3-4 */
+#else
+#define LANES 8
+#define OUTS_FEW_ROWS 2
+#define OUTS_MANY_ROWS 1
+#endif
+#define PARTS (HALF / LANES) /* vectors per half block */
 
 typedef float vf __attribute__((vector_size(LANES * 4)));
 typedef uint8_t vu8 __attribute__((vector_size(LANES)));
@@ -38,6 +53,19 @@ static inline vf i8_to_float(vi8 q) {
     __m128i v;
     memcpy(&v, &q, sizeof v);
     return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v));
+}
+#elif defined(__AVX2__)
+#include <immintrin.h>
+static inline vf u8_to_float(vu8 q) {
+    __m128i v = _mm_setzero_si128();
+    memcpy(&v, &q, sizeof q);
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+}
+
+static inline vf i8_to_float(vi8 q) {
+    __m128i v = _mm_setzero_si128();
+    memcpy(&v, &q, sizeof q);
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
 }
 #else
 static inline vf u8_to_float(vu8 q) {
@@ -68,7 +96,9 @@ static void block_sums(const float *x, int64_t x_stride, int rows, int nb, float
     for (int r = 0; r < rows; r++)
         for (int b = 0; b < nb; b++) {
             const float *p = x + r * x_stride + b * BLOCK;
-            sums[r * nb + b] = hsum(load(p) + load(p + LANES));
+            vf acc = load(p);
+            for (int k = 1; k < BLOCK / LANES; k++) acc += load(p + k * LANES);
+            sums[r * nb + b] = hsum(acc);
         }
 }
 
@@ -88,12 +118,12 @@ static inline __attribute__((always_inline)) void zero_accumulators(
         for (int r = 0; r < rows; r++) lo_acc[j][r] = hi_acc[j][r] = (vf){0};
 }
 
-/* the two 16-input halves of block b of each row */
+/* part p of the two 16-input halves of block b of each row */
 static inline __attribute__((always_inline)) void load_block_halves(
-    const float *x, int64_t x_stride, int b, const int rows, vf *xl, vf *xh) {
+    const float *x, int64_t x_stride, int b, int p, const int rows, vf *xl, vf *xh) {
     for (int r = 0; r < rows; r++) {
-        xl[r] = load(x + r * x_stride + b * BLOCK);
-        xh[r] = load(x + r * x_stride + b * BLOCK + LANES);
+        xl[r] = load(x + r * x_stride + b * BLOCK + p * LANES);
+        xh[r] = load(x + r * x_stride + b * BLOCK + HALF + p * LANES);
     }
 }
 
@@ -107,22 +137,23 @@ static inline __attribute__((always_inline)) void q4_1_tile(
     const int rows) {
     vf lo_acc[4][4], hi_acc[4][4];
     zero_accumulators(lo_acc, hi_acc, n_out, rows);
-    for (int b = 0; b < nb; b++) {
-        vf xl[4], xh[4];
-        load_block_halves(x, x_stride, b, rows, xl, xh);
-        for (int j = 0; j < n_out; j++) {
-            const int64_t at = (int64_t)(o + j) * nb + b;
-            vu8 q;
-            memcpy(&q, quants + at * 16, sizeof q);
-            /* d * q is exact in float32 (an 11-bit scale times a 4-bit quant) */
-            const vf lo = scale[at] * u8_to_float(q & 15);
-            const vf hi = scale[at] * u8_to_float(q >> 4);
-            for (int r = 0; r < rows; r++) {
-                lo_acc[j][r] += lo * xl[r];
-                hi_acc[j][r] += hi * xh[r];
+    for (int b = 0; b < nb; b++)
+        for (int p = 0; p < PARTS; p++) {
+            vf xl[4], xh[4];
+            load_block_halves(x, x_stride, b, p, rows, xl, xh);
+            for (int j = 0; j < n_out; j++) {
+                const int64_t at = (int64_t)(o + j) * nb + b;
+                vu8 q;
+                memcpy(&q, quants + at * HALF + p * LANES, sizeof q);
+                /* d * q is exact in float32 (an 11-bit scale times a 4-bit quant) */
+                const vf lo = scale[at] * u8_to_float(q & 15);
+                const vf hi = scale[at] * u8_to_float(q >> 4);
+                for (int r = 0; r < rows; r++) {
+                    lo_acc[j][r] += lo * xl[r];
+                    hi_acc[j][r] += hi * xh[r];
+                }
             }
         }
-    }
     for (int j = 0; j < n_out; j++)
         for (int r = 0; r < rows; r++)
             y[r * y_stride + o + j] = hsum(lo_acc[j][r] + hi_acc[j][r])
@@ -134,37 +165,39 @@ static inline __attribute__((always_inline)) void q8_0_tile(
     float *y, int64_t y_stride, int o, const int n_out, const int rows) {
     vf lo_acc[4][4], hi_acc[4][4];
     zero_accumulators(lo_acc, hi_acc, n_out, rows);
-    for (int b = 0; b < nb; b++) {
-        vf xl[4], xh[4];
-        load_block_halves(x, x_stride, b, rows, xl, xh);
-        for (int j = 0; j < n_out; j++) {
-            const int64_t at = (int64_t)(o + j) * nb + b;
-            vi8 q0, q1;
-            memcpy(&q0, quants + at * BLOCK, sizeof q0);
-            memcpy(&q1, quants + at * BLOCK + LANES, sizeof q1);
-            /* d * q is exact in float32 (an 11-bit scale times an 8-bit quant) */
-            const vf w0 = scale[at] * i8_to_float(q0), w1 = scale[at] * i8_to_float(q1);
-            for (int r = 0; r < rows; r++) {
-                lo_acc[j][r] += w0 * xl[r];
-                hi_acc[j][r] += w1 * xh[r];
+    for (int b = 0; b < nb; b++)
+        for (int p = 0; p < PARTS; p++) {
+            vf xl[4], xh[4];
+            load_block_halves(x, x_stride, b, p, rows, xl, xh);
+            for (int j = 0; j < n_out; j++) {
+                const int64_t at = (int64_t)(o + j) * nb + b;
+                vi8 q0, q1;
+                memcpy(&q0, quants + at * BLOCK + p * LANES, sizeof q0);
+                memcpy(&q1, quants + at * BLOCK + HALF + p * LANES, sizeof q1);
+                /* d * q is exact in float32 (an 11-bit scale times an 8-bit quant) */
+                const vf w0 = scale[at] * i8_to_float(q0), w1 = scale[at] * i8_to_float(q1);
+                for (int r = 0; r < rows; r++) {
+                    lo_acc[j][r] += w0 * xl[r];
+                    hi_acc[j][r] += w1 * xh[r];
+                }
             }
         }
-    }
     for (int j = 0; j < n_out; j++)
         for (int r = 0; r < rows; r++)
             y[r * y_stride + o + j] = hsum(lo_acc[j][r] + hi_acc[j][r]);
 }
 
-/* all outputs for a tile of `rows` (1..4) input rows: 4 outputs at a time for 1-2 rows, 2 for
- * 3-4 (registers), then one at a time */
+/* all outputs for a tile of `rows` (1..4) input rows: OUTS_FEW_ROWS outputs at a time for 1-2
+ * rows, OUTS_MANY_ROWS for 3-4 (registers), then one at a time */
 #define OUTPUTS(kind_call, rows)                                                               \
     do {                                                                                       \
-        const int step = (rows) <= 2 ? 4 : 2;                                                  \
         int o = 0;                                                                             \
-        if (step == 4)                                                                         \
-            for (; o + 4 <= out_features; o += 4) kind_call(4, rows);                          \
+        if ((rows) <= 2)                                                                       \
+            for (; o + OUTS_FEW_ROWS <= out_features; o += OUTS_FEW_ROWS)                      \
+                kind_call(OUTS_FEW_ROWS, rows);                                                \
         else                                                                                   \
-            for (; o + 2 <= out_features; o += 2) kind_call(2, rows);                          \
+            for (; o + OUTS_MANY_ROWS <= out_features; o += OUTS_MANY_ROWS)                    \
+                kind_call(OUTS_MANY_ROWS, rows);                                               \
         for (; o < out_features; o++) kind_call(1, rows);                                      \
     } while (0)
 

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvpark.kernels import cpu_features
 from kvpark.kernels.attention import AttentionBackend
 from kvpark.kernels.quant_linear import QuantizedWeight, quant_linear
 
@@ -38,8 +39,11 @@ class WeightFormat(str, enum.Enum):
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
-            and weight.dtype in (torch.float32, torch.bfloat16))
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if weight.dtype == torch.bfloat16:  # torch raises on CPUs without AVX-512 or AVX-NE-CONVERT
+        return cpu_features.detect().can_bf16_gemm
+    return weight.dtype == torch.float32
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from test_torch_paged import plain_causal_attention, relative_error
 from kvpark.kernels import cbuild, cpu_paged
 from kvpark.kernels.attention import StepLayout
 from kvpark.kernels.cbuild import KernelUnavailable
+from kvpark.kernels.cpu_features import Isa, detect
 from kvpark.kernels.cpu_paged import CpuPagedAttention
 from kvpark.kernels.torch_paged import TorchPagedAttention
 
@@ -20,7 +21,7 @@ def step_output(backend, cache, tables, kv_lens, q_lens, q):
     return backend.attend(q, cache)
 
 
-def test_a_row_has_the_same_bits_alone_beside_others_and_as_a_prefill_row():
+def test_a_row_has_the_same_bits_alone_beside_others_and_as_a_prefill_row(isa):
     """Decode row of sequence A at position 99: alone, beside two other sequences, and as the
     last row of a 40-token prefill chunk (a recompute replay) - the same bits every time."""
     gen = torch.Generator().manual_seed(3)
@@ -29,7 +30,7 @@ def test_a_row_has_the_same_bits_alone_beside_others_and_as_a_prefill_row():
     table_a, table_b, table_c = list(range(0, 7)), list(range(10, 20)), list(range(30, 33))
     rows_a = torch.randn(40, hq, d, generator=gen)  # queries of A's positions 60..99
     others = torch.randn(6, hq, d, generator=gen)
-    backend = CpuPagedAttention()
+    backend = CpuPagedAttention(isa=isa)
     alone = step_output(backend, cache, [table_a], [100], [1], rows_a[-1:])
     beside = step_output(backend, cache, [table_b, table_a, table_c], [150, 100, 40],
                          [5, 1, 1], torch.cat([others[:5], rows_a[-1:], others[5:]]))[5:6]
@@ -39,7 +40,7 @@ def test_a_row_has_the_same_bits_alone_beside_others_and_as_a_prefill_row():
     assert torch.equal(alone, in_prefill)
 
 
-def test_threads_do_not_change_the_bits():
+def test_threads_do_not_change_the_bits(isa):
     gen = torch.Generator().manual_seed(5)
     cache = torch.randn(64, 2, 16, 3, 64, generator=gen)
     tables = [list(range(i * 16, i * 16 + 16)) for i in range(4)]
@@ -50,25 +51,25 @@ def test_threads_do_not_change_the_bits():
         outs = []
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
-            outs.append(step_output(CpuPagedAttention(), cache, *layout_args, q))
+            outs.append(step_output(CpuPagedAttention(isa=isa), cache, *layout_args, q))
     finally:
         torch.set_num_threads(before)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
-def test_reads_a_strided_q_like_the_fused_qkv_view():
+def test_reads_a_strided_q_like_the_fused_qkv_view(isa):
     gen = torch.Generator().manual_seed(7)
     hq, hkv, d = 9, 3, 64
     qkv = torch.randn(5, (hq + hkv) * d, generator=gen)
     q = qkv.view(5, hq + hkv, d)[:, :hq]  # row stride (hq + hkv) * d, like the model's view
     cache = torch.randn(8, 2, 16, hkv, d, generator=gen)
     args = ([[0, 1], [2, 3, 4]], [20, 40], [1, 4], q)
-    got = step_output(CpuPagedAttention(), cache, *args[:3], q)
+    got = step_output(CpuPagedAttention(isa=isa), cache, *args[:3], q)
     want = step_output(TorchPagedAttention(), cache, *args[:3], q.contiguous())
     assert relative_error(got, want) < 1e-5
 
 
-def test_long_context_matches_plain_attention():
+def test_long_context_matches_plain_attention(isa):
     gen = torch.Generator().manual_seed(11)
     hq, hkv, d, kv_len = 9, 3, 64, 3000
     k, v = torch.randn(kv_len, hkv, d, generator=gen), torch.randn(kv_len, hkv, d, generator=gen)
@@ -78,7 +79,7 @@ def test_long_context_matches_plain_attention():
     cache[:, 0] = torch.cat([k, padding]).view(pages, 16, hkv, d)
     cache[:, 1] = torch.cat([v, padding]).view(pages, 16, hkv, d)
     q = torch.randn(1, hq, d, generator=gen) * 4  # sharp softmax: exp over a wide range
-    got = step_output(CpuPagedAttention(), cache, [list(range(pages))], [kv_len], [1], q)
+    got = step_output(CpuPagedAttention(isa=isa), cache, [list(range(pages))], [kv_len], [1], q)
     assert relative_error(got, plain_causal_attention(q, k, v, kv_len - 1)) < 1e-5
 
 
@@ -101,3 +102,14 @@ def test_the_build_is_cached_per_source(tmp_path, monkeypatch):
     other = tmp_path / "other.c"
     other.write_text(cpu_paged.SOURCE.read_text() + "\n/* changed */\n")
     assert cbuild.build(other) != first
+
+
+def test_each_isa_is_its_own_build_and_an_unrunnable_one_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv(cbuild.CACHE_ENV, str(tmp_path))
+    runnable = detect().isas
+    builds = {cbuild.build(cpu_paged.SOURCE, isa) for isa in runnable}
+    assert len(builds) == len(runnable)
+    assert cbuild.build(cpu_paged.SOURCE) == cbuild.build(cpu_paged.SOURCE, runnable[0])
+    for isa in set(Isa) - set(runnable):
+        with pytest.raises(KernelUnavailable, match="cannot run"):
+            cbuild.build(cpu_paged.SOURCE, isa)

@@ -35,14 +35,14 @@ def test_blocks_hold_exactly_the_loaded_weights(smollm2, name):
 
 @pytest.mark.parametrize("name", ["model.layers.3.mlp.gate_proj.weight",
                                   "model.embed_tokens.weight"])
-def test_rows_match_the_float32_linear_and_do_not_depend_on_each_other(smollm2, name):
+def test_rows_match_the_float32_linear_and_do_not_depend_on_each_other(smollm2, name, isa):
     blocks, dense = smollm2.quantized[name], smollm2.weights[name]
     x = torch.randn(19, dense.shape[1], generator=torch.Generator().manual_seed(1))
-    y = ql.quant_linear(x, blocks)
+    y = ql.quant_linear(x, blocks, isa)
     expected = F.linear(x.double(), dense.double()).float()
     assert ((y - expected).norm() / expected.norm()).item() < 1e-5
     for rows in (slice(0, 1), slice(3, 5), slice(8, 17), slice(18, 19)):  # across row tiles
-        assert torch.equal(ql.quant_linear(x[rows].contiguous(), blocks), y[rows])
+        assert torch.equal(ql.quant_linear(x[rows].contiguous(), blocks, isa), y[rows])
 
 
 def test_cat_and_take_rows_keep_rows_together(smollm2):
