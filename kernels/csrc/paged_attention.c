@@ -19,13 +19,19 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define LANES 16 /* floats per vector: partial sums kept apart, then added in a fixed tree */
+/* floats per vector (partial sums kept apart, then added in a fixed tree): one AVX-512
+ * register, or one AVX2 register on the AVX2 build (16-float vectors there live in pairs of
+ * registers and spill: 6x slower). The arithmetic order is fixed per build. */
+#if defined(__AVX512F__)
+#define LANES 16
+#else
+#define LANES 8
+#endif
 #define ROW_TILE 8
 #define MAX_GROUP 64
-#define MAX_CHUNKS 16 /* head_dim up to 256 on the vector path */
+#define MAX_CHUNKS (256 / LANES) /* head_dim up to 256 on the vector path */
 
-/* GCC/Clang vector extensions: AVX-512 registers where the CPU has them, pairs of AVX2 (or
- * SSE) registers otherwise; the arithmetic, and so the bits, are the same either way. */
+/* GCC/Clang vector extensions */
 typedef float vf __attribute__((vector_size(LANES * 4)));
 typedef int32_t vi __attribute__((vector_size(LANES * 4)));
 
@@ -103,22 +109,27 @@ typedef struct {
     int failed;
 } Job;
 
-/* Sixteen vectors of partial sums -> one vector of their sixteen totals, in order. Each total
+/* LANES vectors of partial sums -> one vector of their LANES totals, in order. Each total
  * is added up by the same tree, ((l0+l1)+(l2+l3))+... , whichever slot its vector is in. */
 static inline vf pair_sums(vf x, vf y) {
+#if LANES == 16
     return __builtin_shufflevector(x, y, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28,
                                    30)
            + __builtin_shufflevector(x, y, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29,
                                      31);
+#else
+    return __builtin_shufflevector(x, y, 0, 2, 4, 6, 8, 10, 12, 14)
+           + __builtin_shufflevector(x, y, 1, 3, 5, 7, 9, 11, 13, 15);
+#endif
 }
 
-static inline vf reduce16(vf *a) {
+static inline vf reduce_lanes(vf *a) {
     for (int width = LANES / 2; width > 0; width /= 2)
         for (int i = 0; i < width; i++) a[i] = pair_sums(a[2 * i], a[2 * i + 1]);
     return a[0];
 }
 
-/* q . k for sixteen consecutive tokens (blocks of 16 from the sequence's start, padded with a
+/* q . k for LANES consecutive tokens (blocks of LANES from the sequence's start, padded with a
  * zero row past the tile), `nc` vectors of head_dim each: a compile-time constant where it can
  * be, so the chunks stay in registers */
 static inline __attribute__((always_inline)) vf block_dots(const float *qv,
@@ -129,7 +140,7 @@ static inline __attribute__((always_inline)) vf block_dots(const float *qv,
         for (int c = 1; c < nc; c++) sum += load(qv + c * LANES) * load(k[j] + c * LANES);
         acc[j] = sum;
     }
-    return reduce16(acc);
+    return reduce_lanes(acc);
 }
 
 static inline __attribute__((always_inline)) void weighted_v(float *o, const float *p,
