@@ -5,7 +5,8 @@ layer; at decode that copy costs as much as the attention itself (benchmarks/REA
 decode step"). `csrc/paged_attention.c` walks the page table instead. It is compiled on first use
 with the system C compiler for this CPU (`-O3 -march=native`, the AVX-512 or AVX2 build as
 `cpu_features` finds; well under a second) into a cache folder and loaded with ctypes: no torch
-headers, no build step at install time. Where no compiler works, `load_kernel` raises `KernelUnavailable` and the server keeps the torch backend.
+headers, no build step at install time. Where no compiler works, `load_kernel` raises
+`KernelUnavailable` and the server keeps the torch backend.
 
 Every query row is computed by the same arithmetic whatever else the step holds (see the C
 file), so greedy output stays independent of batch neighbours and of prompt chunking, and a

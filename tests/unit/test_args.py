@@ -37,6 +37,7 @@ def test_bad_preempt_ram_is_refused():
 def test_weights_flag_and_its_reach():
     import torch
 
+    from kvpark.kernels.cpu_features import CpuFeatures
     from kvpark.pod.model.llama import WeightFormat
     from kvpark.pod.server import pick_weight_format
 
@@ -48,7 +49,10 @@ def test_weights_flag_and_its_reach():
         parse_args(["--weights", "int4"], env={})
     bf16 = parse_args(["--weights", "bf16"], env={})
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert pick_weight_format(bf16, cpu, torch.float32) is WeightFormat.BF16
+    # a CPU with oneDNN's bf16 GEMMs (test_cpu_features.py: one without them keeps fp32)
+    avx512 = CpuFeatures("x86_64", frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl",
+                                              "avx512dq"}), torch_bf16_gemm=True)
+    assert pick_weight_format(bf16, cpu, torch.float32, avx512) is WeightFormat.BF16
     # a bf16 model, or CUDA, already computes in its dtype: nothing to reformat
     assert pick_weight_format(bf16, cpu, torch.bfloat16) is WeightFormat.FP32
     assert pick_weight_format(bf16, cuda, torch.bfloat16) is WeightFormat.FP32
