@@ -61,6 +61,7 @@ from kvpark.pod.runner import ModelRunner  # noqa: E402
 from kvpark.pod.sampling import SamplingParams  # noqa: E402
 from kvpark.pod.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from kvpark.pod.slot import Sequence  # noqa: E402
+from kvpark.pod.swap import Swapper  # noqa: E402
 
 PAGE_SIZE = 16
 
@@ -405,7 +406,7 @@ def run_chats(model: LlamaModel, runner: ModelRunner, cfg: BenchConfig, pool: KV
               budget: int) -> tuple[list[Sequence], Scheduler, ChatRecorder, float]:
     host = HostStore(budget, pin_memory=cfg.device.type == "cuda")
     config = SchedulerConfig(num_slots=NUM_CHATS, max_context=pool.capacity_tokens)
-    scheduler = Scheduler(config, pool, host, copy=make_copy_engine(pool))
+    scheduler = Scheduler(config, Swapper(pool, host, make_copy_engine(pool)))
     engine = Engine(scheduler, runner, frozenset())
     recorder = ChatRecorder(NUM_CHATS)
     seqs = chat_sequences(cfg, recorder, model.config.vocab_size)

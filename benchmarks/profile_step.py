@@ -42,6 +42,7 @@ from kvpark.pod.runner import ModelRunner
 from kvpark.pod.sampling import SamplingParams, make_generator
 from kvpark.pod.scheduler import Scheduler, SchedulerConfig
 from kvpark.pod.slot import Sequence
+from kvpark.pod.swap import Swapper
 
 PAGE_SIZE = 16
 STAGES = ("scheduler", "runner", "forward", "lm_head", "sampling", "postprocess")
@@ -143,7 +144,7 @@ def build_setup(variant: Variant, loaded: LoadedModel, batch: int, context: int,
     num_pages = 2 * batch * -(-(context + max_new + 1) // PAGE_SIZE)
     pool = KVPool(config.num_layers, num_pages, PAGE_SIZE, config.num_kv_heads, config.head_dim,
                   dtype=variant.kv_dtype)
-    scheduler = Scheduler(SchedulerConfig(num_slots=batch), pool, HostStore(-1))
+    scheduler = Scheduler(SchedulerConfig(num_slots=batch), Swapper(pool, HostStore(-1)))
     runner = ModelRunner(model, pool, backend)
     model.forward = CLOCK.wrap("forward", model.forward)
     model.logits = CLOCK.wrap("lm_head", without_matmul(model.logits))

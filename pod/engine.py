@@ -113,7 +113,7 @@ class Engine:
         """One schedule -> run -> postprocess round; False when there was nothing to run."""
         plan = self.scheduler.schedule()
         if not plan:
-            if len(self.scheduler.transfers):  # only copies in flight: wait for them
+            if self.scheduler.swapper.num_in_flight:  # only copies in flight: wait for them
                 self.scheduler.wait_for_copies()
                 return True
             return False

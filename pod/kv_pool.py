@@ -1,8 +1,8 @@
 """The paged KV pool shared by every slot: one cache tensor per layer, a free list of pages.
 
 A sequence's page table is a plain `list[int]`; the pool hands pages out and takes them back.
-Swapping moves whole pages between the pool and a host buffer, so a parked sequence comes back
-bit for bit.
+Swapping (`swap.py`, with `kernels/kv_copy.py`) moves whole pages between the pool and a host
+buffer, so a parked sequence comes back bit for bit.
 """
 
 from __future__ import annotations
@@ -77,15 +77,3 @@ class KVPool:
 
     def swap_bytes(self, num_pages: int) -> int:
         return num_pages * self.page_bytes
-
-    def gather(self, pages: list[int], out: torch.Tensor) -> None:
-        """Copy `pages` of every layer into `out` `[layers, len(pages), 2, ps, Hkv, D]`."""
-        index = torch.tensor(pages, dtype=torch.long, device=self.device)
-        for layer, cache in enumerate(self.caches):
-            out[layer].copy_(cache.index_select(0, index), non_blocking=out.is_pinned())
-
-    def scatter(self, pages: list[int], src: torch.Tensor) -> None:
-        """Write `src` (as filled by `gather`) back into `pages`, which may differ from the old."""
-        index = torch.tensor(pages, dtype=torch.long, device=self.device)
-        for layer, cache in enumerate(self.caches):
-            cache.index_copy_(0, index, src[layer].to(self.device, non_blocking=True))

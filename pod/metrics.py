@@ -38,9 +38,9 @@ class SchedulerCollector(Collector):
         yield _gauge("kv_cache_pages_total", "Pages in the KV pool", s.pool.num_pages)
         yield _gauge("kv_cache_pages_free", "Free pages in the KV pool", s.pool.num_free_pages)
         yield _gauge("preempt_ram_bytes", "Host bytes held by swapped sequences now",
-                     s.host.held_bytes)
+                     s.swapper.host.held_bytes)
         yield _gauge("preempt_ram_budget_bytes", "Host byte budget for swaps (-1: no limit)",
-                     s.host.budget_bytes)
+                     s.swapper.host.budget_bytes)
         yield _counter("n_preempt", "Parks, swap and recompute", stats.n_preempt)
         yield _counter("n_resume", "Resumes of parked sequences", stats.n_resume)
         yield _counter("n_preempt_swap", "Parks by copying pages to host RAM",

@@ -14,12 +14,30 @@ not fit.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 from .slot import PreemptMode, Sequence
 
 PREEMPT_N_STARVED = 3
 # a parked sequence within this many tokens (+1) of the whole pool can never run again
 PREEMPT_N_MARGIN = 8
+UNLIMITED_BYTES = -1  # --preempt-ram -1
+
+
+@dataclass
+class PreemptStats:
+    """Counters the metrics read (the spec's `n_preempt_*`, beyond-spec ones after)."""
+
+    n_preempt: int = 0
+    n_resume: int = 0
+    n_preempt_swap: int = 0
+    n_preempt_recompute: int = 0
+    n_recompute_tokens: int = 0
+    n_swap_fallbacks: int = 0  # host allocation refused, parked by recompute instead
+    n_watermark_parks: int = 0  # parked before the wall: the next step passed the high mark
+    n_restore_refused_watermark: int = 0  # a restore that fit, held back by the low mark
+    park_seconds: list[float] = field(default_factory=list)  # copy durations, drained by metrics
+    resume_seconds: list[float] = field(default_factory=list)
 
 
 def held_tokens(seq: Sequence) -> int:
@@ -60,9 +78,31 @@ def _smallest_fresh(candidates: list[Sequence]) -> Sequence:
     return min(candidates, key=lambda s: (held_tokens(s), -s.arrival, -s.seq_id))
 
 
-def choose_mode(swap_bytes: int, can_hold: Callable[[int], bool]) -> PreemptMode:
-    """Swap when the victim's pages fit what remains of the budget, else recompute."""
-    return PreemptMode.SWAP if can_hold(swap_bytes) else PreemptMode.RECOMPUTE
+def choose_mode(swap_bytes: int, budget_bytes: int, held_bytes: int) -> PreemptMode:
+    """Swap when the victim's pages fit what remains of the budget, else recompute.
+
+    A budget of 0 never copies (always recompute); -1 has no limit (never recompute).
+    """
+    if budget_bytes == UNLIMITED_BYTES:
+        return PreemptMode.SWAP
+    fits = budget_bytes > 0 and held_bytes + swap_bytes <= budget_bytes
+    return PreemptMode.SWAP if fits else PreemptMode.RECOMPUTE
+
+
+def passes_high(used_pages: int, soon_free: int, step_pages: int, high_pages: int) -> bool:
+    """Would a step taking `step_pages` push the pool past the high watermark? Pages of parks
+    still in flight (`soon_free`) count as given back."""
+    return used_pages - soon_free + step_pages > high_pages
+
+
+def may_restore(need_pages: int, available: int, projected: int, low_pages: int,
+                anyone_running: bool) -> tuple[bool, bool]:
+    """(fits, below_low) for waking a parked sequence that needs `need_pages`: it must fit the
+    pages not promised to running sequences and, with anyone running, keep the pool below the
+    low watermark (hysteresis)."""
+    fits = need_pages <= available
+    below_low = not anyone_running or projected + need_pages <= low_pages
+    return fits, below_low
 
 
 RESUME_ORDERS = ("fair", "spec")

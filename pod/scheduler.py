@@ -8,14 +8,13 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-
-from kvpark.kernels.kv_copy import CopyEngine, Outcome, SyncCopyEngine, Ticket, TransferTracker
+from dataclasses import dataclass
 
 from . import preemption as policy
-from .host_store import HostAllocationError, HostStore
 from .kv_pool import KVPool
+from .preemption import PreemptStats
 from .slot import Phase, PreemptMode, Sequence
+from .swap import Swapper
 
 log = logging.getLogger("kvpark.scheduler")
 
@@ -34,20 +33,6 @@ class SchedulerConfig:
     resume_order: str = "spec"  # or "fair" (head-of-line by park time)
 
 
-@dataclass
-class PreemptStats:
-    n_preempt: int = 0
-    n_resume: int = 0
-    n_preempt_swap: int = 0
-    n_preempt_recompute: int = 0
-    n_recompute_tokens: int = 0
-    n_swap_fallbacks: int = 0  # host allocation refused, parked by recompute instead
-    n_watermark_parks: int = 0  # parked before the wall: the next step passed the high mark
-    n_restore_refused_watermark: int = 0  # a restore that fit, held back by the low mark
-    park_seconds: list[float] = field(default_factory=list)  # copy durations, drained by metrics
-    resume_seconds: list[float] = field(default_factory=list)
-
-
 @dataclass(frozen=True)
 class ScheduledSeq:
     seq: Sequence
@@ -59,19 +44,16 @@ class ScheduledSeq:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: KVPool, host: HostStore,
-                 copy: CopyEngine | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, swapper: Swapper) -> None:
         self.config = config
-        self.pool = pool
-        self.host = host
-        # swap copies; on CUDA they run on their own stream while other slots keep decoding,
+        self.pool: KVPool = swapper.pool
+        # parking copies; on CUDA they run on their own stream while other slots keep decoding,
         # and a sequence whose copy is in flight is neither scheduled nor chosen
-        self.copy = copy or SyncCopyEngine(pool)
-        self.transfers = TransferTracker()
+        self.swapper = swapper
+        self.stats: PreemptStats = swapper.stats
         self.on_finish: Callable[[Sequence], None] = lambda seq: None  # metrics hook
         self.waiting: deque[Sequence] = deque()
         self.slots: list[Sequence | None] = [None] * config.num_slots
-        self.stats = PreemptStats()
 
     def notify(self, seq: Sequence, kind: str) -> None:
         """Tell the sequence's owner: "parked", "resumed" or "finished"."""
@@ -94,13 +76,8 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting) or any(s is not None for s in self.slots) or bool(
-            len(self.transfers))
-
-    @property
-    def pages_in_flight(self) -> list[int]:
-        """Pages held by swap copies still in flight (neither free nor in a page table)."""
-        return self.transfers.pages()
+        return (bool(self.waiting) or any(s is not None for s in self.slots)
+                or self.swapper.num_in_flight > 0)
 
     # ---- admission and endings ---------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -112,10 +89,7 @@ class Scheduler:
         if seq.is_finished:
             return
         seq.end_park(time.monotonic())
-        if self.transfers.cancel(seq):  # the copy owns pages and host buffer until it lands
-            seq.page_table, seq.host_kv, seq.host_bytes = [], None, 0
-        else:
-            self._release(seq)
+        self.swapper.cancel(seq)
         if seq in self.waiting:
             self.waiting.remove(seq)
         if seq.slot_id is not None:
@@ -131,13 +105,6 @@ class Scheduler:
     def abort_all(self, error: str, status: int = 503) -> None:
         for seq in [*self.waiting, *self.active]:
             self.finish(seq, error=error, status=status)
-
-    def _release(self, seq: Sequence) -> None:
-        self.pool.free(seq.page_table)
-        seq.page_table = []
-        if seq.host_kv is not None:
-            self.host.release(seq.host_kv)
-            seq.host_kv, seq.host_bytes = None, 0
 
     def _admit(self) -> None:
         for slot_id, occupant in enumerate(self.slots):
@@ -197,8 +164,8 @@ class Scheduler:
         """Would this step push the pool past the high watermark? (park before the wall)"""
         if not self.config.preempt or self.config.preempt_high >= 1.0:
             return False
-        soon_free = len(self.pages_in_flight)  # parks in flight give their pages back
-        return self.pool.num_used_pages - soon_free + self._step_pages(plan) > self.high_pages
+        return policy.passes_high(self.pool.num_used_pages, len(self.swapper.pages_in_flight),
+                                  self._step_pages(plan), self.high_pages)
 
     def _ordered_running(self) -> list[Sequence]:
         # decode rows first (cheap, latency-bound), then prefill and replay by arrival
@@ -228,41 +195,14 @@ class Scheduler:
 
     # ---- parking -----------------------------------------------------------------------------
     def park(self, seq: Sequence, wait: bool = True) -> PreemptMode:
-        """Free a running sequence's pages: swap them to host RAM if the budget allows.
-
-        With `wait=False` an asynchronous copy may still be in flight on return: its pages come
-        back to the pool when it lands (see `reap_copies`).
-        """
+        """Park a running sequence: swap or recompute, as the budget allows (see `Swapper`)."""
         assert seq.phase is Phase.RUNNING, f"cannot park a {seq.phase.value} sequence"
-        started = time.perf_counter()
-        num_bytes = self.pool.swap_bytes(len(seq.page_table))
-        mode = policy.choose_mode(num_bytes, self._can_swap)
-        ticket = None
-        if mode is PreemptMode.SWAP:
-            try:
-                seq.host_kv = self.host.allocate(self.pool.swap_shape(len(seq.page_table)),
-                                                 self.pool.dtype)
-                ticket = self.copy.start_park(seq.page_table, seq.host_kv)
-                seq.host_bytes, seq.swapped_tokens = num_bytes, seq.num_computed
-            except HostAllocationError as exc:
-                log.warning("seq %s: %s; parking by recompute", seq.request_id, exc)
-                self.stats.n_swap_fallbacks += 1
-                mode = PreemptMode.RECOMPUTE
-        if mode is PreemptMode.RECOMPUTE:
-            seq.replay_until = seq.num_computed
-            seq.num_computed = 0
-        if ticket is not None and wait:
-            self.copy.wait(ticket)
-        if ticket is not None and not self.copy.poll(ticket):
-            self.transfers.start(seq, ticket)  # the pages stay allocated until it lands
-        else:
-            self.pool.free(seq.page_table)
-        seq.page_table = []
+        mode = self.swapper.park(seq, wait)
         seq.phase, seq.preempt_mode = Phase.PARKED, mode
         seq.parked_at = time.monotonic()
         seq.n_preempt += 1
         seq.tokens_since_forced_park = 0
-        self._count_park(seq, mode, time.perf_counter() - started)
+        self._count_park(seq, mode)
         self.notify(seq, "parked")
         return mode
 
@@ -275,29 +215,22 @@ class Scheduler:
     def unpark(self, seq: Sequence) -> None:
         """POST /slots/{id}?action=unpark: resume now if it fits, else join the restore queue."""
         seq.preempt_manual = False
-        if seq.phase is not Phase.PARKED or self.transfers.is_busy(seq):
+        if seq.phase is not Phase.PARKED or self.swapper.is_busy(seq):
             return
         need = self.pool.pages_for(policy.restore_need_tokens(seq, self.config.batch_size))
         if self.pool.can_allocate(need):
             self.resume(seq)
 
-    def _can_swap(self, num_bytes: int) -> bool:
-        if self.host.budget_bytes == 0:  # --preempt-ram 0: never copy, always recompute
-            return False
-        return self.host.can_hold(num_bytes)
-
-    def _count_park(self, seq: Sequence, mode: PreemptMode, seconds: float) -> None:
+    def _count_park(self, seq: Sequence, mode: PreemptMode) -> None:
         self.stats.n_preempt += 1
         if mode is PreemptMode.SWAP:
             self.stats.n_preempt_swap += 1
-            if not self.transfers.is_busy(seq):  # an async copy is timed when it lands
-                self.stats.park_seconds.append(seconds)
         else:
             self.stats.n_preempt_recompute += 1
             seq.n_recompute += 1
-        log.info("seq %s (slot %s) parked by %s: %d tokens, %d host bytes, %.1f ms",
-                 seq.request_id, seq.slot_id, mode.value, len(seq.tokens), seq.host_bytes,
-                 seconds * 1e3)
+        log.info("seq %s (slot %s) parked by %s: %d tokens, %d host bytes%s", seq.request_id,
+                 seq.slot_id, mode.value, len(seq.tokens), seq.host_bytes,
+                 ", copy in flight" if self.swapper.is_busy(seq) else "")
 
     def _force_parks(self) -> None:
         every = self.config.preempt_every
@@ -310,7 +243,7 @@ class Scheduler:
     # ---- restoring ---------------------------------------------------------------------------
     def _restore_parked(self) -> None:
         parked = [s for s in self.parked
-                   if not s.preempt_manual and not self.transfers.is_busy(s)]
+                   if not s.preempt_manual and not self.swapper.is_busy(s)]
         if not parked:
             return
         running = self.running
@@ -328,9 +261,8 @@ class Scheduler:
                 self.finish(seq, error=CONTEXT_EXCEEDED)
                 continue
             need = self.pool.pages_for(policy.restore_need_tokens(seq, self.config.batch_size))
-            fits = need <= available
-            # hysteresis: with anyone running, wake a sequence only if the pool stays below LOW
-            below_low = not running or projected + need <= self.low_pages
+            fits, below_low = policy.may_restore(need, available, projected, self.low_pages,
+                                                 anyone_running=bool(running))
             if fits and not below_low:
                 self.stats.n_restore_refused_watermark += 1
             if fits and below_low:
@@ -344,42 +276,21 @@ class Scheduler:
     def resume(self, seq: Sequence) -> None:
         """Give a parked sequence its pages back; an asynchronous copy completes it later."""
         assert seq.phase is Phase.PARKED, f"cannot resume a {seq.phase.value} sequence"
-        if seq.preempt_mode is PreemptMode.SWAP:
-            pages = self.pool.allocate(self.pool.pages_for(seq.swapped_tokens))
-            ticket = self.copy.start_resume(pages, seq.host_kv)
-            if not self.copy.poll(ticket):
-                self.transfers.start(seq, ticket)  # stays parked (and busy) until it lands
-                return
-            self._resumed_swap(seq, ticket)
-        else:
+        if not self.swapper.resume(seq):
+            return  # stays parked (and busy) until the copy lands: see reap_copies
+        if seq.preempt_mode is PreemptMode.RECOMPUTE:
             self.stats.n_recompute_tokens += seq.replay_until
         self._mark_resumed(seq)
 
-    def _resumed_swap(self, seq: Sequence, ticket: Ticket) -> None:
-        seq.page_table = list(ticket.pages)
-        self.host.release(seq.host_kv)
-        seq.host_kv, seq.host_bytes = None, 0
-        self.stats.resume_seconds.append(time.perf_counter() - ticket.started_at)
-
     def reap_copies(self) -> None:
-        """Settle swap copies that have landed: free parked pages, wake resumed sequences,
-        and give back everything a sequence cancelled mid-copy held."""
-        for seq, release, ticket in self.transfers.reap(self.copy.poll):
-            if release.outcome is Outcome.RESUMED:
-                self._resumed_swap(seq, ticket)
-                self._mark_resumed(seq)
-                continue
-            self.pool.free(list(release.free_pages))
-            if release.release_host:  # cancelled mid-copy
-                self.host.release(ticket.host_buf)
-            else:
-                self.stats.park_seconds.append(time.perf_counter() - ticket.started_at)
+        """Settle swap copies that have landed and wake the sequences whose resume did."""
+        for seq in self.swapper.reap():
+            self._mark_resumed(seq)
 
     def wait_for_copies(self) -> None:
         """Block until every copy in flight has landed, then settle them (idle or shutdown)."""
-        for _, ticket in self.transfers.tickets():
-            self.copy.wait(ticket)
-        self.reap_copies()
+        for seq in self.swapper.wait_all():
+            self._mark_resumed(seq)
 
     def _mark_resumed(self, seq: Sequence) -> None:
         parked_for = seq.end_park(time.monotonic())

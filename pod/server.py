@@ -27,6 +27,7 @@ from .model.loader import LoadedModel, load_model_files
 from .model.tokenizer import Tokenizer
 from .runner import ModelRunner
 from .scheduler import Scheduler, SchedulerConfig
+from .swap import Swapper
 
 log = logging.getLogger("kvpark.server")
 
@@ -189,7 +190,7 @@ def build_stack(args: ServerArgs) -> ServingStack:
         preempt_low=args.preempt_low / 100,
         resume_order=args.preempt_resume,
     )
-    scheduler = Scheduler(scheduler_config, pool, host, copy=make_copy_engine(pool))
+    scheduler = Scheduler(scheduler_config, Swapper(pool, host, make_copy_engine(pool)))
     metrics = Metrics(scheduler)
     scheduler.on_finish = metrics.on_finish
     runner = ModelRunner(model, pool, backend, graphs=graphs)

@@ -15,6 +15,7 @@ from kvpark.pod.runner import ModelRunner
 from kvpark.pod.sampling import SamplingParams
 from kvpark.pod.scheduler import Scheduler, SchedulerConfig
 from kvpark.pod.slot import Sequence
+from kvpark.pod.swap import Swapper
 
 pytestmark = pytest.mark.gpu
 
@@ -100,7 +101,7 @@ def test_forced_parks_run_to_completion(request, smollm2, backend_name, budget, 
     else:
         backend = TorchPagedAttention(DEVICE)
     config = SchedulerConfig(num_slots=3, batch_size=64, preempt=True, preempt_every=4)
-    scheduler = Scheduler(config, pool, HostStore(budget, pin_memory=True))
+    scheduler = Scheduler(config, Swapper(pool, HostStore(budget, pin_memory=True)))
     engine = Engine(scheduler, ModelRunner(smollm2, pool, backend), frozenset())
     seqs = [make_seq(n, max_tokens=12) for n in (20, 37, 70)]
     for seq in seqs:

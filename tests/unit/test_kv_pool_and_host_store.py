@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from kvpark.kernels.kv_copy import copy_in, copy_out
 from kvpark.pod.host_store import HostAllocationError, HostStore
 from kvpark.pod.kv_pool import KVPool
 
@@ -30,7 +31,7 @@ def test_gather_then_scatter_to_other_pages_is_byte_exact():
     before = [cache[pages].clone() for cache in pool.caches]
     store = HostStore(budget_bytes=-1)
     host = store.allocate(pool.swap_shape(len(pages)), pool.dtype)
-    pool.gather(pages, host)
+    copy_out(pool, pages, host)
     assert store.held_bytes == pool.swap_bytes(3) == 3 * pool.page_bytes
     pool.free(pages)
     for cache in pool.caches:
@@ -38,7 +39,7 @@ def test_gather_then_scatter_to_other_pages_is_byte_exact():
     pool.allocate(2)  # the sequence comes back to different pages
     new_pages = pool.allocate(3)
     assert new_pages != pages
-    pool.scatter(new_pages, host)
+    copy_in(pool, new_pages, host)
     for cache, old in zip(pool.caches, before):
         assert cache[new_pages].numpy().tobytes() == old.numpy().tobytes()
     store.release(host)

@@ -58,8 +58,26 @@ def test_recompute_in_progress_is_passed_over_while_another_exists():
 
 
 def test_mode_follows_the_remaining_budget():
-    assert policy.choose_mode(100, lambda n: n <= 100) is PreemptMode.SWAP
-    assert policy.choose_mode(101, lambda n: n <= 100) is PreemptMode.RECOMPUTE
+    assert policy.choose_mode(100, budget_bytes=150, held_bytes=50) is PreemptMode.SWAP
+    assert policy.choose_mode(101, budget_bytes=150, held_bytes=50) is PreemptMode.RECOMPUTE
+    assert policy.choose_mode(0, budget_bytes=0, held_bytes=0) is PreemptMode.RECOMPUTE  # never
+    assert policy.choose_mode(1 << 40, budget_bytes=-1, held_bytes=1 << 40) is PreemptMode.SWAP
+
+
+def test_high_watermark_counts_pages_in_flight_as_given_back():
+    assert policy.passes_high(used_pages=90, soon_free=0, step_pages=5, high_pages=94)
+    assert not policy.passes_high(used_pages=90, soon_free=1, step_pages=5, high_pages=94)
+
+
+def test_restore_must_fit_and_stay_below_low_while_anyone_runs():
+    assert policy.may_restore(10, available=10, projected=70, low_pages=80,
+                              anyone_running=True) == (True, True)
+    assert policy.may_restore(10, available=10, projected=71, low_pages=80,
+                              anyone_running=True) == (True, False)
+    assert policy.may_restore(10, available=10, projected=71, low_pages=80,
+                              anyone_running=False) == (True, True)
+    assert policy.may_restore(11, available=10, projected=0, low_pages=80,
+                              anyone_running=False) == (False, True)
 
 
 def test_restore_order_most_preempted_then_longest_parked():

@@ -17,6 +17,7 @@ from kvpark.pod.kv_pool import KVPool
 from kvpark.pod.sampling import SamplingParams
 from kvpark.pod.scheduler import Scheduler, SchedulerConfig
 from kvpark.pod.slot import Phase, Sequence
+from kvpark.pod.swap import Swapper
 
 PAGE_SIZE = 4
 NUM_PAGES = 24
@@ -37,7 +38,8 @@ def make_engine(budget_pages: int, preempt: bool, preempt_every: int,
     budget = budget_pages if budget_pages < 0 else budget_pages * pool.page_bytes
     config = SchedulerConfig(num_slots=3, batch_size=batch_size, preempt=preempt,
                              preempt_every=preempt_every)
-    return Engine(Scheduler(config, pool, HostStore(budget)), FakeRunner(), frozenset({EOS}))
+    return Engine(Scheduler(config, Swapper(pool, HostStore(budget))), FakeRunner(),
+                  frozenset({EOS}))
 
 
 def make_seq(prompt_len: int, max_tokens: int, finished: dict) -> Sequence:
@@ -53,14 +55,14 @@ def make_seq(prompt_len: int, max_tokens: int, finished: dict) -> Sequence:
 
 def check_invariants(engine: Engine, seqs: list[Sequence], finished: dict) -> None:
     s = engine.scheduler
-    owned = [p for seq in s.active for p in seq.page_table] + s.pages_in_flight
+    owned = [p for seq in s.active for p in seq.page_table] + s.swapper.pages_in_flight
     assert len(owned) == len(set(owned)), "a page is in two page tables"
     assert not set(owned) & set(s.pool.free_page_ids()), "a page is both free and owned"
     assert len(owned) + s.pool.num_free_pages == s.pool.num_pages, "pages leaked"
     parked_bytes = sum(seq.host_bytes for seq in s.active if seq.host_kv is not None)
-    assert s.host.held_bytes == parked_bytes
-    if s.host.budget_bytes >= 0:
-        assert s.host.held_bytes <= s.host.budget_bytes
+    assert s.swapper.host.held_bytes == parked_bytes
+    if s.swapper.host.budget_bytes >= 0:
+        assert s.swapper.host.held_bytes <= s.swapper.host.budget_bytes
     for seq in seqs:
         if seq.is_finished:
             assert finished.get(seq.seq_id) == 1, "finished more than once, or silently"
@@ -121,7 +123,7 @@ def run_events(monkeypatch, events, budget_pages, preempt, preempt_every):
         engine.step()
         check_invariants(engine, seqs, finished)
     assert not s.has_work, "a request waits forever"
-    assert s.pool.num_free_pages == NUM_PAGES and s.host.held_bytes == 0
+    assert s.pool.num_free_pages == NUM_PAGES and s.swapper.host.held_bytes == 0
     for seq in seqs:
         assert seq.is_finished
         if seq.error is None and seq.finish_reason != "cancelled":
@@ -155,7 +157,7 @@ def parked_pair(order: str):
                   head_dim=2)
     config = SchedulerConfig(num_slots=3, batch_size=8, resume_order=order,
                              preempt_high=1.0, preempt_low=1.0)
-    scheduler = Scheduler(config, pool, HostStore(0))
+    scheduler = Scheduler(config, Swapper(pool, HostStore(0)))
     finished: dict[int, int] = {}
     runner_seq = make_seq(60, 10, finished)  # holds 15 of 24 pages
     head, small = make_seq(40, 10, finished), make_seq(2, 10, finished)

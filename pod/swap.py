@@ -1,0 +1,218 @@
+"""Parking copies: a victim's KV pages to host RAM and back, and the state of copies in flight.
+
+The scheduler decides who parks and who resumes; `Swapper` carries it out over the pool, the
+host store and a copy engine. A swap park copies the pages into a host buffer charged to the
+`--preempt-ram` budget (a refused allocation falls through to recompute); a recompute park drops
+them and marks the tokens to replay. On CUDA a copy may still be in flight when `park`/`resume`
+return: until it lands the sequence is busy (neither scheduled nor chosen), its device pages
+stay allocated and its host buffer stays charged; a cancel mid-copy is honoured once it lands.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+
+from kvpark.kernels.kv_copy import CopyEngine, CopyKind, SyncCopyEngine, Ticket
+
+from . import preemption as policy
+from .host_store import HostAllocationError, HostStore
+from .kv_pool import KVPool
+from .preemption import PreemptStats
+from .slot import PreemptMode, Sequence
+
+log = logging.getLogger("kvpark.swap")
+
+
+class Outcome(str, enum.Enum):
+    PARKED = "parked"  # park landed: the sequence is parked by swap
+    RESUMED = "resumed"  # resume landed: the sequence may run
+    CANCELLED = "cancelled"  # cancelled mid-copy: everything it held is given back
+
+
+@dataclass(frozen=True)
+class Release:
+    """What to give back once a copy has landed."""
+
+    outcome: Outcome
+    free_pages: tuple[int, ...]  # device pages back to the pool
+    release_host: bool  # the host buffer back to the host store
+
+
+@dataclass(eq=False)
+class ParkTransfer:
+    """One in-flight park or resume of one sequence; `settle()` once the copy has landed."""
+
+    kind: CopyKind
+    pages: tuple[int, ...]
+    cancelled: bool = False
+    settled: bool = False
+
+    def cancel(self) -> None:
+        assert not self.settled, "cancelling a transfer that has already settled"
+        self.cancelled = True
+
+    def settle(self) -> Release:
+        assert not self.settled, "a transfer settles once"
+        self.settled = True
+        if self.cancelled:
+            return Release(Outcome.CANCELLED, self.pages, release_host=True)
+        if self.kind is CopyKind.PARK:
+            return Release(Outcome.PARKED, self.pages, release_host=False)
+        return Release(Outcome.RESUMED, (), release_host=True)
+
+
+class TransferTracker:
+    """In-flight transfers by owner (a sequence)."""
+
+    def __init__(self) -> None:
+        self._in_flight: dict[Hashable, tuple[ParkTransfer, Ticket]] = {}
+
+    def __len__(self) -> int:
+        return len(self._in_flight)
+
+    def start(self, owner: Hashable, ticket: Ticket) -> ParkTransfer:
+        assert owner not in self._in_flight, f"{owner!r} already has a copy in flight"
+        transfer = ParkTransfer(ticket.kind, ticket.pages)
+        self._in_flight[owner] = (transfer, ticket)
+        return transfer
+
+    def is_busy(self, owner: Hashable) -> bool:
+        return owner in self._in_flight
+
+    def cancel(self, owner: Hashable) -> bool:
+        """Mark the owner's copy cancelled; True when one is in flight (free nothing yet)."""
+        entry = self._in_flight.get(owner)
+        if entry is None:
+            return False
+        entry[0].cancel()
+        return True
+
+    def reap(self, poll: Callable[[Ticket], bool]) -> list[tuple[Hashable, Release, Ticket]]:
+        """Settle every transfer whose copy has landed, in start order."""
+        landed = [(owner, t, k) for owner, (t, k) in self._in_flight.items() if poll(k)]
+        for owner, _, _ in landed:
+            del self._in_flight[owner]
+        return [(owner, transfer.settle(), ticket) for owner, transfer, ticket in landed]
+
+    def pages(self) -> list[int]:
+        """Device pages the transfers in flight hold."""
+        return [p for transfer, _ in self._in_flight.values() for p in transfer.pages]
+
+    def tickets(self) -> list[Ticket]:
+        return [ticket for _, ticket in self._in_flight.values()]
+
+
+class Swapper:
+    """Parks and restores sequences' KV; the only pod module (with the runner) using kernels."""
+
+    def __init__(self, pool: KVPool, host: HostStore, copy: CopyEngine | None = None,
+                 stats: PreemptStats | None = None) -> None:
+        self.pool = pool
+        self.host = host
+        self.copy = copy or SyncCopyEngine(pool)
+        self.stats = stats or PreemptStats()
+        self.transfers = TransferTracker()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self.transfers)
+
+    @property
+    def pages_in_flight(self) -> list[int]:
+        """Pages held by copies still in flight (neither free nor in a page table)."""
+        return self.transfers.pages()
+
+    def is_busy(self, seq: Sequence) -> bool:
+        return self.transfers.is_busy(seq)
+
+    # ---- park --------------------------------------------------------------------------------
+    def park(self, seq: Sequence, wait: bool = True) -> PreemptMode:
+        """Take a running sequence's pages: swapped when the budget allows, else dropped.
+
+        With `wait=False` an asynchronous copy may still be in flight on return; its pages come
+        back to the pool when it lands (`reap`).
+        """
+        started = time.perf_counter()
+        num_bytes = self.pool.swap_bytes(len(seq.page_table))
+        mode = policy.choose_mode(num_bytes, self.host.budget_bytes, self.host.held_bytes)
+        ticket = self._start_park_copy(seq, num_bytes) if mode is PreemptMode.SWAP else None
+        if ticket is None:
+            mode = PreemptMode.RECOMPUTE
+            seq.replay_until, seq.num_computed = seq.num_computed, 0
+        if ticket is not None and wait:
+            self.copy.wait(ticket)
+        if ticket is not None and not self.copy.poll(ticket):
+            self.transfers.start(seq, ticket)  # the pages stay allocated until it lands
+        else:
+            self.pool.free(seq.page_table)
+            if ticket is not None:
+                self.stats.park_seconds.append(time.perf_counter() - started)
+        seq.page_table = []
+        return mode
+
+    def _start_park_copy(self, seq: Sequence, num_bytes: int) -> Ticket | None:
+        """The copy into a fresh host buffer, or None where the host refused the buffer."""
+        try:
+            seq.host_kv = self.host.allocate(self.pool.swap_shape(len(seq.page_table)),
+                                             self.pool.dtype)
+        except HostAllocationError as exc:
+            log.warning("seq %s: %s; parking by recompute", seq.request_id, exc)
+            self.stats.n_swap_fallbacks += 1
+            return None
+        seq.host_bytes, seq.swapped_tokens = num_bytes, seq.num_computed
+        return self.copy.start_park(seq.page_table, seq.host_kv)
+
+    # ---- resume ------------------------------------------------------------------------------
+    def resume(self, seq: Sequence) -> bool:
+        """Give a parked sequence its pages back. False while its swap copy is still in flight
+        (`reap` reports it once it lands); a recompute park gets its pages step by step."""
+        if seq.host_kv is None:  # parked by recompute
+            return True
+        started = time.perf_counter()
+        pages = self.pool.allocate(self.pool.pages_for(seq.swapped_tokens))
+        ticket = self.copy.start_resume(pages, seq.host_kv)
+        if not self.copy.poll(ticket):
+            self.transfers.start(seq, ticket)
+            return False
+        self._resume_landed(seq, ticket, started)
+        return True
+
+    def _resume_landed(self, seq: Sequence, ticket: Ticket, started: float) -> None:
+        seq.page_table = list(ticket.pages)
+        self.host.release(seq.host_kv)
+        seq.host_kv, seq.host_bytes = None, 0
+        self.stats.resume_seconds.append(time.perf_counter() - started)
+
+    # ---- copies in flight --------------------------------------------------------------------
+    def reap(self) -> list[Sequence]:
+        """Settle the copies that have landed; returns the sequences whose resume landed."""
+        resumed = []
+        for seq, release, ticket in self.transfers.reap(self.copy.poll):
+            if release.outcome is Outcome.RESUMED:
+                self._resume_landed(seq, ticket, ticket.started_at)
+                resumed.append(seq)
+                continue
+            self.pool.free(list(release.free_pages))
+            if release.release_host:  # cancelled mid-copy
+                self.host.release(ticket.host_buf)
+            else:
+                self.stats.park_seconds.append(time.perf_counter() - ticket.started_at)
+        return resumed
+
+    def wait_all(self) -> list[Sequence]:
+        """Block until every copy in flight has landed, then settle them (idle or shutdown)."""
+        for ticket in self.transfers.tickets():
+            self.copy.wait(ticket)
+        return self.reap()
+
+    def cancel(self, seq: Sequence) -> None:
+        """Give back everything a finishing sequence holds (a copy in flight: once it lands)."""
+        if not self.transfers.cancel(seq):
+            self.pool.free(seq.page_table)
+            if seq.host_kv is not None:
+                self.host.release(seq.host_kv)
+        seq.page_table, seq.host_kv, seq.host_bytes = [], None, 0
