@@ -172,6 +172,8 @@ def chat_messages(body: dict) -> list[dict[str, str]]:
 
 
 def _prompt_ids(body: dict, tokenizer: Tokenizer, name: str = "prompt") -> list[int]:
+    """A raw prompt's ids. Special-token texts in it become their ids, as llama.cpp parses them
+    in /completion prompts: a raw prompt is the caller's whole model input, template included."""
     prompt = body.get(name)
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -198,13 +200,13 @@ def _model(body: dict) -> str | None:
 
 def parse_chat(body: dict, tokenizer: Tokenizer, max_context: int) -> GenerationRequest:
     messages = chat_messages(body)
-    try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    try:  # special-token texts in the messages stay text: only the template's markers are special
+        prompt_ids = tokenizer.encode_chat(messages, add_generation_prompt=True)
     except Exception as exc:  # the model's own template rejected the conversation
         raise _bad("messages", f"the chat template rejected the messages: {exc}") from exc
     return GenerationRequest(
         kind="chat",
-        prompt_ids=tokenizer.encode(text),
+        prompt_ids=prompt_ids,
         params=sampling_params(body, max_context, ("max_completion_tokens", "max_tokens")),
         stream=_boolean(body, "stream", False),
         include_usage=_include_usage(body),
