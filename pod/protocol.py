@@ -110,7 +110,7 @@ def sampling_params(body: dict, max_context: int, max_tokens_names: tuple[str, .
     top_k = _integer(body, "top_k", 0, -1, 1 << 20)
     return SamplingParams(
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0) or 1.0,
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0),  # 0: greedy (is_greedy)
         top_k=0 if top_k in (None, -1) else top_k,  # llama.cpp's -1: off
         min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
         seed=None if seed == -1 else seed,  # llama.cpp's -1: random

@@ -150,3 +150,12 @@ def test_metrics_count_tokens_and_batched_decode(tiny_server):
     assert m["kvpark:kv_cache_usage_ratio"] == 0.0
     # more than one sequence per decode step happened
     assert m['kvpark:decode_batch_size_bucket{le="1.0"}'] < m["kvpark:decode_batch_size_count"]
+
+
+def test_top_p_zero_at_temperature_one_gives_the_greedy_text(tiny_server):
+    greedy = tiny_server.chat("top p zero", temperature=0, max_tokens=24, ignore_eos=True)
+    for seed in (1, 2):
+        top_p_zero = tiny_server.chat("top p zero", temperature=1, top_p=0, seed=seed,
+                                      max_tokens=24, ignore_eos=True)
+        assert top_p_zero.json()["choices"][0]["message"]["content"] == \
+            greedy.json()["choices"][0]["message"]["content"]
