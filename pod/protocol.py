@@ -15,6 +15,7 @@ from .sampling import SamplingParams
 
 MAX_N = 16
 MAX_STOP_STRINGS = 8
+MAX_STOP_CHARS = 1024  # per stop string: up to this much text is held back while it may match
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
@@ -91,6 +92,8 @@ def _stops(body: dict) -> tuple[str, ...]:
         raise _bad("stop", "expected a string or a list of strings")
     if len(value) > MAX_STOP_STRINGS:
         raise _bad("stop", f"at most {MAX_STOP_STRINGS} stop strings")
+    if any(len(s) > MAX_STOP_CHARS for s in value):
+        raise _bad("stop", f"a stop string may have at most {MAX_STOP_CHARS} characters")
     return tuple(s for s in value if s)
 
 

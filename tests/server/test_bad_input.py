@@ -44,6 +44,7 @@ JSON_CASES = [
     (CHAT, {"messages": MSG, "seed": 1.5}, 400, "seed"),
     (CHAT, {"messages": MSG, "stop": 7}, 400, "stop"),
     (CHAT, {"messages": MSG, "stop": ["a"] * 50}, 400, "stop"),
+    (CHAT, {"messages": MSG, "stop": ["a", "b" * 1025]}, 400, "stop"),  # over MAX_STOP_CHARS
     (CHAT, {"messages": MSG, "stream": "yes"}, 400, "stream"),
     (CHAT, {"messages": MSG, "stream_options": "x"}, 400, "stream_options"),
     (CHAT, {"messages": MSG, "ignore_eos": 1}, 400, "ignore_eos"),
