@@ -349,6 +349,16 @@ class Server:
             raise ApiError(400, f"'{name[gen.kind]}': {prompt} prompt tokens + {max_tokens} to "
                            f"generate exceed the {limit} tokens one request can hold here",
                            param=name[gen.kind])
+        # the n sequences each hold their own pages (the prompt's are not shared) and are never
+        # parked, so as many as get a slot at once must fit the pool together
+        pool = stack.scheduler.pool
+        together = min(gen.params.n, len(stack.scheduler.slots))
+        each = prompt + (max_tokens or 1)
+        if together > 1 and together * pool.pages_for(each) > pool.num_pages:
+            raise ApiError(400, f"'n': {together} sequences run side by side here, each up to "
+                           f"{each} tokens ({prompt} prompt + {max_tokens or 1} to generate); "
+                           f"together they exceed the {capacity}-token pool",
+                           param="n")
 
     async def complete(self, request: Request, stack: ServingStack,
                        stream: RequestStream) -> Response:

@@ -54,6 +54,11 @@ JSON_CASES = [
     ("/v1/completions", {"prompt": [-1, 5]}, 400, "prompt"),
     ("/v1/completions", {"prompt": "x " * 1100}, 400, "prompt"),  # longer than the pool
     ("/v1/completions", {"prompt": "hi", "max_tokens": 1024}, 400, "max_tokens"),
+    # n sequences side by side (2 slots here) that cannot all fit the 1024-token pool
+    ("/v1/completions", {"prompt": "hi", "n": 4, "max_tokens": 600, "ignore_eos": True}, 400,
+     "n"),
+    (CHAT, {"messages": MSG, "n": 2, "max_tokens": 600}, 400, "n"),
+    ("/v1/completions", {"prompt": list(range(100, 700)), "n": 2}, 400, "n"),  # no max_tokens
     ("/completion", {"prompt": "hi", "n_predict": -5}, 400, "n_predict"),
     ("/completion", {"prompt": "hi", "n": 2}, 400, "n"),
 ]
