@@ -171,3 +171,12 @@ def test_n_beyond_the_slots_only_needs_the_slots_worth_of_pool(tiny_server):
     assert response.json()["usage"]["completion_tokens"] == 6 * 200
     too_long = tiny_server.post("/v1/completions", {**body, "max_tokens": 240})
     assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "n"
+
+
+def test_prompt_tokens_metric_counts_an_n_request_prompt_once(tiny_server):
+    before = tiny_server.metric("kvpark:prompt_tokens_total")
+    body = tiny_server.post("/v1/completions", {"prompt": "count me once", "n": 4,
+                                                "max_tokens": 3, "ignore_eos": True}).json()
+    after = tiny_server.metric("kvpark:prompt_tokens_total")
+    assert body["usage"]["prompt_tokens"] > 0
+    assert after - before == body["usage"]["prompt_tokens"]
