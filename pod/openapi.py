@@ -95,7 +95,9 @@ def get_openapi(max_context: int) -> dict[str, Any]:
         "LlamaCompletionRequest": {"type": "object", "required": ["prompt"], "properties": {
             "prompt": prompt, "return_tokens": {"type": "boolean"},
             **_sampling(("max_tokens",), max_context),
-            "n_predict": {"type": "integer", "minimum": -1, "maximum": max_context},
+            # -1 (unlimited) or 1..max_context: protocol._max_tokens refuses 0
+            "n_predict": {"type": "integer", "oneOf": [
+                {"enum": [-1]}, {"minimum": 1, "maximum": max_context}]},
             "n": {"type": "integer", "minimum": 1, "maximum": 1}}},
         "ChatResponse": {"type": "object", "required": ["id", "object", "choices", "usage"],
                          "properties": {

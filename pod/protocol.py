@@ -101,7 +101,9 @@ def _max_tokens(body: dict, names: tuple[str, ...], max_context: int) -> int | N
     for name in names:
         if body.get(name) is not None:
             value = body[name]
-            if name == "n_predict" and value == -1:  # llama.cpp: -1 is unlimited
+            # llama.cpp: -1 is unlimited. 0 is refused: llama.cpp still generates one token
+            # for it (its limit is checked after a token), and its older servers none
+            if name == "n_predict" and type(value) is int and value == -1:
                 return None
             return _integer(body, name, None, 1, max_context)
     return None

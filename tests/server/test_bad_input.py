@@ -60,6 +60,7 @@ JSON_CASES = [
     (CHAT, {"messages": MSG, "n": 2, "max_tokens": 600}, 400, "n"),
     ("/v1/completions", {"prompt": list(range(100, 700)), "n": 2}, 400, "n"),  # no max_tokens
     ("/completion", {"prompt": "hi", "n_predict": -5}, 400, "n_predict"),
+    ("/completion", {"prompt": "hi", "n_predict": 0}, 400, "n_predict"),  # as /openapi.json says
     ("/completion", {"prompt": "hi", "n": 2}, 400, "n"),
 ]
 
