@@ -349,6 +349,16 @@ class Server:
             raise ApiError(400, f"'{name[gen.kind]}': {prompt} prompt tokens + {max_tokens} to "
                            f"generate exceed the {limit} tokens one request can hold here",
                            param=name[gen.kind])
+        # the n sequences each hold their own pages (the prompt's are not shared) and are never
+        # parked, so as many as get a slot at once must fit the pool together
+        pool = stack.scheduler.pool
+        together = min(gen.params.n, len(stack.scheduler.slots))
+        each = prompt + (max_tokens or 1)
+        if together > 1 and together * pool.pages_for(each) > pool.num_pages:
+            raise ApiError(400, f"'n': {together} sequences run side by side here, each up to "
+                           f"{each} tokens ({prompt} prompt + {max_tokens or 1} to generate); "
+                           f"together they exceed the {capacity}-token pool",
+                           param="n")
 
     async def complete(self, request: Request, stack: ServingStack,
                        stream: RequestStream) -> Response:
@@ -473,7 +483,8 @@ def final_body(stack: ServingStack, stream: RequestStream) -> dict[str, Any]:
     if gen.kind == "llama":
         seq = seqs[0]
         body = {"content": stream.text(0), "model": stack.model_name, "stop": True,
-                "stop_type": llama_stop_type(seq), "tokens_predicted": seq.num_generated,
+                "stop_type": llama_stop_type(seq, stream.outputs[0].stopped),
+                "tokens_predicted": seq.num_generated,
                 "tokens_evaluated": seq.num_prompt, "timings": timings(seq),
                 "id_slot": seq.slot_id}
         if gen.return_tokens:
@@ -494,10 +505,11 @@ def final_body(stack: ServingStack, stream: RequestStream) -> dict[str, Any]:
             "timings": timings(seqs[0]), "preempt": stream.preempt_summary()}
 
 
-def llama_stop_type(seq: Sequence) -> str:
+def llama_stop_type(seq: Sequence, stopped_on_word: bool) -> str:
+    """llama.cpp's stop_type: a stop string matched ("word"), the length limit, or EOS."""
     if seq.finish_reason == "length":
         return "limit"
-    return "word" if seq.params.stop and seq.tokens[-1:] else "eos"
+    return "word" if stopped_on_word else "eos"
 
 
 @dataclass
@@ -539,7 +551,8 @@ class ChunkFormatter:
         kind = self.stream.request.kind
         if kind == "llama":
             return {"content": "", "stop": True, "index": seq.index, "model": self.model,
-                    "stop_type": llama_stop_type(seq), "tokens_predicted": seq.num_generated,
+                    "stop_type": llama_stop_type(seq, self.stream.outputs[seq.index].stopped),
+                    "tokens_predicted": seq.num_generated,
                     "tokens_evaluated": seq.num_prompt, "timings": timings(seq)}
         if kind == "chat":
             return self._chunk([{"index": seq.index, "delta": {}, "logprobs": None,

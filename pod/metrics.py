@@ -125,7 +125,8 @@ class Metrics:
         self.requests.labels(outcome).inc()
         self.request_preemptions.observe(seq.n_preempt)
         self.request_parked.observe(seq.parked_seconds)
-        self.prompt_tokens.inc(seq.num_prompt)
+        if seq.index == 0:  # the n sequences of a request share one prompt: count it once
+            self.prompt_tokens.inc(seq.num_prompt)
         self.generated_tokens.inc(seq.num_generated)
         self.latency.observe(time.monotonic() - seq.arrival)
         if seq.first_token_at is not None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .protocol import CHAT_ROLES, MAX_N, MAX_STOP_STRINGS
+from .protocol import CHAT_ROLES, MAX_N, MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 JSON = "application/json"
 SSE = "text/event-stream"
@@ -26,9 +26,9 @@ def _sampling(max_tokens_names: tuple[str, ...], max_context: int) -> dict[str, 
         "top_k": {"type": "integer", "minimum": -1, "maximum": 1 << 20},
         "min_p": {"type": "number", "minimum": 0, "maximum": 1},
         "seed": {"type": "integer", "minimum": -1, "maximum": 2**63 - 1},
-        "stop": {"oneOf": [{"type": "string"},
-                           {"type": "array", "items": {"type": "string"},
-                            "maxItems": MAX_STOP_STRINGS}]},
+        "stop": {"oneOf": [{"type": "string", "maxLength": MAX_STOP_CHARS},
+                           {"type": "array", "maxItems": MAX_STOP_STRINGS,
+                            "items": {"type": "string", "maxLength": MAX_STOP_CHARS}}]},
         "ignore_eos": {"type": "boolean"},
         "n": {"type": "integer", "minimum": 1, "maximum": MAX_N},
         "stream": {"type": "boolean"},
@@ -95,7 +95,9 @@ def get_openapi(max_context: int) -> dict[str, Any]:
         "LlamaCompletionRequest": {"type": "object", "required": ["prompt"], "properties": {
             "prompt": prompt, "return_tokens": {"type": "boolean"},
             **_sampling(("max_tokens",), max_context),
-            "n_predict": {"type": "integer", "minimum": -1, "maximum": max_context},
+            # -1 (unlimited) or 1..max_context: protocol._max_tokens refuses 0
+            "n_predict": {"type": "integer", "oneOf": [
+                {"enum": [-1]}, {"minimum": 1, "maximum": max_context}]},
             "n": {"type": "integer", "minimum": 1, "maximum": 1}}},
         "ChatResponse": {"type": "object", "required": ["id", "object", "choices", "usage"],
                          "properties": {

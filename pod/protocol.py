@@ -15,6 +15,7 @@ from .sampling import SamplingParams
 
 MAX_N = 16
 MAX_STOP_STRINGS = 8
+MAX_STOP_CHARS = 1024  # per stop string: up to this much text is held back while it may match
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
@@ -91,6 +92,8 @@ def _stops(body: dict) -> tuple[str, ...]:
         raise _bad("stop", "expected a string or a list of strings")
     if len(value) > MAX_STOP_STRINGS:
         raise _bad("stop", f"at most {MAX_STOP_STRINGS} stop strings")
+    if any(len(s) > MAX_STOP_CHARS for s in value):
+        raise _bad("stop", f"a stop string may have at most {MAX_STOP_CHARS} characters")
     return tuple(s for s in value if s)
 
 
@@ -98,7 +101,9 @@ def _max_tokens(body: dict, names: tuple[str, ...], max_context: int) -> int | N
     for name in names:
         if body.get(name) is not None:
             value = body[name]
-            if name == "n_predict" and value == -1:  # llama.cpp: -1 is unlimited
+            # llama.cpp: -1 is unlimited. 0 is refused: llama.cpp still generates one token
+            # for it (its limit is checked after a token), and its older servers none
+            if name == "n_predict" and type(value) is int and value == -1:
                 return None
             return _integer(body, name, None, 1, max_context)
     return None
@@ -110,7 +115,7 @@ def sampling_params(body: dict, max_context: int, max_tokens_names: tuple[str, .
     top_k = _integer(body, "top_k", 0, -1, 1 << 20)
     return SamplingParams(
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0) or 1.0,
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0),  # 0: greedy (is_greedy)
         top_k=0 if top_k in (None, -1) else top_k,  # llama.cpp's -1: off
         min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
         seed=None if seed == -1 else seed,  # llama.cpp's -1: random
@@ -172,6 +177,8 @@ def chat_messages(body: dict) -> list[dict[str, str]]:
 
 
 def _prompt_ids(body: dict, tokenizer: Tokenizer, name: str = "prompt") -> list[int]:
+    """A raw prompt's ids. Special-token texts in it become their ids, as llama.cpp parses them
+    in /completion prompts: a raw prompt is the caller's whole model input, template included."""
     prompt = body.get(name)
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -198,13 +205,13 @@ def _model(body: dict) -> str | None:
 
 def parse_chat(body: dict, tokenizer: Tokenizer, max_context: int) -> GenerationRequest:
     messages = chat_messages(body)
-    try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    try:  # special-token texts in the messages stay text: only the template's markers are special
+        prompt_ids = tokenizer.encode_chat(messages, add_generation_prompt=True)
     except Exception as exc:  # the model's own template rejected the conversation
         raise _bad("messages", f"the chat template rejected the messages: {exc}") from exc
     return GenerationRequest(
         kind="chat",
-        prompt_ids=tokenizer.encode(text),
+        prompt_ids=prompt_ids,
         params=sampling_params(body, max_context, ("max_completion_tokens", "max_tokens")),
         stream=_boolean(body, "stream", False),
         include_usage=_include_usage(body),

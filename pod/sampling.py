@@ -23,8 +23,10 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        # below this temperature logits / t overflows float32; it is argmax in all but name
-        return self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1
+        # below this temperature logits / t overflows float32; it is argmax in all but name.
+        # top_p 0 keeps only the best token (llama.cpp's top-p keeps at least one)
+        return (self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1
+                or self.top_p <= 0.0)
 
 
 def make_generator(seed: int | None) -> torch.Generator:

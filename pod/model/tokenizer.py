@@ -8,6 +8,7 @@ chat template may already put BOS in the text and a second one hurts the model.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 # llama.cpp's token_type values (llama_token_type in llama.h).
@@ -44,6 +45,12 @@ GPT2_ONLY = frozenset({"gpt-2", "gpt2", "mpt", "olmo", "jais"})
 LLAMA3_LIKE = frozenset({"llama-bpe", "llama3", "dbrx", "smaug-bpe"})
 QWEN2_LIKE = frozenset({"qwen2", "qwen2.5", "qwen-2.5", "stablelm2", "deepseek-r1-qwen"})
 
+# Put around every character of a special-token text found in message content, so the text no
+# longer matches the special token; the chat encoder's normalizer then deletes it before BPE.
+# A Unicode noncharacter (reserved for internal use), so real text does not carry it; any that
+# does arrive in a chat message is dropped.
+DEFUSE_MARK = "\ufdd0"
+
 
 class Tokenizer:
     """Text <-> ids, plus the model's chat template and its end-of-generation ids."""
@@ -66,6 +73,10 @@ class Tokenizer:
         self.add_bos = add_bos
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         self._template: jinja2.Template | None = None
+        self._chat_backend: HFTokenizer | None = None  # built on first use (a copy of backend)
+        specials = sorted((t.content for t in backend.get_added_tokens_decoder().values()
+                           if t.special and t.content), key=len, reverse=True)
+        self._special_re = re.compile("|".join(map(re.escape, specials))) if specials else None
 
     # --- construction -------------------------------------------------------------------------
 
@@ -123,7 +134,9 @@ class Tokenizer:
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         """Special-token texts such as `<|im_start|>` become their single id."""
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        return self._with_bos(self.backend.encode(text, add_special_tokens=False).ids, add_bos)
+
+    def _with_bos(self, ids: list[int], add_bos: bool | None) -> list[int]:
         want_bos = self.add_bos if add_bos is None else add_bos
         if want_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
             ids = [self.bos_token_id, *ids]
@@ -158,6 +171,31 @@ class Tokenizer:
             eos_token=self._special_text(self.eos_token_id),
             **kwargs,
         )
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """The chat prompt's ids: the template's own special-token texts become their ids, the
+        same texts inside message content stay ordinary text.
+
+        Content is defused (marks around each character of a special text) before rendering, and
+        the rendered text is encoded by a copy of the backend whose normalizer deletes the marks.
+        Special tokens are matched before normalization, so a defused one is never matched, and
+        content without special texts encodes exactly as `encode(apply_chat_template(...))`
+        (for a tokenizer.json special token marked `normalized`, which GGUF ones never are, the
+        split around it may move: safety first).
+        """
+        defused = [{**m, "content": self._defuse(m["content"])} if "content" in m else m
+                   for m in map(_flatten_content, messages)]
+        text = self.apply_chat_template(defused, add_generation_prompt=add_generation_prompt)
+        if self._chat_backend is None:
+            self._chat_backend = _defusing_copy(self.backend)
+        return self._with_bos(self._chat_backend.encode(text, add_special_tokens=False).ids,
+                              None)
+
+    def _defuse(self, content: Any) -> Any:
+        if not isinstance(content, str) or self._special_re is None:
+            return content
+        return self._special_re.sub(
+            lambda m: DEFUSE_MARK + DEFUSE_MARK.join(m[0]) + DEFUSE_MARK, content)
 
     def _special_text(self, token_id: int | None) -> str:
         return "" if token_id is None else self.token_text(token_id)
@@ -252,6 +290,21 @@ def _register_added_tokens(backend: HFTokenizer, tokens: list[str], types: list[
     backend.add_special_tokens(special)
     if user:
         backend.add_tokens(user)
+
+
+def _defusing_copy(backend: HFTokenizer) -> HFTokenizer:
+    """`backend` with DEFUSE_MARK deleted ahead of its own normalizer."""
+    copy = HFTokenizer.from_str(backend.to_str())
+    # a special token matched after normalization would match again once the marks are gone:
+    # match every special token before it (re-adding a token updates it in place)
+    copy.add_special_tokens([
+        AddedToken(t.content, single_word=t.single_word, lstrip=t.lstrip, rstrip=t.rstrip,
+                   normalized=False, special=True)
+        for t in copy.get_added_tokens_decoder().values() if t.special and t.normalized])
+    strip = normalizers.Replace(DEFUSE_MARK, "")
+    copy.normalizer = strip if backend.normalizer is None else normalizers.Sequence(
+        [strip, backend.normalizer])
+    return copy
 
 
 # --- Hugging Face helpers -------------------------------------------------------------------------

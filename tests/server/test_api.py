@@ -150,3 +150,33 @@ def test_metrics_count_tokens_and_batched_decode(tiny_server):
     assert m["kvpark:kv_cache_usage_ratio"] == 0.0
     # more than one sequence per decode step happened
     assert m['kvpark:decode_batch_size_bucket{le="1.0"}'] < m["kvpark:decode_batch_size_count"]
+
+
+def test_top_p_zero_at_temperature_one_gives_the_greedy_text(tiny_server):
+    greedy = tiny_server.chat("top p zero", temperature=0, max_tokens=24, ignore_eos=True)
+    for seed in (1, 2):
+        top_p_zero = tiny_server.chat("top p zero", temperature=1, top_p=0, seed=seed,
+                                      max_tokens=24, ignore_eos=True)
+        assert top_p_zero.json()["choices"][0]["message"]["content"] == \
+            greedy.json()["choices"][0]["message"]["content"]
+
+
+def test_n_beyond_the_slots_only_needs_the_slots_worth_of_pool(tiny_server):
+    """6 sequences of 500 tokens on 4 slots and a 2048-token pool: 4 run side by side (2048
+    tokens), the other 2 take their turn, so the request is accepted and finishes."""
+    body = {"prompt": list(range(100, 400)), "n": 6, "max_tokens": 200, "ignore_eos": True,
+            "temperature": 0.8, "seed": 3}
+    response = tiny_server.post("/v1/completions", body)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 6 * 200
+    too_long = tiny_server.post("/v1/completions", {**body, "max_tokens": 240})
+    assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "n"
+
+
+def test_prompt_tokens_metric_counts_an_n_request_prompt_once(tiny_server):
+    before = tiny_server.metric("kvpark:prompt_tokens_total")
+    body = tiny_server.post("/v1/completions", {"prompt": "count me once", "n": 4,
+                                                "max_tokens": 3, "ignore_eos": True}).json()
+    after = tiny_server.metric("kvpark:prompt_tokens_total")
+    assert body["usage"]["prompt_tokens"] > 0
+    assert after - before == body["usage"]["prompt_tokens"]

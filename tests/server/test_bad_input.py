@@ -44,6 +44,7 @@ JSON_CASES = [
     (CHAT, {"messages": MSG, "seed": 1.5}, 400, "seed"),
     (CHAT, {"messages": MSG, "stop": 7}, 400, "stop"),
     (CHAT, {"messages": MSG, "stop": ["a"] * 50}, 400, "stop"),
+    (CHAT, {"messages": MSG, "stop": ["a", "b" * 1025]}, 400, "stop"),  # over MAX_STOP_CHARS
     (CHAT, {"messages": MSG, "stream": "yes"}, 400, "stream"),
     (CHAT, {"messages": MSG, "stream_options": "x"}, 400, "stream_options"),
     (CHAT, {"messages": MSG, "ignore_eos": 1}, 400, "ignore_eos"),
@@ -53,7 +54,13 @@ JSON_CASES = [
     ("/v1/completions", {"prompt": [-1, 5]}, 400, "prompt"),
     ("/v1/completions", {"prompt": "x " * 1100}, 400, "prompt"),  # longer than the pool
     ("/v1/completions", {"prompt": "hi", "max_tokens": 1024}, 400, "max_tokens"),
+    # n sequences side by side (2 slots here) that cannot all fit the 1024-token pool
+    ("/v1/completions", {"prompt": "hi", "n": 4, "max_tokens": 600, "ignore_eos": True}, 400,
+     "n"),
+    (CHAT, {"messages": MSG, "n": 2, "max_tokens": 600}, 400, "n"),
+    ("/v1/completions", {"prompt": list(range(100, 700)), "n": 2}, 400, "n"),  # no max_tokens
     ("/completion", {"prompt": "hi", "n_predict": -5}, 400, "n_predict"),
+    ("/completion", {"prompt": "hi", "n_predict": 0}, 400, "n_predict"),  # as /openapi.json says
     ("/completion", {"prompt": "hi", "n": 2}, 400, "n"),
 ]
 

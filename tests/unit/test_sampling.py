@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from kvpark.pod.protocol import sampling_params
 from kvpark.pod.sampling import SamplingParams, filter_logits, make_generator, sample
 
 
@@ -25,6 +26,16 @@ def test_tiny_temperature_is_greedy():
     params = [SamplingParams(temperature=1e-300), SamplingParams(temperature=0)]
     gens = [make_generator(1), make_generator(2)]
     assert sample(logits, params, gens) == logits.argmax(-1).tolist()
+
+
+def test_top_p_zero_at_temperature_one_is_greedy():
+    """top_p 0 keeps only the most likely token; it once meant 1.0 (random text)."""
+    logits = torch.randn(64, 500, generator=torch.Generator().manual_seed(3))
+    params = sampling_params({"top_p": 0, "temperature": 1}, 4096, ("max_tokens",))
+    assert params.top_p == 0.0 and params.is_greedy
+    for seed in range(3):
+        gens = [make_generator(seed * 100 + row) for row in range(64)]
+        assert sample(logits, [params] * 64, gens) == logits.argmax(-1).tolist()
 
 
 def test_top_k_and_top_p_restrict_the_support():

@@ -1,0 +1,38 @@
+"""The OpenAPI document and the request validator agree on the limits they both state."""
+
+import jsonschema
+import pytest
+
+from kvpark.pod.openapi import get_openapi
+from kvpark.pod.protocol import MAX_STOP_CHARS, ApiError, sampling_params
+
+MAX_CONTEXT = 512
+
+
+def schema_accepts(request: str, name: str, value) -> bool:
+    schema = get_openapi(MAX_CONTEXT)["components"]["schemas"][request]["properties"][name]
+    return jsonschema.Draft4Validator(schema).is_valid(value)
+
+
+def validator_accepts(body: dict, names: tuple[str, ...]) -> bool:
+    try:
+        sampling_params(body, MAX_CONTEXT, names)
+    except ApiError as exc:
+        assert exc.status == 400 and exc.param in body
+        return False
+    return True
+
+
+@pytest.mark.parametrize("value", [-2, -1, 0, 1, 7, MAX_CONTEXT, MAX_CONTEXT + 1])
+def test_n_predict_schema_matches_the_validator(value):
+    """-1 is unlimited, 1..max_context a limit; 0 is refused by both (the document said -1)."""
+    accepted = validator_accepts({"n_predict": value}, ("n_predict", "max_tokens"))
+    assert schema_accepts("LlamaCompletionRequest", "n_predict", value) == accepted
+    assert accepted == (value == -1 or 1 <= value <= MAX_CONTEXT)
+
+
+@pytest.mark.parametrize("stop", ["x" * MAX_STOP_CHARS, "x" * (MAX_STOP_CHARS + 1),
+                                  ["a", "x" * (MAX_STOP_CHARS + 1)], ["a"] * 9])
+def test_stop_schema_matches_the_validator(stop):
+    accepted = validator_accepts({"stop": stop}, ("max_tokens",))
+    assert schema_accepts("CompletionRequest", "stop", stop) == accepted
