@@ -373,7 +373,7 @@ class ChatRecorder:
     def on_event(self, seq: Sequence, kind: str, token: int | None) -> bool:
         now = time.perf_counter()
         if kind == "resumed":
-            self.resumed_at[seq.seq_id] = (seq.preempt_mode.value, now)
+            self.resumed_at[seq.seq_id] = (seq.parking.mode.value, now)
         elif kind == "token" and seq.seq_id in self.resumed_at:
             mode, at = self.resumed_at.pop(seq.seq_id)
             self.resume_latency[mode].append(now - at)
@@ -428,7 +428,7 @@ def ms(values: list[float], pick: Callable[[list[float]], float]) -> float | Non
 def chats_row(label: str, budget: int, seqs: list[Sequence], scheduler: Scheduler,
               recorder: ChatRecorder, wall: float, cfg: BenchConfig) -> dict:
     stats = scheduler.stats
-    parked = [s.parked_seconds for s in seqs]
+    parked = [s.parking.seconds for s in seqs]
     return {
         "budget": label, "budget_mib": "unbounded" if budget < 0 else round(budget / 2**20, 3),
         "completed": f"{sum(s.num_generated == cfg.chats.output for s in seqs)}/{len(seqs)}",

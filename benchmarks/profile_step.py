@@ -159,7 +159,7 @@ def build_setup(variant: Variant, loaded: LoadedModel, batch: int, context: int,
     setup = Setup(variant, model, scheduler, runner)
     while any(seq.num_pending > 1 for seq in scheduler.active) or scheduler.waiting:
         setup.step()  # prefill (chunked, as when serving)
-    assert all(seq.n_preempt == 0 for seq in scheduler.active), "the pool is too small"
+    assert all(seq.parking.n_preempt == 0 for seq in scheduler.active), "the pool is too small"
     return setup
 
 

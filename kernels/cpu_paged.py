@@ -67,15 +67,20 @@ class CpuPagedAttention(TorchPagedAttention):
         assert self.device.type == "cpu", "the C kernel runs on the CPU"
         self._kernel = load_kernel(isa).kvpark_paged_attention
         self._arrays = None
+        self._layout: StepLayout | None = None
+        self._views = None
 
     def plan(self, layout: StepLayout) -> None:
         self._arrays = get_plan_arrays(layout)
         self._kv_lens = torch.tensor(layout.kv_lens, dtype=torch.int32)
         self._page_size = layout.page_size
-        super().plan(layout)  # the append targets (and views for a non-float32 fallback)
+        self._plan_append(self._arrays, layout.page_size)  # the reference's KV append
+        self._layout, self._views = layout, None  # the reference's views: only if it attends
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         if q.dtype != torch.float32 or kv_cache.dtype != torch.float32:
+            if self._views is None:
+                self._plan_views(self._layout)
             return super().attend(q, kv_cache)
         # q: [T, Hq, D] (a strided view of the qkv output); kv_cache: [pages, 2, ps, Hkv, D]
         assert q.stride(-1) == 1 and kv_cache.is_contiguous(), "dense head_dim and cache"

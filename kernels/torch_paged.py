@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .attention import AttentionBackend, StepLayout, get_plan_arrays
+from .attention import AttentionBackend, PlanArrays, StepLayout, get_plan_arrays
 
 
 @dataclass(frozen=True)
@@ -50,8 +50,10 @@ class TorchPagedAttention(AttentionBackend):
         self._append_rows = self._append_rows_v = torch.empty(0, dtype=torch.long)
 
     def plan(self, layout: StepLayout) -> None:
-        arrays = get_plan_arrays(layout, self.device)
-        ps = layout.page_size
+        self._plan_append(get_plan_arrays(layout, self.device), layout.page_size)
+        self._plan_views(layout)
+
+    def _plan_append(self, arrays: PlanArrays, ps: int) -> None:
         positions = arrays.positions.long()
         # page id of each new token: kv_indices[kv_indptr[batch] + position // page_size]
         flat = arrays.kv_indptr.long()[arrays.batch_indices.long()] + positions // ps
@@ -59,6 +61,9 @@ class TorchPagedAttention(AttentionBackend):
         # its K row in the cache viewed as [pages * 2 * page_size, Hkv, D]; V is page_size on
         self._append_rows = pages * (2 * ps) + positions % ps
         self._append_rows_v = self._append_rows + ps
+
+    def _plan_views(self, layout: StepLayout) -> None:
+        ps = layout.page_size
         self._views = []
         q_start = 0
         for table, kv_len, q_len in zip(layout.page_tables, layout.kv_lens, layout.q_lens):

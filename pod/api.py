@@ -114,8 +114,8 @@ class RequestStream:
             yield event
 
     def preempt_summary(self) -> dict[str, int]:
-        return {"parks": sum(s.n_preempt for s in self.seqs),
-                "recomputes": sum(s.n_recompute for s in self.seqs)}
+        return {"parks": sum(s.parking.n_preempt for s in self.seqs),
+                "recomputes": sum(s.parking.n_recompute for s in self.seqs)}
 
     def text(self, index: int) -> str:
         return self.outputs[index].text
@@ -301,9 +301,9 @@ class Server:
             problem = None
             if seq is None:
                 problem = f"slot {slot_id} is idle"
-            elif action == "park" and seq.is_parked and seq.preempt_manual:
+            elif action == "park" and seq.is_parked and seq.parking.manual:
                 problem = f"slot {slot_id} is already parked"
-            elif action == "unpark" and not seq.preempt_manual:
+            elif action == "unpark" and not seq.parking.manual:
                 problem = f"slot {slot_id} was not parked by hand"
             elif action == "park":
                 stack.scheduler.park_manually(seq)
@@ -462,15 +462,15 @@ def slot_entry(slot_id: int, seq: Sequence | None, share: int) -> dict[str, Any]
     if seq is not None:
         entry.update(
             is_preempted=seq.is_parked,
-            n_preempt=seq.n_preempt,
-            n_recompute=seq.n_recompute,
-            preempt_mode=seq.preempt_mode.value if seq.preempt_mode else None,
+            n_preempt=seq.parking.n_preempt,
+            n_recompute=seq.parking.n_recompute,
+            preempt_mode=seq.parking.mode.value if seq.parking.mode else None,
             task=seq.request_id,
             n_tokens=seq.num_computed,
             n_prompt_tokens=seq.num_prompt,
             n_generated=seq.num_generated,
             priority=seq.priority,
-            preempt_manual=seq.preempt_manual,
+            preempt_manual=seq.parking.manual,
             phase=("parked" if seq.is_parked else "replay" if seq.is_replaying
                    else "prompt" if seq.in_prompt else "generating"),
         )

@@ -34,7 +34,6 @@ class Engine:
         self._calls: list[Callable[[], None]] = []
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="kvpark-engine", daemon=True)
-        self.num_steps = 0
 
     # ---- called from other threads ------------------------------------------------------------
     @property
@@ -124,7 +123,6 @@ class Engine:
             log.exception("step of %d sequences failed; retrying them one by one", len(plan))
             plan, sampled = self._isolate_failure(plan)
         seconds = time.perf_counter() - started
-        self.num_steps += 1
         for item, token in zip(plan, sampled):
             self._postprocess(item, token, seconds)
         self.on_step(plan, seconds)

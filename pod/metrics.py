@@ -123,8 +123,8 @@ class Metrics:
     def on_finish(self, seq: Sequence) -> None:
         outcome = "error" if seq.error else (seq.finish_reason or "unknown")
         self.requests.labels(outcome).inc()
-        self.request_preemptions.observe(seq.n_preempt)
-        self.request_parked.observe(seq.parked_seconds)
+        self.request_preemptions.observe(seq.parking.n_preempt)
+        self.request_parked.observe(seq.parking.seconds)
         if seq.index == 0:  # the n sequences of a request share one prompt: count it once
             self.prompt_tokens.inc(seq.num_prompt)
         self.generated_tokens.inc(seq.num_generated)

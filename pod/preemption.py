@@ -72,7 +72,7 @@ def choose_victim(active: list[Sequence]) -> Sequence | None:
 
 
 def _smallest_fresh(candidates: list[Sequence]) -> Sequence:
-    candidates = _pass_over(candidates, lambda s: s.n_preempt >= PREEMPT_N_STARVED)
+    candidates = _pass_over(candidates, lambda s: s.parking.n_preempt >= PREEMPT_N_STARVED)
     candidates = _pass_over(candidates, lambda s: s.is_replaying)
     # smallest first; among equals the youngest, which has the least invested
     return min(candidates, key=lambda s: (held_tokens(s), -s.arrival, -s.seq_id))
@@ -111,9 +111,9 @@ RESUME_ORDERS = ("fair", "spec")
 def restore_order(parked: Iterable[Sequence], order: str = "spec") -> list[Sequence]:
     """Priority first; then the spec's most-preempted, longest-parked, or "fair": park time."""
     if order == "fair":
-        return sorted(parked, key=lambda s: (-s.priority, s.parked_at or 0.0, s.seq_id))
-    return sorted(parked, key=lambda s: (-s.priority, -s.n_preempt, s.parked_at or 0.0,
-                                         s.seq_id))
+        return sorted(parked, key=lambda s: (-s.priority, s.parking.parked_at or 0.0, s.seq_id))
+    return sorted(parked, key=lambda s: (-s.priority, -s.parking.n_preempt,
+                                         s.parking.parked_at or 0.0, s.seq_id))
 
 
 def next_step_tokens(seq: Sequence, batch_size: int) -> int:
@@ -127,7 +127,7 @@ def restore_need_tokens(seq: Sequence, batch_size: int) -> int:
     Swapped: its pages plus its next step. Recomputed: its whole replay plus its next step,
     so that it is never woken into a pool that cannot finish the replay.
     """
-    if seq.preempt_mode is PreemptMode.RECOMPUTE:
+    if seq.parking.mode is PreemptMode.RECOMPUTE:
         return len(seq.tokens) + 1
     return seq.num_computed + next_step_tokens(seq, batch_size)
 

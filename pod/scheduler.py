@@ -88,7 +88,7 @@ class Scheduler:
         """End a sequence exactly once and give back everything it holds."""
         if seq.is_finished:
             return
-        seq.end_park(time.monotonic())
+        seq.parking.end(time.monotonic())
         self.swapper.cancel(seq)
         if seq in self.waiting:
             self.waiting.remove(seq)
@@ -198,10 +198,10 @@ class Scheduler:
         """Park a running sequence: swap or recompute, as the budget allows (see `Swapper`)."""
         assert seq.phase is Phase.RUNNING, f"cannot park a {seq.phase.value} sequence"
         mode = self.swapper.park(seq, wait)
-        seq.phase, seq.preempt_mode = Phase.PARKED, mode
-        seq.parked_at = time.monotonic()
-        seq.n_preempt += 1
-        seq.tokens_since_forced_park = 0
+        seq.phase, seq.parking.mode = Phase.PARKED, mode
+        seq.parking.parked_at = time.monotonic()
+        seq.parking.n_preempt += 1
+        seq.parking.tokens_since_forced = 0
         self._count_park(seq, mode)
         self.notify(seq, "parked")
         return mode
@@ -210,11 +210,11 @@ class Scheduler:
         """POST /slots/{id}?action=park: the normal mode decision; stays parked until unpark."""
         if seq.phase is Phase.RUNNING:
             self.park(seq)
-        seq.preempt_manual = True
+        seq.parking.manual = True
 
     def unpark(self, seq: Sequence) -> None:
         """POST /slots/{id}?action=unpark: resume now if it fits, else join the restore queue."""
-        seq.preempt_manual = False
+        seq.parking.manual = False
         if seq.phase is not Phase.PARKED or self.swapper.is_busy(seq):
             return
         need = self.pool.pages_for(policy.restore_need_tokens(seq, self.config.batch_size))
@@ -227,9 +227,9 @@ class Scheduler:
             self.stats.n_preempt_swap += 1
         else:
             self.stats.n_preempt_recompute += 1
-            seq.n_recompute += 1
+            seq.parking.n_recompute += 1
         log.info("seq %s (slot %s) parked by %s: %d tokens, %d host bytes%s", seq.request_id,
-                 seq.slot_id, mode.value, len(seq.tokens), seq.host_bytes,
+                 seq.slot_id, mode.value, len(seq.tokens), seq.parking.host_bytes,
                  ", copy in flight" if self.swapper.is_busy(seq) else "")
 
     def _force_parks(self) -> None:
@@ -237,13 +237,13 @@ class Scheduler:
         if every <= 0:
             return
         for seq in self.running:
-            if seq.tokens_since_forced_park >= every and not seq.in_family:
+            if seq.parking.tokens_since_forced >= every and not seq.in_family:
                 self.park(seq)
 
     # ---- restoring ---------------------------------------------------------------------------
     def _restore_parked(self) -> None:
         parked = [s for s in self.parked
-                   if not s.preempt_manual and not self.swapper.is_busy(s)]
+                   if not s.parking.manual and not self.swapper.is_busy(s)]
         if not parked:
             return
         running = self.running
@@ -278,8 +278,8 @@ class Scheduler:
         assert seq.phase is Phase.PARKED, f"cannot resume a {seq.phase.value} sequence"
         if not self.swapper.resume(seq):
             return  # stays parked (and busy) until the copy lands: see reap_copies
-        if seq.preempt_mode is PreemptMode.RECOMPUTE:
-            self.stats.n_recompute_tokens += seq.replay_until
+        if seq.parking.mode is PreemptMode.RECOMPUTE:
+            self.stats.n_recompute_tokens += seq.parking.replay_until
         self._mark_resumed(seq)
 
     def reap_copies(self) -> None:
@@ -293,11 +293,11 @@ class Scheduler:
             self._mark_resumed(seq)
 
     def _mark_resumed(self, seq: Sequence) -> None:
-        parked_for = seq.end_park(time.monotonic())
+        parked_for = seq.parking.end(time.monotonic())
         seq.phase = Phase.RUNNING
         self.stats.n_resume += 1
         log.info("seq %s (slot %s) resumed after %.1f ms parked by %s", seq.request_id,
-                 seq.slot_id, parked_for * 1e3, seq.preempt_mode.value)
+                 seq.slot_id, parked_for * 1e3, seq.parking.mode.value)
         self.notify(seq, "resumed")
 
     # ---- after the step ----------------------------------------------------------------------
@@ -305,9 +305,9 @@ class Scheduler:
         """Account the fed tokens; append the sampled one (the caller checks stop conditions)."""
         seq = item.seq
         seq.num_computed += item.num_tokens
-        if seq.replay_until and seq.num_computed >= seq.replay_until:
-            seq.replay_until = 0
+        if seq.parking.replay_until and seq.num_computed >= seq.parking.replay_until:
+            seq.parking.replay_until = 0
             self.notify(seq, "recomputed")
         if sampled is not None:
             seq.tokens.append(sampled)
-            seq.tokens_since_forced_park += 1
+            seq.parking.tokens_since_forced += 1

@@ -32,6 +32,32 @@ class PreemptMode(str, enum.Enum):
     RECOMPUTE = "recompute"
 
 
+@dataclass
+class ParkState:
+    """A sequence's preemption history and, while parked, what its park left behind."""
+
+    n_preempt: int = 0
+    n_recompute: int = 0
+    mode: PreemptMode | None = None  # of the latest park
+    parked_at: float | None = None  # None while not parked
+    replay_until: int = 0  # recompute: while num_computed < replay_until it is replaying
+    host_kv: torch.Tensor | None = None  # swap: the pages, [layers, pages, 2, ps, Hkv, D]
+    host_bytes: int = 0
+    swapped_tokens: int = 0  # num_computed at the moment of a swap park
+    tokens_since_forced: int = 0  # for KVPARK_PREEMPT_EVERY
+    manual: bool = False  # parked through POST /slots/{id}?action=park; waits for unpark
+    seconds: float = 0.0  # total time parked
+
+    def end(self, now: float) -> float:
+        """Close the current park's clock; returns how long it lasted."""
+        if self.parked_at is None:
+            return 0.0
+        lasted = now - self.parked_at
+        self.seconds += lasted
+        self.parked_at = None
+        return lasted
+
+
 @dataclass(eq=False)
 class Sequence:
     request_id: str
@@ -50,20 +76,8 @@ class Sequence:
     slot_id: int | None = None
     phase: Phase = Phase.WAITING
     arrival: float = field(default_factory=time.monotonic)
-    # preemption
-    n_preempt: int = 0
-    n_recompute: int = 0
-    preempt_mode: PreemptMode | None = None
-    parked_at: float | None = None
-    replay_until: int = 0  # while num_computed < replay_until the sequence is replaying
-    host_kv: torch.Tensor | None = None  # swapped pages, [layers, pages, 2, ps, Hkv, D]
-    host_bytes: int = 0
-    swapped_tokens: int = 0  # num_computed at the moment of a swap park
-    tokens_since_forced_park: int = 0
     priority: int = 0  # victims come from the lowest tier; restores go highest first
-    preempt_manual: bool = False  # parked through POST /slots/{id}?action=park; waits for unpark
-    parked_seconds: float = 0.0  # total time parked
-    max_parked_seconds: float = 0.0  # the longest single park
+    parking: ParkState = field(default_factory=ParkState)
     # outcome and timings
     finish_reason: str | None = None
     error: str | None = None
@@ -99,7 +113,7 @@ class Sequence:
 
     @property
     def is_replaying(self) -> bool:
-        return self.num_computed < self.replay_until
+        return self.num_computed < self.parking.replay_until
 
     @property
     def is_parked(self) -> bool:
@@ -112,13 +126,3 @@ class Sequence:
     @property
     def in_family(self) -> bool:
         return self.family_size > 1
-
-    def end_park(self, now: float) -> float:
-        """Close the current park's clock; returns how long it lasted."""
-        if self.parked_at is None:
-            return 0.0
-        lasted = now - self.parked_at
-        self.parked_seconds += lasted
-        self.max_parked_seconds = max(self.max_parked_seconds, lasted)
-        self.parked_at = None
-        return lasted

@@ -142,7 +142,7 @@ class Swapper:
         ticket = self._start_park_copy(seq, num_bytes) if mode is PreemptMode.SWAP else None
         if ticket is None:
             mode = PreemptMode.RECOMPUTE
-            seq.replay_until, seq.num_computed = seq.num_computed, 0
+            seq.parking.replay_until, seq.num_computed = seq.num_computed, 0
         if ticket is not None and wait:
             self.copy.wait(ticket)
         if ticket is not None and not self.copy.poll(ticket):
@@ -157,24 +157,24 @@ class Swapper:
     def _start_park_copy(self, seq: Sequence, num_bytes: int) -> Ticket | None:
         """The copy into a fresh host buffer, or None where the host refused the buffer."""
         try:
-            seq.host_kv = self.host.allocate(self.pool.swap_shape(len(seq.page_table)),
+            seq.parking.host_kv = self.host.allocate(self.pool.swap_shape(len(seq.page_table)),
                                              self.pool.dtype)
         except HostAllocationError as exc:
             log.warning("seq %s: %s; parking by recompute", seq.request_id, exc)
             self.stats.n_swap_fallbacks += 1
             return None
-        seq.host_bytes, seq.swapped_tokens = num_bytes, seq.num_computed
-        return self.copy.start_park(seq.page_table, seq.host_kv)
+        seq.parking.host_bytes, seq.parking.swapped_tokens = num_bytes, seq.num_computed
+        return self.copy.start_park(seq.page_table, seq.parking.host_kv)
 
     # ---- resume ------------------------------------------------------------------------------
     def resume(self, seq: Sequence) -> bool:
         """Give a parked sequence its pages back. False while its swap copy is still in flight
         (`reap` reports it once it lands); a recompute park gets its pages step by step."""
-        if seq.host_kv is None:  # parked by recompute
+        if seq.parking.host_kv is None:  # parked by recompute
             return True
         started = time.perf_counter()
-        pages = self.pool.allocate(self.pool.pages_for(seq.swapped_tokens))
-        ticket = self.copy.start_resume(pages, seq.host_kv)
+        pages = self.pool.allocate(self.pool.pages_for(seq.parking.swapped_tokens))
+        ticket = self.copy.start_resume(pages, seq.parking.host_kv)
         if not self.copy.poll(ticket):
             self.transfers.start(seq, ticket)
             return False
@@ -183,8 +183,8 @@ class Swapper:
 
     def _resume_landed(self, seq: Sequence, ticket: Ticket, started: float) -> None:
         seq.page_table = list(ticket.pages)
-        self.host.release(seq.host_kv)
-        seq.host_kv, seq.host_bytes = None, 0
+        self.host.release(seq.parking.host_kv)
+        seq.parking.host_kv, seq.parking.host_bytes = None, 0
         self.stats.resume_seconds.append(time.perf_counter() - started)
 
     # ---- copies in flight --------------------------------------------------------------------
@@ -213,6 +213,6 @@ class Swapper:
         """Give back everything a finishing sequence holds (a copy in flight: once it lands)."""
         if not self.transfers.cancel(seq):
             self.pool.free(seq.page_table)
-            if seq.host_kv is not None:
-                self.host.release(seq.host_kv)
-        seq.page_table, seq.host_kv, seq.host_bytes = [], None, 0
+            if seq.parking.host_kv is not None:
+                self.host.release(seq.parking.host_kv)
+        seq.page_table, seq.parking.host_kv, seq.parking.host_bytes = [], None, 0

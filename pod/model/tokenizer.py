@@ -151,9 +151,6 @@ class Tokenizer:
         """The text one token stands for, special tokens included ("" if unknown)."""
         return self.decode([token_id], skip_special=False)
 
-    def token_to_id(self, text: str) -> int | None:
-        return self.backend.token_to_id(text)
-
     # --- chat ---------------------------------------------------------------------------------
 
     def apply_chat_template(

@@ -49,7 +49,7 @@ def test_park_in_flight_holds_its_pages_until_the_copy_lands():
     copy.complete(copy.in_flight[0])
     scheduler.reap_copies()
     assert set(pages) <= set(pool.free_page_ids()) and not scheduler.swapper.pages_in_flight
-    assert torch.all(seq.host_kv == 3.0)
+    assert torch.all(seq.parking.host_kv == 3.0)
 
 
 def test_resume_in_flight_wakes_the_sequence_only_when_the_bytes_landed():

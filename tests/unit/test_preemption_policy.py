@@ -12,7 +12,7 @@ def seq(name, n_tokens, arrival=0.0, **state):
                  generator=torch.Generator(), on_event=lambda *a: None, arrival=arrival)
     s.phase = Phase.RUNNING
     for key, value in state.items():
-        setattr(s, key, value)
+        setattr(s.parking if hasattr(s.parking, key) else s, key, value)
     return s
 
 
@@ -88,13 +88,13 @@ def test_restore_order_most_preempted_then_longest_parked():
 
 
 def test_restore_need_swap_is_pages_plus_next_step_recompute_is_whole_replay():
-    swapped = seq("s", 50, num_computed=50, preempt_mode=PreemptMode.SWAP)
+    swapped = seq("s", 50, num_computed=50, mode=PreemptMode.SWAP)
     swapped.tokens.append(7)  # one sampled token waits to be fed
     assert policy.restore_need_tokens(swapped, batch_size=512) == 51
-    mid_prompt = seq("p", 2000, num_computed=100, preempt_mode=PreemptMode.SWAP)
+    mid_prompt = seq("p", 2000, num_computed=100, mode=PreemptMode.SWAP)
     assert policy.restore_need_tokens(mid_prompt, batch_size=512) == 100 + 512
     recomputed = seq("r", 50, num_computed=0, replay_until=49,
-                     preempt_mode=PreemptMode.RECOMPUTE)
+                     mode=PreemptMode.RECOMPUTE)
     assert policy.restore_need_tokens(recomputed, batch_size=16) == 51
 
 

@@ -59,14 +59,15 @@ def check_invariants(engine: Engine, seqs: list[Sequence], finished: dict) -> No
     assert len(owned) == len(set(owned)), "a page is in two page tables"
     assert not set(owned) & set(s.pool.free_page_ids()), "a page is both free and owned"
     assert len(owned) + s.pool.num_free_pages == s.pool.num_pages, "pages leaked"
-    parked_bytes = sum(seq.host_bytes for seq in s.active if seq.host_kv is not None)
+    parked_bytes = sum(seq.parking.host_bytes for seq in s.active
+                       if seq.parking.host_kv is not None)
     assert s.swapper.host.held_bytes == parked_bytes
     if s.swapper.host.budget_bytes >= 0:
         assert s.swapper.host.held_bytes <= s.swapper.host.budget_bytes
     for seq in seqs:
         if seq.is_finished:
             assert finished.get(seq.seq_id) == 1, "finished more than once, or silently"
-            assert not seq.page_table and seq.host_kv is None
+            assert not seq.page_table and seq.parking.host_kv is None
             assert seq.error or seq.finish_reason
         else:
             assert seq.seq_id not in finished
@@ -168,7 +169,7 @@ def parked_pair(order: str):
     runner_seq.num_computed = 60
     for s, at in ((head, 1.0), (small, 2.0)):
         scheduler.park(s)
-        s.parked_at = at
+        s.parking.parked_at = at
     scheduler._restore_parked()
     return head, small
 

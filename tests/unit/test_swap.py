@@ -140,14 +140,14 @@ def test_swap_park_then_resume_restores_the_bytes_into_new_pages():
     before = [cache[seq.page_table].clone() for cache in pool.caches]
     assert swapper.park(seq) is PreemptMode.SWAP
     assert seq.page_table == [] and pool.num_free_pages == 8
-    assert host.held_bytes == seq.host_bytes == pool.swap_bytes(3)
+    assert host.held_bytes == seq.parking.host_bytes == pool.swap_bytes(3)
     pool.allocate(2)  # someone else takes the low pages meanwhile
     for cache in pool.caches:
         cache.zero_()
     assert swapper.resume(seq)
     for cache, old in zip(pool.caches, before):
         assert cache[seq.page_table].numpy().tobytes() == old.numpy().tobytes()
-    assert host.held_bytes == 0 and seq.host_kv is None
+    assert host.held_bytes == 0 and seq.parking.host_kv is None
 
 
 @pytest.mark.parametrize("budget", [0, 1])
@@ -156,7 +156,7 @@ def test_over_the_budget_a_park_drops_the_pages_for_a_replay(budget):
     swapper = Swapper(pool, HostStore(budget))
     seq = make_seq(pool, num_pages=2)
     assert swapper.park(seq) is PreemptMode.RECOMPUTE
-    assert seq.replay_until == 8 and seq.num_computed == 0 and seq.host_kv is None
+    assert seq.parking.replay_until == 8 and seq.num_computed == 0 and seq.parking.host_kv is None
     assert pool.num_free_pages == 8 and swapper.resume(seq)
 
 
@@ -184,4 +184,4 @@ def test_cancel_gives_back_pages_and_host_bytes():
     swapper.cancel(running)
     swapper.cancel(parked)
     assert pool.num_free_pages == 8 and host.held_bytes == 0
-    assert running.page_table == [] and parked.host_kv is None
+    assert running.page_table == [] and parked.parking.host_kv is None
