@@ -3,6 +3,7 @@ modules (crd, sizing, builders, status) and `kube`, and is safe to run any numbe
 
 from __future__ import annotations
 
+import copy
 import datetime
 import logging
 import threading
@@ -13,6 +14,7 @@ from typing import Any
 import kopf
 
 from kvpark.operator import builders, crd, kube
+from kvpark.operator import plan as plan_
 from kvpark.operator import sizing as sizing_
 from kvpark.operator import status as status_
 from kvpark.operator.config import MANAGER, OperatorConfig
@@ -22,6 +24,11 @@ CONFIG = OperatorConfig.from_env()
 OPTIONAL_APIS = (builders.POD_MONITORS, builders.SCALED_OBJECTS)
 # kopf runs the CR's handlers, its timer and the Deployment watch concurrently
 LOCKS: defaultdict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
+# (PreemptServer uid, kind): children it must not have, seen absent (or not its own). Only the
+# operator makes objects owned by a PreemptServer, so they stay absent and are not asked again.
+ABSENT: set[tuple[str, str]] = set()
+# PreemptServer uid -> the status last written: the bodies handlers get may predate it
+WRITTEN: dict[str, dict[str, Any]] = {}
 
 
 @kopf.on.startup()
@@ -79,25 +86,54 @@ def reconcile(body: Mapping[str, Any]) -> None:
         served = kube.get_served(OPTIONAL_APIS)
         children = builders.get_children(body, spec, sizing, CONFIG, served)
         problems = list(children.problems)
+        existing: dict[str, dict[str, Any] | None] = {}
         if not any(p.blocking for p in problems):
-            problems += apply_children(children, namespace)
+            problems += sync_children(body, children, existing)
+        deployment = existing["Deployment"] if "Deployment" in existing else \
+            kube.get("Deployment", namespace, name)
+        old = WRITTEN.get(meta["uid"]) or copy.deepcopy(body.get("status"))
         status = status_.get_status(
-            body, spec["replicas"], kube.get("Deployment", namespace, name),
+            {**body, "status": old}, spec["replicas"], deployment,
             selector=builders.get_selector(name), endpoint=builders.get_endpoint(name, namespace),
             preempt_ram=sizing.preempt_ram, problems=problems, notes=children.notes,
-            now=datetime.datetime.now(datetime.timezone.utc),
+            applied=not problems, now=datetime.datetime.now(datetime.timezone.utc),
         )
-        if status != body.get("status"):
+        if status != old:
             kube.patch_status(namespace, name, status)
+            WRITTEN[meta["uid"]] = status
+        for problem in status_.get_new_problems(old, problems):
+            kube.post_event(body, "Warning", problem.reason, problem.message)
 
 
-def apply_children(children: builders.Children, namespace: str) -> list[Problem]:
+def sync_children(body: Mapping[str, Any], children: builders.Children,
+                  existing: dict[str, dict[str, Any] | None]) -> list[Problem]:
+    """Read the children, then write only what must change (plan.py); `existing` ends up
+    holding what each child is now. API errors become problems: the next reconcile retries."""
+    meta = body["metadata"]
+    namespace, name, uid = meta["namespace"], meta["name"], meta["uid"]
     problems = []
-    for obj in children.apply:
+    wanted = [o["kind"] for o in children.apply]
+    unwanted = [k for _, k, _ in children.delete if (uid, k) not in ABSENT]
+    ABSENT.difference_update((uid, kind) for kind in wanted)
+    for kind in wanted + unwanted:
         try:
-            kube.apply(obj)
+            existing[kind] = kube.get(kind, namespace, name)
+        except kube.ApiError as e:
+            problems.append(Problem("ApiError", f"reading {kind} {name}: {e}", blocking=False))
+    plan = plan_.get_plan(children.apply, children.delete, existing, uid)
+    for write in plan.writes:
+        try:
+            if write.verb == "delete":
+                kube.delete(write.kind, namespace, write.name, write.uid)
+                existing[write.kind] = None
+            else:
+                existing[write.kind] = kube.apply(write.obj)
         except kube.Rejected as e:
-            problems.append(Problem("ChildRejected", f"{obj['kind']}: {e}", blocking=False))
-    for _, kind, name in children.delete:
-        kube.delete(kind, namespace, name)
-    return problems
+            problems.append(Problem("ChildRejected", f"{write.kind}: {e}", blocking=False))
+        except kube.ApiError as e:
+            problems.append(Problem("ApiError", f"{write.verb} {write.kind} {write.name}: {e}",
+                                    blocking=False))
+    for kind in unwanted:
+        if kind in existing and not plan_.is_owned(existing[kind] or {}, uid):
+            ABSENT.add((uid, kind))
+    return plan.problems + problems

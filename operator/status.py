@@ -83,11 +83,17 @@ def get_status(
     preempt_ram: int | str,
     problems: Sequence[Problem] = (),
     notes: Sequence[str] = (),
+    applied: bool = True,
     now: datetime.datetime,
 ) -> dict[str, Any]:
-    """The whole `.status` of a PreemptServer (the caller patches it when it differs)."""
+    """The whole `.status` of a PreemptServer (the caller patches it when it differs).
+
+    `applied`: this generation's children were all written as the spec says. Only then does
+    `observedGeneration` move to it; the conditions carry the generation they judged anyway.
+    """
     generation = int((body.get("metadata") or {}).get("generation") or 0)
-    previous = (body.get("status") or {}).get("conditions") or []
+    old = body.get("status") or {}
+    previous = old.get("conditions") or []
     dep_status = (deployment or {}).get("status") or {}
     ready, ready_reason, ready_message = get_readiness(desired, deployment)
     moving, move_reason, move_message = get_progress(desired, deployment)
@@ -103,12 +109,25 @@ def get_status(
         get_condition(previous, "Degraded", bool(problems), degraded_reason, degraded_message,
                       generation, now),
     ]
-    return {
+    status = {
         "replicas": int(dep_status.get("replicas") or 0),
         "readyReplicas": int(dep_status.get("readyReplicas") or 0),
         "selector": selector,
-        "observedGeneration": generation,
+        "observedGeneration": generation if applied else old.get("observedGeneration"),
         "endpoint": endpoint,
         "preemptRamMiB": preempt_ram,
         "conditions": conditions,
     }
+    if status["observedGeneration"] is None:
+        del status["observedGeneration"]  # nothing applied yet
+    return status
+
+
+def get_new_problems(old_status: Mapping[str, Any] | None,
+                     problems: Sequence[Problem]) -> list[Problem]:
+    """The problems the stored Degraded condition does not say yet: each gets one Event, not
+    one per reconcile."""
+    degraded = next((c for c in (old_status or {}).get("conditions") or []
+                     if c.get("type") == "Degraded" and c.get("status") == "True"), None)
+    said = (degraded or {}).get("message") or ""
+    return [p for p in problems if p.message not in said]
