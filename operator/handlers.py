@@ -1,14 +1,23 @@
 """kopf registrations. Each handler is a few lines; `reconcile` does the work with the pure
-modules (crd, sizing, builders, status) and `kube`, and is safe to run any number of times."""
+modules (crd, sizing, builders, plan, status) and `kube`, and is safe to run any number of times.
+
+No finalizer: owner references make the garbage collector delete the children, so nothing has
+to happen before a PreemptServer goes. kopf's `@kopf.timer` would add one
+(kopf.zalando.org/KopfFinalizerMarker), which hangs CR and namespace deletion once the operator
+is uninstalled; instead a watch keeps the PreemptServers it has seen (`MEMORY.servers`) and a loop
+started with the operator reconciles each of them every `reconcile_seconds`.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import datetime
 import logging
 import threading
 from collections import defaultdict
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
@@ -22,13 +31,32 @@ from kvpark.operator.status import Problem
 
 CONFIG = OperatorConfig.from_env()
 OPTIONAL_APIS = (builders.POD_MONITORS, builders.SCALED_OBJECTS)
-# kopf runs the CR's handlers, its timer and the Deployment watch concurrently
+# kopf runs the CR's handlers, the resync loop and the Deployment watch concurrently
 LOCKS: defaultdict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
-# (PreemptServer uid, kind): children it must not have, seen absent (or not its own). Only the
-# operator makes objects owned by a PreemptServer, so they stay absent and are not asked again.
-ABSENT: set[tuple[str, str]] = set()
-# PreemptServer uid -> the status last written: the bodies handlers get may predate it
-WRITTEN: dict[str, dict[str, Any]] = {}
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Memory:
+    """What the operator keeps between reconciles; lost on a restart, when it asks again."""
+
+    # (namespace, name) -> the PreemptServer as the watch last saw it
+    servers: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    # uid -> the status last written: a handler's body may predate it
+    written: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # uid -> the newest generation reconciled: an older body is not applied over it
+    generations: dict[str, int] = field(default_factory=dict)
+    # (uid, kind): children it must not have, seen absent or not its own. Only the operator
+    # makes objects owned by a PreemptServer, so those stay absent and are not asked again.
+    absent: set[tuple[str, str]] = field(default_factory=set)
+
+    def forget(self, uid: str) -> None:
+        self.written.pop(uid, None)
+        self.generations.pop(uid, None)
+        self.absent = {a for a in self.absent if a[0] != uid}
+
+
+MEMORY = Memory()
 
 
 @kopf.on.startup()
@@ -59,10 +87,40 @@ def server_changed(body: kopf.Body, **_: Any) -> None:
     reconcile(body)
 
 
-@kopf.timer(crd.GROUP, crd.VERSION, crd.PLURAL, interval=CONFIG.reconcile_seconds,
-            backoff=BACKOFF)
-def server_timer(body: kopf.Body, **_: Any) -> None:
-    reconcile(body)  # brings back children deleted by hand
+@kopf.on.event(crd.GROUP, crd.VERSION, crd.PLURAL)
+def server_event(type: str | None, body: kopf.Body, **_: Any) -> None:
+    key = (body.metadata.namespace, body.metadata.name)
+    if type == "DELETED":
+        MEMORY.servers.pop(key, None)
+        MEMORY.forget(body.metadata.uid or "")
+    else:
+        MEMORY.servers[key] = copy.deepcopy(dict(body))
+
+
+@kopf.on.startup()
+async def start_resync(memo: kopf.Memo, **_: Any) -> None:
+    memo.resync = asyncio.create_task(resync_forever(CONFIG.reconcile_seconds))
+
+
+@kopf.on.cleanup()
+async def stop_resync(memo: kopf.Memo, **_: Any) -> None:
+    task = memo.get("resync")
+    if task is not None:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def resync_forever(interval: float) -> None:
+    """Every `interval`: reconcile each PreemptServer (brings back children deleted by hand,
+    follows pods into the status, retries what failed)."""
+    while True:
+        await asyncio.sleep(interval)
+        for body in list(MEMORY.servers.values()):
+            try:
+                await asyncio.to_thread(reconcile, body)
+            except Exception:  # the next round retries; one server never stops the others
+                logger.exception("reconciling %s/%s failed", body["metadata"]["namespace"],
+                                 body["metadata"]["name"])
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={"app.kubernetes.io/managed-by": MANAGER})
@@ -70,17 +128,21 @@ def deployment_event(body: kopf.Body, **_: Any) -> None:
     owners = body.metadata.get("ownerReferences") or []
     for owner in owners:
         if owner.get("kind") == crd.KIND and owner.get("controller"):
-            server = kube.get(crd.KIND, body.metadata.namespace, owner["name"])
-            if server is not None:
+            server = MEMORY.servers.get((body.metadata.namespace, owner["name"]))
+            if server is not None and server["metadata"].get("uid") == owner.get("uid"):
                 reconcile(server)  # status follows the Deployment; a deleted one comes back
 
 
 def reconcile(body: Mapping[str, Any]) -> None:
     meta = body["metadata"]
-    namespace, name = meta["namespace"], meta["name"]
+    namespace, name, uid = meta["namespace"], meta["name"], meta["uid"]
     if meta.get("deletionTimestamp"):
         return  # garbage collection takes the children
     with LOCKS[namespace, name]:
+        generation = int(meta.get("generation") or 0)
+        if generation < MEMORY.generations.get(uid, 0):
+            return  # a body from before a newer spec was applied (the next round has it)
+        MEMORY.generations[uid] = generation
         spec = crd.get_spec(body)
         sizing = sizing_.get_sizing(spec)
         served = kube.get_served(OPTIONAL_APIS)
@@ -91,7 +153,7 @@ def reconcile(body: Mapping[str, Any]) -> None:
             problems += sync_children(body, children, existing)
         deployment = existing["Deployment"] if "Deployment" in existing else \
             kube.get("Deployment", namespace, name)
-        old = WRITTEN.get(meta["uid"]) or copy.deepcopy(body.get("status"))
+        old = MEMORY.written.get(uid) or copy.deepcopy(body.get("status"))
         status = status_.get_status(
             {**body, "status": old}, spec["replicas"], deployment,
             selector=builders.get_selector(name), endpoint=builders.get_endpoint(name, namespace),
@@ -100,7 +162,7 @@ def reconcile(body: Mapping[str, Any]) -> None:
         )
         if status != old:
             kube.patch_status(namespace, name, status)
-            WRITTEN[meta["uid"]] = status
+            MEMORY.written[uid] = status
         for problem in status_.get_new_problems(old, problems):
             kube.post_event(body, "Warning", problem.reason, problem.message)
 
@@ -113,8 +175,8 @@ def sync_children(body: Mapping[str, Any], children: builders.Children,
     namespace, name, uid = meta["namespace"], meta["name"], meta["uid"]
     problems = []
     wanted = [o["kind"] for o in children.apply]
-    unwanted = [k for _, k, _ in children.delete if (uid, k) not in ABSENT]
-    ABSENT.difference_update((uid, kind) for kind in wanted)
+    unwanted = [k for _, k, _ in children.delete if (uid, k) not in MEMORY.absent]
+    MEMORY.absent.difference_update((uid, kind) for kind in wanted)
     for kind in wanted + unwanted:
         try:
             existing[kind] = kube.get(kind, namespace, name)
@@ -135,5 +197,5 @@ def sync_children(body: Mapping[str, Any], children: builders.Children,
                                     blocking=False))
     for kind in unwanted:
         if kind in existing and not plan_.is_owned(existing[kind] or {}, uid):
-            ABSENT.add((uid, kind))
+            MEMORY.absent.add((uid, kind))
     return plan.problems + problems

@@ -53,8 +53,7 @@ class FakeKube:
         monkeypatch.setattr(kube, "patch_status", self.patch_status)
         monkeypatch.setattr(kube, "post_event", self.post_event)
         monkeypatch.setattr(kube, "list_objects", self.list_objects)
-        handlers.ABSENT.clear()
-        handlers.WRITTEN.clear()
+        monkeypatch.setattr(handlers, "MEMORY", handlers.Memory())
 
     def apply(self, obj: dict) -> dict:
         if obj["kind"] in self.rejects:
@@ -176,7 +175,7 @@ def test_deployment_events_reconcile_their_owner(fake: FakeKube,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[str] = []
     monkeypatch.setattr(handlers, "reconcile", lambda body: seen.append(body["metadata"]["name"]))
-    add_server(fake, {}, name="alive")
+    handlers.server_event(type=None, body=kopf.Body(add_server(fake, {}, name="alive")))
     handlers.deployment_event(body=deployment_body("alive"))
     handlers.deployment_event(body=deployment_body("gone"))  # its PreemptServer was deleted
     handlers.deployment_event(body=deployment_body("alive", controller=False))

@@ -7,6 +7,8 @@ patch. What only a real cluster can show is in test_operator_cluster.py (marker 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from kmock_harness import (
     CORE_RESOURCES,
@@ -164,3 +166,18 @@ def test_spec_only_the_operator_can_reject_is_degraded(cluster: Cluster) -> None
     cluster.wait_condition("degraded", "s", "Degraded", "False", "AsExpected")
     deployment = cluster.wait_child("Deployment", "degraded", "s")
     assert container(deployment)["args"][-2:] == ["--max-queue", "64"]
+
+
+def test_no_finalizer_is_added_and_an_old_one_is_taken_off(cluster: Cluster) -> None:
+    """Defect 3: kopf's timer added kopf.zalando.org/KopfFinalizerMarker, so a PreemptServer
+    (and its namespace) could not be deleted once the operator was uninstalled."""
+    cluster.create_server("final", "s", {})
+    cluster.wait_child("PreemptServer", "final", "s", lambda s: "status" in s)
+    time.sleep(2.5)  # two resync rounds (KVPARK_RECONCILE_SECONDS=1)
+    assert not cluster.get("PreemptServer", "final", "s")["metadata"].get("finalizers")
+    # one made by an older operator: kopf drops a finalizer that no handler needs
+    cluster.api.create(cluster.path("PreemptServer", "final"), {
+        "apiVersion": crd.API_VERSION, "kind": crd.KIND, "spec": {}, "metadata": {
+            "name": "old", "finalizers": ["kopf.zalando.org/KopfFinalizerMarker"]}})
+    cluster.wait_child("PreemptServer", "final", "old",
+                       lambda s: not s["metadata"].get("finalizers"))

@@ -31,7 +31,7 @@ Least privilege: exactly the calls operator/kube.py and kopf make
 {{- define "kvpark.rules" -}}
 - apiGroups: [kvpark.io]
   resources: [preemptservers]
-  verbs: [get, list, watch, patch]
+  verbs: [list, watch, patch]
 - apiGroups: [kvpark.io]
   resources: [preemptservers/status]
   verbs: [patch]
