@@ -6,8 +6,9 @@ controller owner reference), so deleting the PreemptServer garbage-collects them
 
 from __future__ import annotations
 
+import argparse
 import math
-from collections.abc import Mapping, Set
+from collections.abc import Mapping, Sequence, Set
 from typing import Any, NamedTuple
 
 from kubernetes.utils.quantity import parse_quantity
@@ -16,6 +17,7 @@ from kvpark.operator import crd
 from kvpark.operator.config import MANAGER, OperatorConfig
 from kvpark.operator.sizing import Sizing
 from kvpark.operator.status import Problem
+from kvpark.pod import args as server_args  # argparse only: the operator needs no torch
 
 APP = "kvpark-server"
 PORT = 8080
@@ -28,14 +30,14 @@ GPU = "nvidia.com/gpu"
 POD_MONITORS = "monitoring.coreos.com/v1/podmonitors"
 SCALED_OBJECTS = "keda.sh/v1alpha1/scaledobjects"
 
-# Flags the operator sets; the same names as env (KVPARK_<FLAG>) are refused too.
-RESERVED_FLAGS = (
-    "--model", "-m", "--parallel", "-np", "--ctx-size", "-c", "--page-size", "--preempt-ram",
-    "--preempt", "--no-preempt", "--host", "--port", "--api-key", "--shutdown-timeout",
-)
+# ServerArgs fields the operator sets from the spec: server.args may not set them by any
+# spelling, nor server.env by KVPARK_<FIELD> or the llama.cpp aliases.
+RESERVED_FIELDS = ("model", "host", "port", "parallel", "ctx_size", "page_size", "preempt",
+                   "preempt_ram", "api_key", "shutdown_timeout")
 RESERVED_ENV = frozenset(
     ["KVPARK_MEMORY_LIMIT"]
-    + [f"KVPARK_{f[2:].upper().replace('-', '_')}" for f in RESERVED_FLAGS if f.startswith("--")]
+    + [f"KVPARK_{f.upper()}" for f in RESERVED_FIELDS]
+    + [alias for f in RESERVED_FIELDS for alias in server_args.ALIASES.get(f, ())]
 )
 
 
@@ -393,16 +395,48 @@ def get_pod_monitor(body: Mapping[str, Any], config: OperatorConfig) -> dict[str
     }
 
 
-def is_reserved(arg: str) -> bool:
-    return any(arg == flag or arg.startswith(flag + "=") for flag in RESERVED_FLAGS)
+class ArgsError(Exception):
+    """server.args that kvpark-server would refuse."""
+
+
+def parse_server_args(args: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    """`args` as kvpark-server reads them, but without abbreviations (`--ctx` for `--ctx-size`):
+    the parsed values, and the tokens that are no flag of the server."""
+    parser = server_args.build_parser()
+    parser.allow_abbrev = False  # short flags with their value (-c4096) still parse
+
+    def fail(message: str) -> None:
+        raise ArgsError(message)
+
+    parser.error = fail  # type: ignore[method-assign]  # argparse would exit
+    return parser.parse_known_args(list(args))
+
+
+def get_flag(parser: argparse.ArgumentParser, field: str) -> str:
+    return next(a.option_strings[0] for a in parser._actions if a.dest == field)
+
+
+def get_args_problems(args: Sequence[str]) -> list[Problem]:
+    try:
+        parsed, unknown = parse_server_args(args)
+    except ArgsError as e:
+        return [Problem("InvalidArgument", f"server.args: {e}")]
+    problems = []
+    parser = server_args.build_parser()
+    reserved = [get_flag(parser, f) for f in RESERVED_FIELDS if getattr(parsed, f) is not None]
+    if reserved:
+        problems.append(Problem("ReservedArgument", f"server.args sets {', '.join(reserved)}, "
+                                "which the operator sets from the spec (use apiKeySecretRef "
+                                "for keys)"))
+    if unknown:
+        problems.append(Problem("UnknownArgument", f"server.args: {' '.join(unknown)}: not "
+                                "kvpark-server flags (spell flags in full: abbreviations are "
+                                "refused)"))
+    return problems
 
 
 def get_spec_problems(spec: Mapping[str, Any]) -> list[Problem]:
-    problems = []
-    args = [a for a in spec["server"].get("args", []) if is_reserved(a)]
-    if args:
-        problems.append(Problem("ReservedArgument", f"server.args sets {', '.join(args)}, which "
-                                "the operator sets from the spec (use apiKeySecretRef for keys)"))
+    problems = get_args_problems(spec["server"].get("args", []))
     env = sorted({e["name"] for e in spec["server"].get("env", []) if e["name"] in RESERVED_ENV})
     if env:
         problems.append(Problem("ReservedArgument", f"server.env sets {', '.join(env)}, which "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from typing import Any
 
 import kubernetes_validate.utils as kv
@@ -265,17 +267,44 @@ def test_optional_children_follow_the_spec_and_the_cluster() -> None:
 
 @pytest.mark.parametrize("server, offending", [
     ({"args": ["--parallel", "9"]}, "--parallel"),
-    ({"args": ["-c", "100"]}, "-c"),
-    ({"args": ["--api-key=secret"]}, "--api-key=secret"),
-    ({"args": ["--preempt-ram=1"]}, "--preempt-ram=1"),
+    ({"args": ["-c", "100"]}, "--ctx-size"),
+    ({"args": ["-c4096"]}, "--ctx-size"),
+    ({"args": ["-np", "8"]}, "--parallel"),
+    ({"args": ["--api-key=secret"]}, "--api-key"),
+    ({"args": ["--preempt-ram=1"]}, "--preempt-ram"),
+    ({"args": ["--no-preempt"]}, "--preempt"),
     ({"env": [{"name": "KVPARK_PARALLEL", "value": "9"}]}, "KVPARK_PARALLEL"),
     ({"env": [{"name": "KVPARK_MEMORY_LIMIT", "value": "1"}]}, "KVPARK_MEMORY_LIMIT"),
+    ({"env": [{"name": "LLAMA_ARG_PREEMPT_RAM", "value": "1"}]}, "LLAMA_ARG_PREEMPT_RAM"),
 ])
 def test_flags_the_operator_owns_are_refused(server: dict, offending: str) -> None:
     _, _, _, children = build({"server": server})
     (problem,) = children.problems
     assert problem.reason == "ReservedArgument" and problem.blocking
     assert offending in problem.message
+
+
+def test_abbreviated_flags_are_refused() -> None:
+    """Defect 4: argparse took `--ctx` for `--ctx-size`, so these passed the old check while the
+    memory limit stayed sized for the spec's values."""
+    args = ["--ctx", "262144", "--par=64", "-c4096", "--preempt-ra=-1", "--shut", "9999"]
+    _, _, _, children = build({"server": {"args": args}})
+    reserved, unknown = children.problems
+    assert (reserved.reason, reserved.blocking) == ("ReservedArgument", True)
+    assert "--ctx-size" in reserved.message  # -c4096
+    assert (unknown.reason, unknown.blocking) == ("UnknownArgument", True)
+    for token in ("--ctx", "--par=64", "--preempt-ra=-1", "--shut"):
+        assert token in unknown.message
+    (bad,) = build({"server": {"args": ["--max-queue", "lots"]}})[3].problems
+    assert bad.reason == "InvalidArgument" and "--max-queue" in bad.message
+
+
+def test_the_args_check_needs_no_torch() -> None:
+    """The operator's image may have no torch: the server's parser comes without it."""
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "from kvpark.operator import builders, handlers\n"
+            "assert builders.get_args_problems(['--ctx', '1'])\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_harmless_extra_args_pass() -> None:

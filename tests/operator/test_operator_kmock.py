@@ -181,3 +181,13 @@ def test_no_finalizer_is_added_and_an_old_one_is_taken_off(cluster: Cluster) -> 
             "name": "old", "finalizers": ["kopf.zalando.org/KopfFinalizerMarker"]}})
     cluster.wait_child("PreemptServer", "final", "old",
                        lambda s: not s["metadata"].get("finalizers"))
+
+
+def test_abbreviated_reserved_flags_are_degraded(cluster: Cluster) -> None:
+    """Defect 4: `--ctx 262144` and friends passed as if they were harmless extra flags."""
+    cluster.create_server("abbrev", "s", {"server": {"args": [
+        "--ctx", "262144", "--par=64", "-c4096", "--preempt-ra=-1", "--shut", "9999"]}})
+    server = cluster.wait_condition("abbrev", "s", "Degraded", "True", "ReservedArgument")
+    message = condition(server, "Degraded")["message"]
+    assert "--ctx-size" in message and "--preempt-ra=-1" in message
+    assert cluster.get("Deployment", "abbrev", "s") is None
