@@ -437,6 +437,9 @@ def get_args_problems(args: Sequence[str]) -> list[Problem]:
 
 def get_spec_problems(spec: Mapping[str, Any]) -> list[Problem]:
     problems = get_args_problems(spec["server"].get("args", []))
+    if spec["resources"]["gpus"] > crd.MAX_GPUS:  # a CRD from before the cap let it through
+        problems.append(Problem("TooManyGPUs", f"resources.gpus is {spec['resources']['gpus']} "
+                                f"but kvpark-server uses one device: set at most {crd.MAX_GPUS}"))
     env = sorted({e["name"] for e in spec["server"].get("env", []) if e["name"] in RESERVED_ENV})
     if env:
         problems.append(Problem("ReservedArgument", f"server.env sets {', '.join(env)}, which "

@@ -24,6 +24,7 @@ SHORT_NAMES = ["ps"]
 DEFAULT_MODEL = "builtin://smollm2-135m"
 SIGNALS = ["parkedRequests", "preemptRate", "kvUsage"]
 CONDITION_TYPES = ["Ready", "Progressing", "Degraded"]
+MAX_GPUS = 1  # kvpark-server runs on one device: more would sit idle
 
 # builtin://NAME, pvc://CLAIM[/path], hf://ORG/REPO[/file], file:///path
 MODEL_URI_PATTERN = (
@@ -189,9 +190,10 @@ def get_server_schema() -> dict[str, Any]:
         "properties": {
             "args": {
                 "type": "array",
-                "description": "Extra kvpark-server flags. Flags the operator sets itself "
-                "(--model, --parallel, --ctx-size, --page-size, --preempt-ram, --preempt, "
-                "--host, --port, --api-key, --shutdown-timeout) are refused.",
+                "description": "Extra kvpark-server flags, spelled in full. Flags the operator "
+                "sets itself (--model, --parallel, --ctx-size, --page-size, --preempt-ram, "
+                "--preempt, --host, --port, --api-key, --shutdown-timeout), by any spelling, "
+                "and abbreviations are refused.",
                 "items": {"type": "string"},
                 "maxItems": 64,
             },
@@ -273,7 +275,11 @@ def get_spec_schema() -> dict[str, Any]:
                 "type": "object",
                 "default": {},
                 "properties": {
-                    "gpus": _int("nvidia.com/gpu per pod; 0 serves on CPU.", 0, 16, default=1),
+                    "gpus": _int(
+                        "nvidia.com/gpu per pod: 1, or 0 to serve on the CPU. The server uses "
+                        f"one device (no tensor parallelism yet), so at most {MAX_GPUS}.",
+                        0, MAX_GPUS, default=1,
+                    ),
                     "cpu": _quantity("CPU request per pod."),
                     "memory": _quantity(
                         "Memory limit (and request) per pod; computed by the operator when "

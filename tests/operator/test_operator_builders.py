@@ -338,3 +338,14 @@ def test_children_pass_the_official_schemas(spec: dict, version: str) -> None:
     assert {c["kind"] for c in builtin} >= {"Deployment", "Service"}
     for child in builtin:
         kv.validate(child, version, strict=True)
+
+
+def test_more_than_one_gpu_is_refused() -> None:
+    """Defect 5: the server uses one device; the CRD caps gpus at 1 and the operator refuses
+    more (a CRD installed before the cap lets it through), instead of allocating idle GPUs."""
+    assert crd.get_openapi_schema()["properties"]["spec"]["properties"]["resources"][
+        "properties"]["gpus"]["maximum"] == 1
+    _, _, _, children = build({"resources": {"gpus": 4}})
+    (problem,) = children.problems
+    assert (problem.reason, problem.blocking) == ("TooManyGPUs", True)
+    assert build({"resources": {"gpus": 1}})[3].problems == []

@@ -139,7 +139,7 @@ def test_the_three_examples_exist() -> None:
 BAD = [
     ("zero slots", {"parallel": 0}, "spec.parallel: minimum"),
     ("negative replicas", {"replicas": -1}, "spec.replicas: minimum"),
-    ("too many gpus", {"resources": {"gpus": 17}}, "spec.resources.gpus: maximum"),
+    ("more than one gpu", {"resources": {"gpus": 2}}, "spec.resources.gpus: maximum"),
     ("unknown scheme", {"model": {"uri": "s3://bucket/model"}}, "spec.model.uri: pattern"),
     ("hf without revision", {"model": {"uri": "hf://org/repo"}},
      "spec.model: an hf:// model must name a revision or set defaultBranch: true"),
