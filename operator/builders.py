@@ -380,11 +380,16 @@ def get_scaled_object(body: Mapping[str, Any], spec: Mapping[str, Any],
     }
 
 
-def get_pod_monitor(body: Mapping[str, Any], config: OperatorConfig) -> dict[str, Any]:
+def get_pod_monitor(body: Mapping[str, Any], spec: Mapping[str, Any],
+                    config: OperatorConfig) -> dict[str, Any]:
+    meta = get_metadata(body)
+    # a Prometheus picks PodMonitors by label (kube-prometheus-stack: release=RELEASE)
+    wanted = spec.get("monitoring", {}).get("podMonitorLabels", {})
+    meta["labels"] = {**dict(config.pod_monitor_labels), **wanted, **meta["labels"]}
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PodMonitor",
-        "metadata": get_metadata(body),
+        "metadata": meta,
         "spec": {
             "selector": {"matchLabels": get_selector_labels(body["metadata"]["name"])},
             "podMetricsEndpoints": [{"port": "http", "path": "/metrics",
@@ -483,7 +488,7 @@ def get_children(body: Mapping[str, Any], spec: Mapping[str, Any], sizing: Sizin
         if POD_MONITORS in served:
             delete.append(("monitoring.coreos.com/v1", "PodMonitor", name))
     elif POD_MONITORS in served:
-        apply.append(get_pod_monitor(body, config))
+        apply.append(get_pod_monitor(body, spec, config))
     else:
         notes.append("no PodMonitor: the cluster does not serve monitoring.coreos.com/v1 "
                      "PodMonitors (install the Prometheus Operator CRDs)")

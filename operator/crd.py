@@ -288,6 +288,21 @@ def get_spec_schema() -> dict[str, Any]:
                 },
             },
             "autoscaling": get_autoscaling_schema(),
+            "monitoring": {
+                "type": "object",
+                "description": "How Prometheus finds the pods.",
+                "properties": {
+                    "podMonitorLabels": {
+                        "type": "object",
+                        "description": "Labels on the PodMonitor, over the operator's "
+                        "KVPARK_POD_MONITOR_LABELS, so that a Prometheus's podMonitorSelector "
+                        "picks it up (kube-prometheus-stack selects release: RELEASE). The "
+                        "app.kubernetes.io labels stay the operator's.",
+                        "additionalProperties": {"type": "string", "maxLength": 63},
+                        "maxProperties": 32,
+                    },
+                },
+            },
             "server": get_server_schema(),
             "nodeSelector": {
                 "type": "object",

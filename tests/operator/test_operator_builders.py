@@ -349,3 +349,16 @@ def test_more_than_one_gpu_is_refused() -> None:
     (problem,) = children.problems
     assert (problem.reason, problem.blocking) == ("TooManyGPUs", True)
     assert build({"resources": {"gpus": 1}})[3].problems == []
+
+
+def test_pod_monitor_labels_come_from_the_operator_and_the_spec() -> None:
+    """Defect 6: kube-prometheus-stack's Prometheus selects PodMonitors by `release`."""
+    config = OperatorConfig(pod_monitor_labels=(("release", "kps"), ("team", "ops")))
+    _, _, _, children = build({"monitoring": {"podMonitorLabels": {
+        "team": "ml", "app.kubernetes.io/name": "mine"}}}, config=config)
+    (monitor,) = [c for c in children.apply if c["kind"] == "PodMonitor"]
+    labels = monitor["metadata"]["labels"]
+    assert labels["release"] == "kps" and labels["team"] == "ml"  # the spec's win over config
+    assert labels["app.kubernetes.io/name"] == builders.APP  # ours stay ours
+    deployment = next(c for c in children.apply if c["kind"] == "Deployment")
+    assert "release" not in deployment["metadata"]["labels"]

@@ -27,9 +27,10 @@ def test_config_from_env() -> None:
     config = OperatorConfig.from_env({
         "KVPARK_SERVER_IMAGE": "img:1", "KVPARK_WATCH_NAMESPACES": " a, ,b ",
         "KVPARK_RECONCILE_SECONDS": "7.5", "KVPARK_POD_MONITOR": "False",
-        "KVPARK_LIVENESS": ""})
+        "KVPARK_LIVENESS": "", "KVPARK_POD_MONITOR_LABELS": "team=a, release=kps,"})
     assert config == OperatorConfig(image="img:1", namespaces=("a", "b"), reconcile_seconds=7.5,
-                                    pod_monitor="false", liveness="")
+                                    pod_monitor="false", liveness="",
+                                    pod_monitor_labels=(("release", "kps"), ("team", "a")))
     assert OperatorConfig.from_env({}) == OperatorConfig()
 
 

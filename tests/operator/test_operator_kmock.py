@@ -191,3 +191,14 @@ def test_abbreviated_reserved_flags_are_degraded(cluster: Cluster) -> None:
     message = condition(server, "Degraded")["message"]
     assert "--ctx-size" in message and "--preempt-ra=-1" in message
     assert cluster.get("Deployment", "abbrev", "s") is None
+
+
+def test_pod_monitor_carries_the_labels_prometheus_selects(cluster: Cluster) -> None:
+    """Defect 6: without `release: <name>` kube-prometheus-stack never scraped the pods."""
+    cluster.create_server("monitor", "s", {"monitoring": {"podMonitorLabels": {
+        "release": "kube-prometheus-stack"}}})
+    monitor = cluster.wait_child("PodMonitor", "monitor", "s")
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    cluster.patch_spec("monitor", "s", {"monitoring": {"podMonitorLabels": {"release": "prom"}}})
+    cluster.wait_child("PodMonitor", "monitor", "s",
+                       lambda m: m["metadata"]["labels"]["release"] == "prom")

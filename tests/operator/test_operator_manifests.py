@@ -142,12 +142,28 @@ def test_rendered_chart(helm: str) -> None:
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["KVPARK_SERVER_IMAGE"] == "example/server:1"
     assert env["KVPARK_WATCH_NAMESPACES"] == ""
+    assert env["KVPARK_POD_MONITOR_LABELS"] == ""
     default = operator_deployment(render(helm))["spec"]["template"]["spec"]["containers"][0]
     app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
     assert default["image"] == f"kvpark/kvpark:{app_version}"
     notes = helm_run(helm, "install", "kvpark", str(CHART), "--dry-run=client",
                      "--namespace", "kvpark-system").stdout
     assert "kubectl get ps" in notes
+
+
+def test_chart_pod_monitor_labels_reach_the_operator(helm: str) -> None:
+    """Defect 6: metrics.podMonitorLabels -> KVPARK_POD_MONITOR_LABELS, as config.py reads it."""
+    from kvpark.operator.config import OperatorConfig
+
+    docs = render(helm, "--set", "metrics.podMonitorLabels.release=kube-prometheus-stack",
+                  "--set", "metrics.podMonitorLabels.team=ml")
+    container = operator_deployment(docs)["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    config = OperatorConfig.from_env(env)
+    assert config.pod_monitor_labels == (("release", "kube-prometheus-stack"), ("team", "ml"))
+    bad = helm_run(helm, "lint", "--strict", str(CHART), "--set",
+                   "metrics.podMonitorLabels.team=a\\,b", check=False)
+    assert bad.returncode != 0
 
 
 def test_dockerfile_builds_one_unprivileged_image_with_the_model() -> None:

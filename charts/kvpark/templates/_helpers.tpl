@@ -20,6 +20,15 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- default (include "kvpark.fullname" .) .Values.serviceAccount.name -}}
 {{- end -}}
 
+{{/* a map as k=v,k2=v2 (sorted), the way the operator reads KVPARK_POD_MONITOR_LABELS */}}
+{{- define "kvpark.labelPairs" -}}
+{{- $pairs := list -}}
+{{- range $key, $value := . -}}
+{{- $pairs = append $pairs (printf "%s=%s" $key $value) -}}
+{{- end -}}
+{{- join "," $pairs -}}
+{{- end -}}
+
 {{- define "kvpark.image" -}}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
