@@ -19,8 +19,7 @@ from kvpark.operator import builders, crd
 
 VERSIONS = ["1.29", "1.33"]
 CHART = REPO / "charts" / "kvpark"
-MANIFESTS = [REPO / "manifests" / "crd.yaml", REPO / "manifests" / "operator.yaml",
-             REPO / "manifests" / "autoscaling" / "prometheus-adapter-config.yaml"]
+MANIFESTS = [REPO / "manifests" / "crd.yaml", REPO / "manifests" / "operator.yaml"]
 
 
 def load(path: Path) -> list[dict]:
@@ -72,23 +71,38 @@ def test_operator_manifest() -> None:
     check_operator_deployment(operator_deployment(docs))
 
 
-def adapter_rules() -> tuple[list[dict], list[dict]]:
-    config = load(REPO / "manifests" / "autoscaling" / "prometheus-adapter-config.yaml")[0]
+def adapter_rules() -> list[dict]:
     values = load(REPO / "manifests" / "autoscaling" / "prometheus-adapter-values.yaml")[0]
-    return yaml.safe_load(config["data"]["config.yaml"])["rules"], values["rules"]["custom"]
+    return values["rules"]["custom"]
 
 
 def test_adapter_rules_serve_the_metrics_the_hpas_ask_for() -> None:
-    config_rules, chart_rules = adapter_rules()
-    assert config_rules == chart_rules
-    served = {rule["name"]["as"] for rule in config_rules}
+    rules = adapter_rules()
+    served = {rule["name"]["as"] for rule in rules}
     assert served == {signal.hpa_metric for signal in builders.SIGNALS.values()}
-    series = {rule["seriesQuery"].split("{")[0] for rule in config_rules}
+    series = {rule["seriesQuery"].split("{")[0] for rule in rules}
     assert series == {"kvpark:requests_preempted", "kvpark:n_preempt_total",
                       "kvpark:kv_cache_usage_ratio"}
-    for rule in config_rules:
+    for rule in rules:
         assert rule["resources"]["overrides"] == {"namespace": {"resource": "namespace"},
                                                   "pod": {"resource": "pod"}}
+
+
+def test_no_manifest_takes_another_components_object() -> None:
+    """Defect 7: a ConfigMap `adapter-config` in `monitoring` replaced kube-prometheus's adapter
+    rules (kubectl top and CPU HPAs broke). Every object shipped is named kvpark-* (or is the
+    CRD); the adapter's rules ship as Helm values, with how to register custom.metrics.k8s.io."""
+    for path in sorted((REPO / "manifests").rglob("*.yaml")):
+        for doc in load(path):
+            if doc.get("apiVersion", "").startswith("kvpark.io/"):
+                continue  # examples
+            if {"prometheus", "rules"} <= set(doc):
+                continue  # Helm values for prometheus-adapter
+            name = doc["metadata"]["name"]
+            assert name.startswith("kvpark") or name.endswith(".kvpark.io"), (path, name)
+    readme = (REPO / "manifests" / "autoscaling" / "README.md").read_text()
+    assert "kubectl get apiservice v1beta1.custom.metrics.k8s.io" in readme
+    assert "custom.metrics.k8s.io" in (REPO / "README.md").read_text()
 
 
 def helm_run(helm: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
