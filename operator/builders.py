@@ -26,6 +26,7 @@ MODELS_DIR = "/models"
 PRESTOP_SECONDS = 5  # endpoints drop the pod before SIGTERM reaches the server
 GRACE_MARGIN_SECONDS = 15
 UID = 10001  # the image's unprivileged user
+TMP_SIZE = "2Gi"  # the /tmp emptyDir (caches: HF, Triton, FlashInfer JIT)
 GPU = "nvidia.com/gpu"
 POD_MONITORS = "monitoring.coreos.com/v1/podmonitors"
 SCALED_OBJECTS = "keda.sh/v1alpha1/scaledobjects"
@@ -129,11 +130,20 @@ def get_model_source(spec: Mapping[str, Any], image: str) -> ModelSource:
         path = "/".join(rest)
         return ModelSource(
             f"{mount}/{path}".rstrip("/"),
-            [{"name": "model", "emptyDir": {}}],
+            [{"name": "model", "emptyDir": {"sizeLimit": get_download_size(model)}}],
             [{"name": "model", "mountPath": mount, "readOnly": True}],
             [get_fetch_container(model, f"{org}/{repo}", path, mount, image, spec)],
         )
     return ModelSource(uri, [], [], [])  # builtin://
+
+
+def get_download_size(model: Mapping[str, Any]) -> str:
+    """hf:// models: how much the model emptyDir may hold (the kubelet evicts a pod above)."""
+    if "downloadSize" in model:
+        return str(model["downloadSize"])
+    if "sizeMiB" in model:
+        return f"{math.ceil(model['sizeMiB'] * 11 / 10) + 1024}Mi"
+    return crd.DEFAULT_DOWNLOAD_SIZE
 
 
 def get_fetch_container(model: Mapping[str, Any], repo: str, path: str, mount: str, image: str,
@@ -211,6 +221,10 @@ def get_resources(spec: Mapping[str, Any], sizing: Sizing) -> dict[str, Any]:
         requests["cpu"] = str(res["cpu"])
     if res["gpus"]:
         limits[GPU] = str(res["gpus"])
+    if spec["model"]["uri"].startswith("hf://"):
+        # the download lies on the node's disk: schedule where it fits
+        disk = parse_quantity(get_download_size(spec["model"])) + parse_quantity(TMP_SIZE)
+        requests["ephemeral-storage"] = f"{math.ceil(disk / (1 << 20))}Mi"
     return {"limits": limits, "requests": requests}
 
 
@@ -264,7 +278,7 @@ def get_pod_spec(spec: Mapping[str, Any], sizing: Sizing, config: OperatorConfig
         "containers": [get_container(spec, sizing, source, image)],
         "volumes": [
             {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{sizing.shm_mib}Mi"}},
-            {"name": "tmp", "emptyDir": {"sizeLimit": "2Gi"}},
+            {"name": "tmp", "emptyDir": {"sizeLimit": TMP_SIZE}},
             *source.volumes,
         ],
         "nodeSelector": dict(spec.get("nodeSelector", {})),
@@ -284,9 +298,7 @@ def get_deployment(body: Mapping[str, Any], spec: Mapping[str, Any], sizing: Siz
         "spec": {
             "replicas": spec["replicas"],
             "selector": {"matchLabels": get_selector_labels(name)},
-            # a new pod must be ready before an old one drains its parked requests
-            "strategy": {"type": "RollingUpdate",
-                         "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "strategy": get_strategy(spec),
             "revisionHistoryLimit": 3,
             "progressDeadlineSeconds": 1800,
             "template": {
@@ -295,6 +307,15 @@ def get_deployment(body: Mapping[str, Any], spec: Mapping[str, Any], sizing: Siz
             },
         },
     }
+
+
+def get_strategy(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """By default a new pod must be ready before an old one drains its parked requests."""
+    strategy = spec["strategy"]
+    if strategy["type"] == "Recreate":
+        return {"type": "Recreate"}
+    return {"type": "RollingUpdate", "rollingUpdate": {
+        "maxUnavailable": strategy["maxUnavailable"], "maxSurge": strategy["maxSurge"]}}
 
 
 def get_service(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -330,6 +351,11 @@ def get_target(spec: Mapping[str, Any]) -> tuple[Signal, str]:
     return signal, str(target.get("averageValue", signal.default))
 
 
+def get_hpa_behavior() -> dict[str, Any]:
+    # parked requests come and go in bursts: scale down only after 5 quiet minutes
+    return {"scaleDown": {"stabilizationWindowSeconds": 300}}
+
+
 def get_hpa(body: Mapping[str, Any], spec: Mapping[str, Any]) -> dict[str, Any]:
     scaling = spec["autoscaling"]
     signal, value = get_target(spec)
@@ -344,8 +370,7 @@ def get_hpa(body: Mapping[str, Any], spec: Mapping[str, Any]) -> dict[str, Any]:
             "metrics": [{"type": "Pods", "pods": {
                 "metric": {"name": signal.hpa_metric},
                 "target": {"type": "AverageValue", "averageValue": value}}}],
-            # parked requests come and go in bursts: scale down only after 5 quiet minutes
-            "behavior": {"scaleDown": {"stabilizationWindowSeconds": 300}},
+            "behavior": get_hpa_behavior(),
         },
     }
 
@@ -369,7 +394,9 @@ def get_scaled_object(body: Mapping[str, Any], spec: Mapping[str, Any],
             "minReplicaCount": scaling["minReplicas"],
             "maxReplicaCount": scaling["maxReplicas"],
             "pollingInterval": 15,
-            "cooldownPeriod": 300,
+            # No cooldownPeriod: KEDA uses it only for scaling to zero, and minReplicas >= 1.
+            # The HPA that KEDA makes gets the same scale-down window as engine: hpa.
+            "advanced": {"horizontalPodAutoscalerConfig": {"behavior": get_hpa_behavior()}},
             "triggers": [{"type": "prometheus", "metricType": "AverageValue", "metadata": {
                 "serverAddress": scaling.get("prometheusAddress", config.prometheus_address),
                 "query": get_promql(spec, meta["namespace"], meta["name"]),

@@ -25,6 +25,7 @@ DEFAULT_MODEL = "builtin://smollm2-135m"
 SIGNALS = ["parkedRequests", "preemptRate", "kvUsage"]
 CONDITION_TYPES = ["Ready", "Progressing", "Degraded"]
 MAX_GPUS = 1  # kvpark-server runs on one device: more would sit idle
+DEFAULT_DOWNLOAD_SIZE = "64Gi"  # an hf:// model's emptyDir when neither its size is given
 
 # builtin://NAME, pvc://CLAIM[/path], hf://ORG/REPO[/file], file:///path
 MODEL_URI_PATTERN = (
@@ -111,6 +112,11 @@ def get_model_schema() -> dict[str, Any]:
                 minimum=1,
             ),
             "hfTokenSecretRef": _secret_ref("hf:// only: a Secret holding HF_TOKEN.", "token"),
+            "downloadSize": _quantity(
+                "hf:// only: room for the download, the model emptyDir's sizeLimit (and, with "
+                "2Gi for /tmp, the pod's ephemeral-storage request). Default: sizeMiB plus 10% "
+                f"and 1Gi, or {DEFAULT_DOWNLOAD_SIZE} without sizeMiB."
+            ),
         },
         "x-kubernetes-validations": [
             _rule(
@@ -125,8 +131,9 @@ def get_model_schema() -> dict[str, Any]:
             ),
             _rule(
                 "self.uri.startsWith('hf://') || (!has(self.revision) && !has(self.defaultBranch)"
-                " && !has(self.hfTokenSecretRef))",
-                "revision, defaultBranch and hfTokenSecretRef apply to hf:// models only",
+                " && !has(self.hfTokenSecretRef) && !has(self.downloadSize))",
+                "revision, defaultBranch, hfTokenSecretRef and downloadSize apply to hf:// "
+                "models only",
             ),
         ],
     }
@@ -179,6 +186,37 @@ def get_autoscaling_schema() -> dict[str, Any]:
                 "prometheusAddress applies to engine: keda only",
             ),
         ],
+    }
+
+
+def _int_or_percent(description: str, default: int) -> dict[str, Any]:
+    return {"description": description, "anyOf": [{"type": "integer"}, {"type": "string"}],
+            "x-kubernetes-int-or-string": True, "default": default,
+            "x-kubernetes-validations": [_rule(
+                "type(self) == int ? self >= 0 : self.matches('^[0-9]+%$')",
+                "must be an integer >= 0 or a percentage such as 25%")]}
+
+
+def get_strategy_schema() -> dict[str, Any]:
+    return {
+        "type": "object",
+        "default": {},
+        "description": "How the Deployment replaces pods on a change. The default (maxSurge 1, "
+        "maxUnavailable 0) starts a new pod before an old one drains, which needs room for one "
+        "more pod (a free GPU); on a full pool use maxSurge 0, maxUnavailable 1, or Recreate.",
+        "properties": {
+            "type": _str("RollingUpdate or Recreate (all old pods drain first).",
+                         enum=["RollingUpdate", "Recreate"], default="RollingUpdate"),
+            "maxSurge": _int_or_percent("RollingUpdate: pods above replicas during a rollout.",
+                                        1),
+            "maxUnavailable": _int_or_percent(
+                "RollingUpdate: pods below replicas during a rollout.", 0),
+        },
+        "x-kubernetes-validations": [_rule(
+            "self.type == 'Recreate' || !(string(self.maxSurge) in ['0', '0%']"
+            " && string(self.maxUnavailable) in ['0', '0%'])",
+            "maxSurge and maxUnavailable may not both be 0",
+        )],
     }
 
 
@@ -287,6 +325,7 @@ def get_spec_schema() -> dict[str, Any]:
                     ),
                 },
             },
+            "strategy": get_strategy_schema(),
             "autoscaling": get_autoscaling_schema(),
             "monitoring": {
                 "type": "object",

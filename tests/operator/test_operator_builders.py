@@ -141,6 +141,32 @@ def test_image_settings() -> None:
         ("mine/kvpark:2", "Always")
 
 
+def test_hf_download_room() -> None:
+    """Defect 10: the hf:// emptyDir had no sizeLimit and the pod no ephemeral-storage request."""
+    def room(model: dict) -> tuple[dict, str]:
+        pod = deployment_of({"model": {"uri": "hf://O/R", "defaultBranch": True, **model},
+                             "resources": {"memory": "8Gi"}})["spec"]["template"]["spec"]
+        (volume,) = [v for v in pod["volumes"] if v["name"] == "model"]
+        return volume["emptyDir"], pod["containers"][0]["resources"]["requests"][
+            "ephemeral-storage"]
+    assert room({"downloadSize": "20Gi"}) == ({"sizeLimit": "20Gi"}, "22528Mi")
+    assert room({}) == ({"sizeLimit": crd.DEFAULT_DOWNLOAD_SIZE}, "67584Mi")
+    builtin = server_container(deployment_of())
+    assert "ephemeral-storage" not in builtin["resources"]["requests"]
+
+
+def test_rollout_strategy_follows_the_spec() -> None:
+    """Defect 10: the rollout was fixed at maxSurge 1 / maxUnavailable 0, which stalls when no
+    GPU is free for the surge pod."""
+    def strategy(value: dict) -> dict:
+        return deployment_of({"strategy": value})["spec"]["strategy"]
+    assert strategy({"maxSurge": 0, "maxUnavailable": 1}) == {
+        "type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1, "maxSurge": 0}}
+    assert strategy({"maxUnavailable": "25%"})["rollingUpdate"] == {
+        "maxUnavailable": "25%", "maxSurge": 1}
+    assert strategy({"type": "Recreate"}) == {"type": "Recreate"}
+
+
 def test_rollout_and_drain_settings() -> None:
     deployment = deployment_of({"server": {"shutdownTimeoutSeconds": 200}})
     assert deployment["spec"]["strategy"] == {
@@ -181,7 +207,9 @@ def test_hf_model_is_downloaded_by_an_init_container() -> None:
         in fetch["env"]
     assert fetch["image"] == pod["containers"][0]["image"]
     assert arg(pod["containers"][0], "--model") == "/models/hf/sub/q4.gguf"
-    assert {"name": "model", "emptyDir": {}} in pod["volumes"]
+    # 800 MiB + 10% + 1 GiB: a download that outgrows it evicts the pod instead of the node
+    assert {"name": "model", "emptyDir": {"sizeLimit": "1904Mi"}} in pod["volumes"]
+    assert pod["containers"][0]["resources"]["requests"]["ephemeral-storage"] == "3952Mi"
     default = deployment_of({"model": {"uri": "hf://Org/Repo", "defaultBranch": True,
                                        "sizeMiB": 800}})
     (fetch,) = default["spec"]["template"]["spec"]["initContainers"]
@@ -247,6 +275,11 @@ def test_keda_scaled_object_carries_the_promql(signal: str, query: str) -> None:
                                    "query": query, "threshold": "0.75"}
     assert scaled["spec"]["scaleTargetRef"]["kind"] == "PreemptServer"
     assert ("autoscaling/v2", "HorizontalPodAutoscaler", "llm") in children.delete
+    # Defect 10: cooldownPeriod only acts on scaling to zero, and minReplicas >= 1; the
+    # scale-down window is the HPA's, as with engine: hpa
+    assert "cooldownPeriod" not in scaled["spec"]
+    assert scaled["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"] == {
+        "scaleDown": {"stabilizationWindowSeconds": 300}}
 
 
 def test_optional_children_follow_the_spec_and_the_cluster() -> None:
@@ -325,7 +358,9 @@ SPECS = [
      "nodeSelector": {"gpu": "h100"}, "tolerations": [{"key": "x", "operator": "Exists"}],
      "imagePullSecrets": [{"name": "registry"}]},
     {"model": {"uri": "pvc://weights/m.gguf"}, "resources": {"memory": "24Gi"},
-     "preempt": {"ramMiB": -1}},
+     "preempt": {"ramMiB": -1}, "strategy": {"maxSurge": 0, "maxUnavailable": "50%"}},
+    {"model": {"uri": "hf://O/R", "defaultBranch": True, "downloadSize": "30Gi"},
+     "resources": {"memory": "24Gi"}, "strategy": {"type": "Recreate"}},
 ]
 
 

@@ -202,3 +202,13 @@ def test_pod_monitor_carries_the_labels_prometheus_selects(cluster: Cluster) -> 
     cluster.patch_spec("monitor", "s", {"monitoring": {"podMonitorLabels": {"release": "prom"}}})
     cluster.wait_child("PodMonitor", "monitor", "s",
                        lambda m: m["metadata"]["labels"]["release"] == "prom")
+
+
+def test_rollout_strategy_is_configurable(cluster: Cluster) -> None:
+    """Defect 10: maxSurge 1 stalls a rollout when no GPU is free for the extra pod."""
+    cluster.create_server("strategy", "s", {})
+    deployment = cluster.wait_child("Deployment", "strategy", "s")
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    cluster.patch_spec("strategy", "s", {"strategy": {"maxSurge": 0, "maxUnavailable": 1}})
+    cluster.wait_child("Deployment", "strategy", "s", lambda d: d["spec"]["strategy"][
+        "rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1})

@@ -123,6 +123,18 @@ def test_helm_lint_strict(helm: str) -> None:
     assert namespaced.returncode == 0, namespaced.stdout + namespaced.stderr
 
 
+@pytest.mark.parametrize("value, env", [("false", "false"), ("true", "auto"),
+                                        ("auto", "auto")])
+def test_pod_monitor_can_be_turned_off_with_set(helm: str, value: str, env: str) -> None:
+    """Defect 10: `--set metrics.podMonitor=false` makes a boolean, which the schema refused."""
+    args = ["--set", f"metrics.podMonitor={value}"]
+    result = helm_run(helm, "lint", "--strict", str(CHART), *args, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    container = operator_deployment(render(helm, *args))["spec"]["template"]["spec"][
+        "containers"][0]
+    assert {e["name"]: e.get("value") for e in container["env"]}["KVPARK_POD_MONITOR"] == env
+
+
 @pytest.mark.parametrize("values", [
     ["--set", "metrics.podMonitor=yes"],
     ["--set", "watchNamespaces={Not_A_Namespace}"],

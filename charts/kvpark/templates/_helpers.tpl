@@ -29,6 +29,12 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- join "," $pairs -}}
 {{- end -}}
 
+{{/* metrics.podMonitor as the operator reads it: auto or false (`--set` makes booleans) */}}
+{{- define "kvpark.podMonitor" -}}
+{{- $value := toString .Values.metrics.podMonitor -}}
+{{- ternary "false" "auto" (eq $value "false") -}}
+{{- end -}}
+
 {{- define "kvpark.image" -}}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
