@@ -153,17 +153,22 @@ def reconcile(body: Mapping[str, Any]) -> None:
             problems += sync_children(body, children, existing)
         deployment = existing["Deployment"] if "Deployment" in existing else \
             kube.get("Deployment", namespace, name)
+        selector = builders.get_selector(name)
+        pods = kube.list_objects("Pod", namespace, selector) \
+            if status_.needs_pods(spec["replicas"], deployment) else []
+        pod_problems = status_.get_pod_problems(pods)
         old = MEMORY.written.get(uid) or copy.deepcopy(body.get("status"))
         status = status_.get_status(
             {**body, "status": old}, spec["replicas"], deployment,
-            selector=builders.get_selector(name), endpoint=builders.get_endpoint(name, namespace),
+            selector=selector, endpoint=builders.get_endpoint(name, namespace),
             preempt_ram=sizing.preempt_ram, problems=problems, notes=children.notes,
-            applied=not problems, now=datetime.datetime.now(datetime.timezone.utc),
+            pod_problems=pod_problems, applied=not problems,
+            now=datetime.datetime.now(datetime.timezone.utc),
         )
         if status != old:
             kube.patch_status(namespace, name, status)
             MEMORY.written[uid] = status
-        for problem in status_.get_new_problems(old, problems):
+        for problem in status_.get_new_problems(old, problems + pod_problems):
             kube.post_event(body, "Warning", problem.reason, problem.message)
 
 

@@ -44,6 +44,7 @@ CORE_RESOURCES = [
     ("v1/services", "Service", True, {"status"}),
     ("policy/v1/poddisruptionbudgets", "PodDisruptionBudget", True, {"status"}),
     ("autoscaling/v2/horizontalpodautoscalers", "HorizontalPodAutoscaler", True, {"status"}),
+    ("v1/pods", "Pod", True, {"status"}),
     ("v1/namespaces", "Namespace", False, {"status"}),
     ("v1/events", "Event", True, set()),
 ]

@@ -44,6 +44,7 @@ class FakeKube:
         self.rejects: set[str] = set()
         self.errors: dict[str, kube.ApiError] = {}  # kind -> what applying it raises
         self.events: list[tuple[str, str, str]] = []  # (type, reason, message)
+        self.lists: list[tuple[str, str]] = []  # (kind, label selector)
         self.uids = iter(range(1000, 10**6))
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -82,7 +83,7 @@ class FakeKube:
         return self.objects.pop((kind, namespace, name), None) is not None
 
     def list_objects(self, kind: str, namespace: str, selector: str) -> list[dict]:
-        self.writes.append(("list", kind, selector))
+        self.lists.append((kind, selector))
         return [copy.deepcopy(o) for (k, ns, _), o in self.objects.items()
                 if k == kind and ns == namespace]
 

@@ -17,6 +17,7 @@ from kmock_harness import (
     Cluster,
     condition,
     running_operator,
+    wait_for,
 )
 
 from kvpark.operator import crd
@@ -107,10 +108,14 @@ def test_status_and_ready_follow_the_deployment(cluster: Cluster) -> None:
     assert condition(server, "Degraded")["reason"] == "AsExpected"
     assert condition(server, "Ready")["lastTransitionTime"] >= not_ready_since
 
+    # Defect 9: one pod of two serving is Ready (the endpoint answers), and Progressing
     cluster.set_deployment_status("status", "s", readyReplicas=1, availableReplicas=1)
-    server = cluster.wait_condition("status", "s", "Ready", "False", "ReplicasNotReady")
+    server = cluster.wait_condition("status", "s", "Ready", "True", "MinimumReplicasReady")
     assert server["status"]["readyReplicas"] == 1
     assert "1/2" in condition(server, "Ready")["message"]
+    assert condition(server, "Progressing")["status"] == "True"
+    cluster.set_deployment_status("status", "s", readyReplicas=0, availableReplicas=0)
+    cluster.wait_condition("status", "s", "Ready", "False", "ReplicasNotReady")
 
 
 def test_children_deleted_by_hand_come_back(cluster: Cluster) -> None:
@@ -212,3 +217,38 @@ def test_rollout_strategy_is_configurable(cluster: Cluster) -> None:
     cluster.patch_spec("strategy", "s", {"strategy": {"maxSurge": 0, "maxUnavailable": 1}})
     cluster.wait_child("Deployment", "strategy", "s", lambda d: d["spec"]["strategy"][
         "rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1})
+
+
+def test_pod_failures_reach_status_and_events_within_an_interval(cluster: Cluster) -> None:
+    """Defect 9: an unschedulable pod (no GPU free) and an image that cannot be pulled showed
+    nowhere until the Deployment's progressDeadlineSeconds (1800 s). kmock runs no scheduler
+    or kubelet: the test writes the pods' status as they would."""
+    from kvpark.operator import builders
+
+    cluster.create_server("pods", "s", {"replicas": 2})
+    cluster.wait_child("Deployment", "pods", "s")
+    labels = builders.get_labels("s")
+    for name, status in [
+        ("s-1", {"conditions": [{"type": "PodScheduled", "status": "False",
+                                 "reason": "Unschedulable", "message": "0/3 nodes are "
+                                 "available: 3 Insufficient nvidia.com/gpu."}]}),
+        ("s-2", {"containerStatuses": [{"name": "server", "ready": False, "state": {
+            "waiting": {"reason": "ImagePullBackOff", "message": 'Back-off pulling image "x"'}}}]}),
+    ]:
+        cluster.api.create("/api/v1/namespaces/pods/pods", {
+            "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": labels},
+            "spec": {"containers": [{"name": "server", "image": "x"}]}, "status": status})
+    server = cluster.wait_child("PreemptServer", "pods", "s", lambda s: "ImagePullBackOff" in
+                                str(s.get("status")), timeout=5)
+    degraded = condition(server, "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "Unschedulable")
+    assert "Insufficient nvidia.com/gpu" in degraded["message"]
+    assert condition(server, "Progressing")["status"] == "False"
+    def reasons() -> set[str]:
+        listing = cluster.api.get("/api/v1/namespaces/pods/events") or {}
+        return {e["reason"] for e in listing.get("items", []) if e.get("type") == "Warning"}
+    wait_for("the Events", lambda: {"Unschedulable", "ImagePullBackOff"} <= reasons(), 5)
+    deployment = cluster.get("Deployment", "pods", "s")
+    cluster.set_deployment_status("pods", "s", observedGeneration=deployment["metadata"][
+        "generation"], replicas=2, updatedReplicas=2, readyReplicas=2, availableReplicas=2)
+    cluster.wait_condition("pods", "s", "Degraded", "False", "AsExpected")

@@ -69,6 +69,9 @@ Least privilege: exactly the calls operator/kube.py and kopf make
   resources: [podmonitors]
   verbs: [get, create, patch, delete]
 - apiGroups: [""]
+  resources: [pods]
+  verbs: [list]
+- apiGroups: [""]
   resources: [events]
   verbs: [create]
 {{- end -}}
