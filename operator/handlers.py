@@ -30,6 +30,7 @@ from kvpark.operator.config import MANAGER, OperatorConfig
 from kvpark.operator.status import Problem
 
 CONFIG = OperatorConfig.from_env()
+MANAGED_BY = f"app.kubernetes.io/managed-by={MANAGER}"
 OPTIONAL_APIS = (builders.POD_MONITORS, builders.SCALED_OBJECTS)
 # kopf runs the CR's handlers, the resync loop and the Deployment watch concurrently
 LOCKS: defaultdict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
@@ -68,6 +69,8 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.posting.level = logging.WARNING
     # No watching of namespaces and CRDs (and no RBAC for it): install the CRD first.
     settings.scanning.disabled = True
+    # the API server filters the Deployment watch: only ours reach the operator
+    settings.watching.label_selectors["apps", "v1", "deployments"] = MANAGED_BY
 
 
 @kopf.on.login()

@@ -128,3 +128,36 @@ def test_a_refusal_by_a_webhook_is_degraded_with_its_message(cluster: Cluster) -
     cluster.wait_child("ScaledObject", "refused", "s")
     server = cluster.wait_condition("refused", "s", "Degraded", "False")
     assert server["status"]["observedGeneration"] == 2
+
+
+def test_the_deployment_watch_is_filtered_by_the_api_server(cluster: Cluster) -> None:
+    """Defect 8: the Deployment watch was cluster-wide, filtered client-side. (kmock does not
+    filter by label: this checks what the operator asks for.)"""
+    deployments = [r for r in cluster.server.requests() if r.resource
+                   and r.resource.plural == "deployments" and r.method == "GET"
+                   and r.headers.get("User-Agent", "").startswith("kopf/")]
+    assert deployments
+    for request in deployments:
+        assert request.params.get("labelSelector") == "app.kubernetes.io/managed-by=kvpark-operator"
+
+
+def test_a_steady_state_only_reads_what_it_serves(cluster: Cluster) -> None:
+    """Defect 8: each interval made 9 calls per PreemptServer, 3 of them DELETEs that always
+    answered 404, plus discovery. Now a reconcile with nothing to change reads the children it
+    has (one GET each) and writes nothing."""
+    cluster.create_server("steady", "s", {"autoscaling": {"maxReplicas": 2}})
+    deployment = cluster.wait_child("Deployment", "steady", "s")
+    cluster.set_deployment_status("steady", "s", observedGeneration=deployment["metadata"][
+        "generation"], replicas=1, updatedReplicas=1, readyReplicas=1, availableReplicas=1)
+    cluster.wait_condition("steady", "s", "Ready", "True", "AllReplicasReady")
+    time.sleep(1.5)  # let the last write's events settle
+    start = len(cluster.server.requests())
+    time.sleep(3.2)  # three resync rounds (KVPARK_RECONCILE_SECONDS=1)
+    calls = [r for r in cluster.server.requests()[start:]
+             if r.headers.get("User-Agent", "").startswith("kvpark-operator/")
+             and (r.namespace == "steady" or not r.namespace)]
+    assert [r for r in calls if r.method != "GET"] == []
+    paths = {r.url.path for r in calls}
+    assert paths == {cluster.path(kind, "steady", "s") for kind in (
+        "Deployment", "Service", "HorizontalPodAutoscaler", "PodMonitor")}
+    assert 3 * 4 <= len(calls) <= 5 * 4
