@@ -160,4 +160,4 @@ def test_a_steady_state_only_reads_what_it_serves(cluster: Cluster) -> None:
     paths = {r.url.path for r in calls}
     assert paths == {cluster.path(kind, "steady", "s") for kind in (
         "Deployment", "Service", "HorizontalPodAutoscaler", "PodMonitor")}
-    assert 3 * 4 <= len(calls) <= 5 * 4
+    assert 4 <= len(calls) <= 5 * 4  # at least one round; rounds slow down on a busy machine
