@@ -20,6 +20,8 @@ import json
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+from kubernetes.utils.quantity import parse_quantity
+
 from kvpark.operator import crd
 from kvpark.operator.status import Problem
 
@@ -57,14 +59,27 @@ def with_hash(obj: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def is_subset(want: Any, have: Any) -> bool:
-    """Every field of `want` is in `have` with the same value (the server adds defaults)."""
+    """Every field of `want` is in `have` with the same value, as the API server stores it: it
+    adds defaults, drops empty maps and lists, and writes quantities its own way (2Gi for
+    2048Mi, 800m for 0.8)."""
     if isinstance(want, Mapping):
         return isinstance(have, Mapping) and all(
-            k in have and is_subset(v, have[k]) for k, v in want.items())
+            is_subset(v, have[k]) if k in have else v in ({}, [], None)
+            for k, v in want.items())
     if isinstance(want, list):
         return isinstance(have, list) and len(want) == len(have) and all(
             is_subset(w, h) for w, h in zip(want, have))
-    return want == have
+    return want == have or is_same_quantity(want, have)
+
+
+def is_same_quantity(want: Any, have: Any) -> bool:
+    if not (isinstance(want, (str, int)) and isinstance(have, (str, int))) \
+            or isinstance(want, bool) or isinstance(have, bool):
+        return False
+    try:
+        return bool(parse_quantity(want) == parse_quantity(have))
+    except (ValueError, TypeError):
+        return False
 
 
 def needs_apply(want: Mapping[str, Any], have: Mapping[str, Any] | None) -> bool:

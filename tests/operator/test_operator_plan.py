@@ -31,6 +31,14 @@ def test_subset_allows_server_defaults_but_not_changes() -> None:
     assert not plan.is_subset(want, {"spec": {"ports": [{"port": 81}], "type": "ClusterIP"}})
     assert not plan.is_subset(want, {"spec": {"ports": [{"port": 80}, {"port": 81}],
                                               "type": "ClusterIP"}})
+    # what a real API server stores for what the operator sends: no re-apply every interval
+    sent = {"nodeSelector": {}, "tolerations": [], "resources": {"limits": {
+        "memory": "2048Mi", "cpu": "0.5"}}, "target": {"averageValue": "0.8"}, "port": "http"}
+    stored = {"resources": {"limits": {"memory": "2Gi", "cpu": "500m"}},
+              "target": {"averageValue": "800m", "type": "AverageValue"}, "port": "http"}
+    assert plan.is_subset(sent, stored)
+    assert not plan.is_subset({"memory": "2049Mi"}, {"memory": "2Gi"})
+    assert not plan.is_subset({"port": "http"}, {"port": "https"})
 
 
 def test_plan_deletes_first_and_only_what_is_ours() -> None:
