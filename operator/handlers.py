@@ -79,7 +79,7 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
     return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
 
 
-# after an API error, retry soon (kopf's default waits 60 s, also for the timer)
+# after an API error, retry soon (kopf's default waits 60 s)
 BACKOFF = min(10.0, CONFIG.reconcile_seconds)
 
 
