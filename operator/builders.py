@@ -6,8 +6,9 @@ controller owner reference), so deleting the PreemptServer garbage-collects them
 
 from __future__ import annotations
 
+import argparse
 import math
-from collections.abc import Mapping, Set
+from collections.abc import Mapping, Sequence, Set
 from typing import Any, NamedTuple
 
 from kubernetes.utils.quantity import parse_quantity
@@ -16,6 +17,7 @@ from kvpark.operator import crd
 from kvpark.operator.config import MANAGER, OperatorConfig
 from kvpark.operator.sizing import Sizing
 from kvpark.operator.status import Problem
+from kvpark.pod import args as server_args  # argparse only: the operator needs no torch
 
 APP = "kvpark-server"
 PORT = 8080
@@ -24,18 +26,19 @@ MODELS_DIR = "/models"
 PRESTOP_SECONDS = 5  # endpoints drop the pod before SIGTERM reaches the server
 GRACE_MARGIN_SECONDS = 15
 UID = 10001  # the image's unprivileged user
+TMP_SIZE = "2Gi"  # the /tmp emptyDir (caches: HF, Triton, FlashInfer JIT)
 GPU = "nvidia.com/gpu"
 POD_MONITORS = "monitoring.coreos.com/v1/podmonitors"
 SCALED_OBJECTS = "keda.sh/v1alpha1/scaledobjects"
 
-# Flags the operator sets; the same names as env (KVPARK_<FLAG>) are refused too.
-RESERVED_FLAGS = (
-    "--model", "-m", "--parallel", "-np", "--ctx-size", "-c", "--page-size", "--preempt-ram",
-    "--preempt", "--no-preempt", "--host", "--port", "--api-key", "--shutdown-timeout",
-)
+# ServerArgs fields the operator sets from the spec: server.args may not set them by any
+# spelling, nor server.env by KVPARK_<FIELD> or the llama.cpp aliases.
+RESERVED_FIELDS = ("model", "host", "port", "parallel", "ctx_size", "page_size", "preempt",
+                   "preempt_ram", "api_key", "shutdown_timeout")
 RESERVED_ENV = frozenset(
     ["KVPARK_MEMORY_LIMIT"]
-    + [f"KVPARK_{f[2:].upper().replace('-', '_')}" for f in RESERVED_FLAGS if f.startswith("--")]
+    + [f"KVPARK_{f.upper()}" for f in RESERVED_FIELDS]
+    + [alias for f in RESERVED_FIELDS for alias in server_args.ALIASES.get(f, ())]
 )
 
 
@@ -127,11 +130,20 @@ def get_model_source(spec: Mapping[str, Any], image: str) -> ModelSource:
         path = "/".join(rest)
         return ModelSource(
             f"{mount}/{path}".rstrip("/"),
-            [{"name": "model", "emptyDir": {}}],
+            [{"name": "model", "emptyDir": {"sizeLimit": get_download_size(model)}}],
             [{"name": "model", "mountPath": mount, "readOnly": True}],
             [get_fetch_container(model, f"{org}/{repo}", path, mount, image, spec)],
         )
     return ModelSource(uri, [], [], [])  # builtin://
+
+
+def get_download_size(model: Mapping[str, Any]) -> str:
+    """hf:// models: how much the model emptyDir may hold (the kubelet evicts a pod above)."""
+    if "downloadSize" in model:
+        return str(model["downloadSize"])
+    if "sizeMiB" in model:
+        return f"{math.ceil(model['sizeMiB'] * 11 / 10) + 1024}Mi"
+    return crd.DEFAULT_DOWNLOAD_SIZE
 
 
 def get_fetch_container(model: Mapping[str, Any], repo: str, path: str, mount: str, image: str,
@@ -209,6 +221,10 @@ def get_resources(spec: Mapping[str, Any], sizing: Sizing) -> dict[str, Any]:
         requests["cpu"] = str(res["cpu"])
     if res["gpus"]:
         limits[GPU] = str(res["gpus"])
+    if spec["model"]["uri"].startswith("hf://"):
+        # the download lies on the node's disk: schedule where it fits
+        disk = parse_quantity(get_download_size(spec["model"])) + parse_quantity(TMP_SIZE)
+        requests["ephemeral-storage"] = f"{math.ceil(disk / (1 << 20))}Mi"
     return {"limits": limits, "requests": requests}
 
 
@@ -262,7 +278,7 @@ def get_pod_spec(spec: Mapping[str, Any], sizing: Sizing, config: OperatorConfig
         "containers": [get_container(spec, sizing, source, image)],
         "volumes": [
             {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{sizing.shm_mib}Mi"}},
-            {"name": "tmp", "emptyDir": {"sizeLimit": "2Gi"}},
+            {"name": "tmp", "emptyDir": {"sizeLimit": TMP_SIZE}},
             *source.volumes,
         ],
         "nodeSelector": dict(spec.get("nodeSelector", {})),
@@ -282,9 +298,7 @@ def get_deployment(body: Mapping[str, Any], spec: Mapping[str, Any], sizing: Siz
         "spec": {
             "replicas": spec["replicas"],
             "selector": {"matchLabels": get_selector_labels(name)},
-            # a new pod must be ready before an old one drains its parked requests
-            "strategy": {"type": "RollingUpdate",
-                         "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "strategy": get_strategy(spec),
             "revisionHistoryLimit": 3,
             "progressDeadlineSeconds": 1800,
             "template": {
@@ -293,6 +307,15 @@ def get_deployment(body: Mapping[str, Any], spec: Mapping[str, Any], sizing: Siz
             },
         },
     }
+
+
+def get_strategy(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """By default a new pod must be ready before an old one drains its parked requests."""
+    strategy = spec["strategy"]
+    if strategy["type"] == "Recreate":
+        return {"type": "Recreate"}
+    return {"type": "RollingUpdate", "rollingUpdate": {
+        "maxUnavailable": strategy["maxUnavailable"], "maxSurge": strategy["maxSurge"]}}
 
 
 def get_service(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -328,6 +351,11 @@ def get_target(spec: Mapping[str, Any]) -> tuple[Signal, str]:
     return signal, str(target.get("averageValue", signal.default))
 
 
+def get_hpa_behavior() -> dict[str, Any]:
+    # parked requests come and go in bursts: scale down only after 5 quiet minutes
+    return {"scaleDown": {"stabilizationWindowSeconds": 300}}
+
+
 def get_hpa(body: Mapping[str, Any], spec: Mapping[str, Any]) -> dict[str, Any]:
     scaling = spec["autoscaling"]
     signal, value = get_target(spec)
@@ -342,8 +370,7 @@ def get_hpa(body: Mapping[str, Any], spec: Mapping[str, Any]) -> dict[str, Any]:
             "metrics": [{"type": "Pods", "pods": {
                 "metric": {"name": signal.hpa_metric},
                 "target": {"type": "AverageValue", "averageValue": value}}}],
-            # parked requests come and go in bursts: scale down only after 5 quiet minutes
-            "behavior": {"scaleDown": {"stabilizationWindowSeconds": 300}},
+            "behavior": get_hpa_behavior(),
         },
     }
 
@@ -367,7 +394,9 @@ def get_scaled_object(body: Mapping[str, Any], spec: Mapping[str, Any],
             "minReplicaCount": scaling["minReplicas"],
             "maxReplicaCount": scaling["maxReplicas"],
             "pollingInterval": 15,
-            "cooldownPeriod": 300,
+            # No cooldownPeriod: KEDA uses it only for scaling to zero, and minReplicas >= 1.
+            # The HPA that KEDA makes gets the same scale-down window as engine: hpa.
+            "advanced": {"horizontalPodAutoscalerConfig": {"behavior": get_hpa_behavior()}},
             "triggers": [{"type": "prometheus", "metricType": "AverageValue", "metadata": {
                 "serverAddress": scaling.get("prometheusAddress", config.prometheus_address),
                 "query": get_promql(spec, meta["namespace"], meta["name"]),
@@ -378,11 +407,16 @@ def get_scaled_object(body: Mapping[str, Any], spec: Mapping[str, Any],
     }
 
 
-def get_pod_monitor(body: Mapping[str, Any], config: OperatorConfig) -> dict[str, Any]:
+def get_pod_monitor(body: Mapping[str, Any], spec: Mapping[str, Any],
+                    config: OperatorConfig) -> dict[str, Any]:
+    meta = get_metadata(body)
+    # a Prometheus picks PodMonitors by label (kube-prometheus-stack: release=RELEASE)
+    wanted = spec.get("monitoring", {}).get("podMonitorLabels", {})
+    meta["labels"] = {**dict(config.pod_monitor_labels), **wanted, **meta["labels"]}
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PodMonitor",
-        "metadata": get_metadata(body),
+        "metadata": meta,
         "spec": {
             "selector": {"matchLabels": get_selector_labels(body["metadata"]["name"])},
             "podMetricsEndpoints": [{"port": "http", "path": "/metrics",
@@ -393,16 +427,51 @@ def get_pod_monitor(body: Mapping[str, Any], config: OperatorConfig) -> dict[str
     }
 
 
-def is_reserved(arg: str) -> bool:
-    return any(arg == flag or arg.startswith(flag + "=") for flag in RESERVED_FLAGS)
+class ArgsError(Exception):
+    """server.args that kvpark-server would refuse."""
+
+
+def parse_server_args(args: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    """`args` as kvpark-server reads them, but without abbreviations (`--ctx` for `--ctx-size`):
+    the parsed values, and the tokens that are no flag of the server."""
+    parser = server_args.build_parser()
+    parser.allow_abbrev = False  # short flags with their value (-c4096) still parse
+
+    def fail(message: str) -> None:
+        raise ArgsError(message)
+
+    parser.error = fail  # type: ignore[method-assign]  # argparse would exit
+    return parser.parse_known_args(list(args))
+
+
+def get_flag(parser: argparse.ArgumentParser, field: str) -> str:
+    return next(a.option_strings[0] for a in parser._actions if a.dest == field)
+
+
+def get_args_problems(args: Sequence[str]) -> list[Problem]:
+    try:
+        parsed, unknown = parse_server_args(args)
+    except ArgsError as e:
+        return [Problem("InvalidArgument", f"server.args: {e}")]
+    problems = []
+    parser = server_args.build_parser()
+    reserved = [get_flag(parser, f) for f in RESERVED_FIELDS if getattr(parsed, f) is not None]
+    if reserved:
+        problems.append(Problem("ReservedArgument", f"server.args sets {', '.join(reserved)}, "
+                                "which the operator sets from the spec (use apiKeySecretRef "
+                                "for keys)"))
+    if unknown:
+        problems.append(Problem("UnknownArgument", f"server.args: {' '.join(unknown)}: not "
+                                "kvpark-server flags (spell flags in full: abbreviations are "
+                                "refused)"))
+    return problems
 
 
 def get_spec_problems(spec: Mapping[str, Any]) -> list[Problem]:
-    problems = []
-    args = [a for a in spec["server"].get("args", []) if is_reserved(a)]
-    if args:
-        problems.append(Problem("ReservedArgument", f"server.args sets {', '.join(args)}, which "
-                                "the operator sets from the spec (use apiKeySecretRef for keys)"))
+    problems = get_args_problems(spec["server"].get("args", []))
+    if spec["resources"]["gpus"] > crd.MAX_GPUS:  # a CRD from before the cap let it through
+        problems.append(Problem("TooManyGPUs", f"resources.gpus is {spec['resources']['gpus']} "
+                                f"but kvpark-server uses one device: set at most {crd.MAX_GPUS}"))
     env = sorted({e["name"] for e in spec["server"].get("env", []) if e["name"] in RESERVED_ENV})
     if env:
         problems.append(Problem("ReservedArgument", f"server.env sets {', '.join(env)}, which "
@@ -446,7 +515,7 @@ def get_children(body: Mapping[str, Any], spec: Mapping[str, Any], sizing: Sizin
         if POD_MONITORS in served:
             delete.append(("monitoring.coreos.com/v1", "PodMonitor", name))
     elif POD_MONITORS in served:
-        apply.append(get_pod_monitor(body, config))
+        apply.append(get_pod_monitor(body, spec, config))
     else:
         notes.append("no PodMonitor: the cluster does not serve monitoring.coreos.com/v1 "
                      "PodMonitors (install the Prometheus Operator CRDs)")

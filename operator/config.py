@@ -15,6 +15,8 @@ class OperatorConfig:
     namespaces: tuple[str, ...] = ()  # watched namespaces; empty: all
     reconcile_seconds: float = 60.0  # the timer that re-creates deleted children
     pod_monitor: str = "auto"  # auto: when the CRD is served; false: never
+    # labels on every PodMonitor (e.g. release=kube-prometheus-stack); a CR's own win
+    pod_monitor_labels: tuple[tuple[str, str], ...] = ()
     scrape_interval: str = "15s"
     prometheus_address: str = "http://prometheus-operated.monitoring.svc:9090"
     liveness: str = "http://0.0.0.0:8080/healthz"  # kopf's liveness endpoint; "" disables it
@@ -28,7 +30,14 @@ class OperatorConfig:
             namespaces=tuple(n for n in namespaces if n),
             reconcile_seconds=float(env.get("KVPARK_RECONCILE_SECONDS", default.reconcile_seconds)),
             pod_monitor=env.get("KVPARK_POD_MONITOR", default.pod_monitor).lower(),
+            pod_monitor_labels=parse_labels(env.get("KVPARK_POD_MONITOR_LABELS", "")),
             scrape_interval=env.get("KVPARK_SCRAPE_INTERVAL", default.scrape_interval),
             prometheus_address=env.get("KVPARK_PROMETHEUS_ADDRESS", default.prometheus_address),
             liveness=env.get("KVPARK_LIVENESS", default.liveness),
         )
+
+
+def parse_labels(text: str) -> tuple[tuple[str, str], ...]:
+    """`k=v,k2=v2` (as the chart writes metrics.podMonitorLabels) -> sorted pairs."""
+    pairs = (item.strip().partition("=") for item in text.split(",") if item.strip())
+    return tuple(sorted((k.strip(), v.strip()) for k, _, v in pairs))

@@ -24,6 +24,8 @@ SHORT_NAMES = ["ps"]
 DEFAULT_MODEL = "builtin://smollm2-135m"
 SIGNALS = ["parkedRequests", "preemptRate", "kvUsage"]
 CONDITION_TYPES = ["Ready", "Progressing", "Degraded"]
+MAX_GPUS = 1  # kvpark-server runs on one device: more would sit idle
+DEFAULT_DOWNLOAD_SIZE = "64Gi"  # an hf:// model's emptyDir when neither its size is given
 
 # builtin://NAME, pvc://CLAIM[/path], hf://ORG/REPO[/file], file:///path
 MODEL_URI_PATTERN = (
@@ -110,6 +112,11 @@ def get_model_schema() -> dict[str, Any]:
                 minimum=1,
             ),
             "hfTokenSecretRef": _secret_ref("hf:// only: a Secret holding HF_TOKEN.", "token"),
+            "downloadSize": _quantity(
+                "hf:// only: room for the download, the model emptyDir's sizeLimit (and, with "
+                "2Gi for /tmp, the pod's ephemeral-storage request). Default: sizeMiB plus 10% "
+                f"and 1Gi, or {DEFAULT_DOWNLOAD_SIZE} without sizeMiB."
+            ),
         },
         "x-kubernetes-validations": [
             _rule(
@@ -124,8 +131,9 @@ def get_model_schema() -> dict[str, Any]:
             ),
             _rule(
                 "self.uri.startsWith('hf://') || (!has(self.revision) && !has(self.defaultBranch)"
-                " && !has(self.hfTokenSecretRef))",
-                "revision, defaultBranch and hfTokenSecretRef apply to hf:// models only",
+                " && !has(self.hfTokenSecretRef) && !has(self.downloadSize))",
+                "revision, defaultBranch, hfTokenSecretRef and downloadSize apply to hf:// "
+                "models only",
             ),
         ],
     }
@@ -181,6 +189,37 @@ def get_autoscaling_schema() -> dict[str, Any]:
     }
 
 
+def _int_or_percent(description: str, default: int) -> dict[str, Any]:
+    return {"description": description, "anyOf": [{"type": "integer"}, {"type": "string"}],
+            "x-kubernetes-int-or-string": True, "default": default,
+            "x-kubernetes-validations": [_rule(
+                "type(self) == int ? self >= 0 : self.matches('^[0-9]+%$')",
+                "must be an integer >= 0 or a percentage such as 25%")]}
+
+
+def get_strategy_schema() -> dict[str, Any]:
+    return {
+        "type": "object",
+        "default": {},
+        "description": "How the Deployment replaces pods on a change. The default (maxSurge 1, "
+        "maxUnavailable 0) starts a new pod before an old one drains, which needs room for one "
+        "more pod (a free GPU); on a full pool use maxSurge 0, maxUnavailable 1, or Recreate.",
+        "properties": {
+            "type": _str("RollingUpdate or Recreate (all old pods drain first).",
+                         enum=["RollingUpdate", "Recreate"], default="RollingUpdate"),
+            "maxSurge": _int_or_percent("RollingUpdate: pods above replicas during a rollout.",
+                                        1),
+            "maxUnavailable": _int_or_percent(
+                "RollingUpdate: pods below replicas during a rollout.", 0),
+        },
+        "x-kubernetes-validations": [_rule(
+            "self.type == 'Recreate' || !(string(self.maxSurge) in ['0', '0%']"
+            " && string(self.maxUnavailable) in ['0', '0%'])",
+            "maxSurge and maxUnavailable may not both be 0",
+        )],
+    }
+
+
 def get_server_schema() -> dict[str, Any]:
     return {
         "type": "object",
@@ -189,9 +228,10 @@ def get_server_schema() -> dict[str, Any]:
         "properties": {
             "args": {
                 "type": "array",
-                "description": "Extra kvpark-server flags. Flags the operator sets itself "
-                "(--model, --parallel, --ctx-size, --page-size, --preempt-ram, --preempt, "
-                "--host, --port, --api-key, --shutdown-timeout) are refused.",
+                "description": "Extra kvpark-server flags, spelled in full. Flags the operator "
+                "sets itself (--model, --parallel, --ctx-size, --page-size, --preempt-ram, "
+                "--preempt, --host, --port, --api-key, --shutdown-timeout), by any spelling, "
+                "and abbreviations are refused.",
                 "items": {"type": "string"},
                 "maxItems": 64,
             },
@@ -273,7 +313,11 @@ def get_spec_schema() -> dict[str, Any]:
                 "type": "object",
                 "default": {},
                 "properties": {
-                    "gpus": _int("nvidia.com/gpu per pod; 0 serves on CPU.", 0, 16, default=1),
+                    "gpus": _int(
+                        "nvidia.com/gpu per pod: 1, or 0 to serve on the CPU. The server uses "
+                        f"one device (no tensor parallelism yet), so at most {MAX_GPUS}.",
+                        0, MAX_GPUS, default=1,
+                    ),
                     "cpu": _quantity("CPU request per pod."),
                     "memory": _quantity(
                         "Memory limit (and request) per pod; computed by the operator when "
@@ -281,7 +325,23 @@ def get_spec_schema() -> dict[str, Any]:
                     ),
                 },
             },
+            "strategy": get_strategy_schema(),
             "autoscaling": get_autoscaling_schema(),
+            "monitoring": {
+                "type": "object",
+                "description": "How Prometheus finds the pods.",
+                "properties": {
+                    "podMonitorLabels": {
+                        "type": "object",
+                        "description": "Labels on the PodMonitor, over the operator's "
+                        "KVPARK_POD_MONITOR_LABELS, so that a Prometheus's podMonitorSelector "
+                        "picks it up (kube-prometheus-stack selects release: RELEASE). The "
+                        "app.kubernetes.io labels stay the operator's.",
+                        "additionalProperties": {"type": "string", "maxLength": 63},
+                        "maxProperties": 32,
+                    },
+                },
+            },
             "server": get_server_schema(),
             "nodeSelector": {
                 "type": "object",

@@ -1,27 +1,63 @@
 """kopf registrations. Each handler is a few lines; `reconcile` does the work with the pure
-modules (crd, sizing, builders, status) and `kube`, and is safe to run any number of times."""
+modules (crd, sizing, builders, plan, status) and `kube`, and is safe to run any number of times.
+
+No finalizer: owner references make the garbage collector delete the children, so nothing has
+to happen before a PreemptServer goes. kopf's `@kopf.timer` would add one
+(kopf.zalando.org/KopfFinalizerMarker), which hangs CR and namespace deletion once the operator
+is uninstalled; instead a watch keeps the PreemptServers it has seen (`MEMORY.servers`) and a loop
+started with the operator reconciles each of them every `reconcile_seconds`.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import copy
 import datetime
 import logging
 import threading
 from collections import defaultdict
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
 
 from kvpark.operator import builders, crd, kube
+from kvpark.operator import plan as plan_
 from kvpark.operator import sizing as sizing_
 from kvpark.operator import status as status_
 from kvpark.operator.config import MANAGER, OperatorConfig
 from kvpark.operator.status import Problem
 
 CONFIG = OperatorConfig.from_env()
+MANAGED_BY = f"app.kubernetes.io/managed-by={MANAGER}"
 OPTIONAL_APIS = (builders.POD_MONITORS, builders.SCALED_OBJECTS)
-# kopf runs the CR's handlers, its timer and the Deployment watch concurrently
+# kopf runs the CR's handlers, the resync loop and the Deployment watch concurrently
 LOCKS: defaultdict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Memory:
+    """What the operator keeps between reconciles; lost on a restart, when it asks again."""
+
+    # (namespace, name) -> the PreemptServer as the watch last saw it
+    servers: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    # uid -> the status last written: a handler's body may predate it
+    written: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # uid -> the newest generation reconciled: an older body is not applied over it
+    generations: dict[str, int] = field(default_factory=dict)
+    # (uid, kind): children it must not have, seen absent or not its own. Only the operator
+    # makes objects owned by a PreemptServer, so those stay absent and are not asked again.
+    absent: set[tuple[str, str]] = field(default_factory=set)
+
+    def forget(self, uid: str) -> None:
+        self.written.pop(uid, None)
+        self.generations.pop(uid, None)
+        self.absent = {a for a in self.absent if a[0] != uid}
+
+
+MEMORY = Memory()
 
 
 @kopf.on.startup()
@@ -33,6 +69,8 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.posting.level = logging.WARNING
     # No watching of namespaces and CRDs (and no RBAC for it): install the CRD first.
     settings.scanning.disabled = True
+    # the API server filters the Deployment watch: only ours reach the operator
+    settings.watching.label_selectors["apps", "v1", "deployments"] = MANAGED_BY
 
 
 @kopf.on.login()
@@ -41,7 +79,7 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
     return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
 
 
-# after an API error, retry soon (kopf's default waits 60 s, also for the timer)
+# after an API error, retry soon (kopf's default waits 60 s)
 BACKOFF = min(10.0, CONFIG.reconcile_seconds)
 
 
@@ -52,10 +90,40 @@ def server_changed(body: kopf.Body, **_: Any) -> None:
     reconcile(body)
 
 
-@kopf.timer(crd.GROUP, crd.VERSION, crd.PLURAL, interval=CONFIG.reconcile_seconds,
-            backoff=BACKOFF)
-def server_timer(body: kopf.Body, **_: Any) -> None:
-    reconcile(body)  # brings back children deleted by hand
+@kopf.on.event(crd.GROUP, crd.VERSION, crd.PLURAL)
+def server_event(type: str | None, body: kopf.Body, **_: Any) -> None:
+    key = (body.metadata.namespace, body.metadata.name)
+    if type == "DELETED":
+        MEMORY.servers.pop(key, None)
+        MEMORY.forget(body.metadata.uid or "")
+    else:
+        MEMORY.servers[key] = copy.deepcopy(dict(body))
+
+
+@kopf.on.startup()
+async def start_resync(memo: kopf.Memo, **_: Any) -> None:
+    memo.resync = asyncio.create_task(resync_forever(CONFIG.reconcile_seconds))
+
+
+@kopf.on.cleanup()
+async def stop_resync(memo: kopf.Memo, **_: Any) -> None:
+    task = memo.get("resync")
+    if task is not None:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def resync_forever(interval: float) -> None:
+    """Every `interval`: reconcile each PreemptServer (brings back children deleted by hand,
+    follows pods into the status, retries what failed)."""
+    while True:
+        await asyncio.sleep(interval)
+        for body in list(MEMORY.servers.values()):
+            try:
+                await asyncio.to_thread(reconcile, body)
+            except Exception:  # the next round retries; one server never stops the others
+                logger.exception("reconciling %s/%s failed", body["metadata"]["namespace"],
+                                 body["metadata"]["name"])
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={"app.kubernetes.io/managed-by": MANAGER})
@@ -63,41 +131,79 @@ def deployment_event(body: kopf.Body, **_: Any) -> None:
     owners = body.metadata.get("ownerReferences") or []
     for owner in owners:
         if owner.get("kind") == crd.KIND and owner.get("controller"):
-            server = kube.get(crd.KIND, body.metadata.namespace, owner["name"])
-            if server is not None:
+            server = MEMORY.servers.get((body.metadata.namespace, owner["name"]))
+            if server is not None and server["metadata"].get("uid") == owner.get("uid"):
                 reconcile(server)  # status follows the Deployment; a deleted one comes back
 
 
 def reconcile(body: Mapping[str, Any]) -> None:
     meta = body["metadata"]
-    namespace, name = meta["namespace"], meta["name"]
+    namespace, name, uid = meta["namespace"], meta["name"], meta["uid"]
     if meta.get("deletionTimestamp"):
         return  # garbage collection takes the children
     with LOCKS[namespace, name]:
+        generation = int(meta.get("generation") or 0)
+        if generation < MEMORY.generations.get(uid, 0):
+            return  # a body from before a newer spec was applied (the next round has it)
+        MEMORY.generations[uid] = generation
         spec = crd.get_spec(body)
         sizing = sizing_.get_sizing(spec)
         served = kube.get_served(OPTIONAL_APIS)
         children = builders.get_children(body, spec, sizing, CONFIG, served)
         problems = list(children.problems)
+        existing: dict[str, dict[str, Any] | None] = {}
         if not any(p.blocking for p in problems):
-            problems += apply_children(children, namespace)
+            problems += sync_children(body, children, existing)
+        deployment = existing["Deployment"] if "Deployment" in existing else \
+            kube.get("Deployment", namespace, name)
+        selector = builders.get_selector(name)
+        pods = kube.list_objects("Pod", namespace, selector) \
+            if status_.needs_pods(spec["replicas"], deployment) else []
+        pod_problems = status_.get_pod_problems(pods)
+        old = MEMORY.written.get(uid) or copy.deepcopy(body.get("status"))
         status = status_.get_status(
-            body, spec["replicas"], kube.get("Deployment", namespace, name),
-            selector=builders.get_selector(name), endpoint=builders.get_endpoint(name, namespace),
+            {**body, "status": old}, spec["replicas"], deployment,
+            selector=selector, endpoint=builders.get_endpoint(name, namespace),
             preempt_ram=sizing.preempt_ram, problems=problems, notes=children.notes,
+            pod_problems=pod_problems, applied=not problems,
             now=datetime.datetime.now(datetime.timezone.utc),
         )
-        if status != body.get("status"):
+        if status != old:
             kube.patch_status(namespace, name, status)
+            MEMORY.written[uid] = status
+        for problem in status_.get_new_problems(old, problems + pod_problems):
+            kube.post_event(body, "Warning", problem.reason, problem.message)
 
 
-def apply_children(children: builders.Children, namespace: str) -> list[Problem]:
+def sync_children(body: Mapping[str, Any], children: builders.Children,
+                  existing: dict[str, dict[str, Any] | None]) -> list[Problem]:
+    """Read the children, then write only what must change (plan.py); `existing` ends up
+    holding what each child is now. API errors become problems: the next reconcile retries."""
+    meta = body["metadata"]
+    namespace, name, uid = meta["namespace"], meta["name"], meta["uid"]
     problems = []
-    for obj in children.apply:
+    wanted = [o["kind"] for o in children.apply]
+    unwanted = [k for _, k, _ in children.delete if (uid, k) not in MEMORY.absent]
+    MEMORY.absent.difference_update((uid, kind) for kind in wanted)
+    for kind in wanted + unwanted:
         try:
-            kube.apply(obj)
+            existing[kind] = kube.get(kind, namespace, name)
+        except kube.ApiError as e:
+            problems.append(Problem("ApiError", f"reading {kind} {name}: {e}", blocking=False))
+    plan = plan_.get_plan(children.apply, children.delete, existing, uid)
+    for write in plan.writes:
+        try:
+            if write.verb == "delete":
+                kube.delete(write.kind, namespace, write.name, write.uid)
+                existing[write.kind] = None
+            else:
+                existing[write.kind] = kube.apply(write.obj)
         except kube.Rejected as e:
-            problems.append(Problem("ChildRejected", f"{obj['kind']}: {e}", blocking=False))
-    for _, kind, name in children.delete:
-        kube.delete(kind, namespace, name)
-    return problems
+            problems.append(Problem("ChildRejected", f"{write.kind}: {e}", blocking=False))
+        except kube.ApiError as e:
+            problems.append(Problem("ApiError", f"{write.verb} {write.kind} {write.name}: {e}",
+                                    blocking=False))
+    for kind in unwanted:
+        if kind in existing and not plan_.is_owned(existing[kind] or {}, uid):
+            MEMORY.absent.add((uid, kind))
+    return plan.problems + problems

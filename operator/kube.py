@@ -1,17 +1,23 @@
 """The one place that talks to the Kubernetes API.
 
 Children are written with server-side apply (field manager `kvpark-operator`, forced): a field the
-operator stops setting is removed, and nothing is ever deleted to be changed. Every call goes
-through `call`, which turns 404 into None, 409 into Conflict and 400/422 into Rejected.
+operator stops setting is removed, and nothing is ever deleted to be changed. Whether a child is
+the operator's to write is decided before (operator/plan.py); a delete carries the uid it was
+decided for as a precondition. Every call goes through `call`, which turns 404 into None, 409
+into Conflict, 400/422 into Rejected and any other refusal (403 from an admission webhook or
+RBAC, 5xx) into ApiError, all with the API server's message.
 The RBAC in manifests/operator.yaml and the chart grants exactly what this module (and kopf)
 calls; tests/operator/test_rbac.py compares the two.
 """
 
 from __future__ import annotations
 
+import datetime
 import functools
 import json
 import os
+import socket
+import time
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
@@ -43,14 +49,26 @@ KINDS = {
     "HorizontalPodAutoscaler": Kind("autoscaling/v2", "horizontalpodautoscalers"),
     "ScaledObject": Kind("keda.sh/v1alpha1", "scaledobjects"),
     "PodMonitor": Kind("monitoring.coreos.com/v1", "podmonitors"),
+    "Pod": Kind("v1", "pods"),
+    "Event": Kind("v1", "events"),
 }
+SERVED_TTL_SECONDS = 300.0  # how long discovery answers are trusted (CRDs come and go rarely)
+SERVED: dict[str, tuple[float, bool]] = {}  # "group/version/plural" -> (when asked, served)
 
 
-class Conflict(Exception):
+class ApiError(Exception):
+    """The API server refused a call (403, 5xx, ...); the message is its own."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"{status} {message}" if status else message)
+        self.status = status
+
+
+class Conflict(ApiError):
     """409: the object changed or already exists."""
 
 
-class Rejected(Exception):
+class Rejected(ApiError):
     """400/422: the API server refused the object; the message says why."""
 
 
@@ -68,8 +86,9 @@ def get_client() -> client.ApiClient:
 
 
 def reset() -> None:
-    """Forget the client (tests point the operator at another API server)."""
+    """Forget the client and discovery (tests point the operator at another API server)."""
     get_client.cache_clear()
+    SERVED.clear()
 
 
 def call(method: str, path: str, *, body: Any = None, query: Iterable[tuple[str, str]] = (),
@@ -88,10 +107,10 @@ def call(method: str, path: str, *, body: Any = None, query: Iterable[tuple[str,
         if e.status == 404:
             return None
         if e.status == 409:
-            raise Conflict(get_message(e)) from e
+            raise Conflict(409, get_message(e)) from e
         if e.status in (400, 422):
-            raise Rejected(get_message(e)) from e
-        raise
+            raise Rejected(e.status, get_message(e)) from e
+        raise ApiError(e.status, get_message(e)) from e
 
 
 def get_message(error: client.ApiException) -> str:
@@ -123,13 +142,36 @@ def apply(obj: Mapping[str, Any]) -> dict[str, Any]:
             continue  # created meanwhile: apply again
         assert created is not None, f"POST {meta['name']} answered 404"
         return created
-    raise Conflict(f"{obj['kind']} {meta['name']} kept changing while being applied")
+    raise Conflict(409, f"{obj['kind']} {meta['name']} kept changing while being applied")
 
 
-def delete(kind: str, namespace: str, name: str) -> bool:
-    """Delete if present; True when something was deleted."""
-    body = {"propagationPolicy": "Background"}
+def delete(kind: str, namespace: str, name: str, uid: str) -> bool:
+    """Delete the object if it still is the one with `uid`; True when something was deleted."""
+    body = {"propagationPolicy": "Background", "preconditions": {"uid": uid}}
     return call("DELETE", KINDS[kind].path(namespace, name), body=body) is not None
+
+
+def list_objects(kind: str, namespace: str, selector: str) -> list[dict[str, Any]]:
+    listing = call("GET", KINDS[kind].path(namespace), query=[("labelSelector", selector)])
+    return list((listing or {}).get("items") or [])
+
+
+def post_event(body: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
+    """A core/v1 Event about the PreemptServer (`kubectl describe ps` shows it)."""
+    meta = body["metadata"]
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    event = {
+        "apiVersion": "v1", "kind": "Event",
+        "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+        "involvedObject": {"apiVersion": crd.API_VERSION, "kind": crd.KIND,
+                           "name": meta["name"], "namespace": meta["namespace"],
+                           "uid": meta.get("uid")},
+        "type": type_, "reason": reason, "message": message[:1024],
+        "source": {"component": MANAGER}, "reportingComponent": MANAGER,
+        "reportingInstance": socket.gethostname()[:128],
+        "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+    }
+    call("POST", KINDS["Event"].path(meta["namespace"]), body=event)
 
 
 def patch_status(namespace: str, name: str, status: Mapping[str, Any]) -> None:
@@ -138,12 +180,14 @@ def patch_status(namespace: str, name: str, status: Mapping[str, Any]) -> None:
 
 
 def get_served(apis: Iterable[str]) -> set[str]:
-    """Which of the "group/version/plural" resources the cluster serves (discovery: no RBAC)."""
-    served = set()
+    """Which of the "group/version/plural" resources the cluster serves (discovery: no RBAC),
+    asked again after SERVED_TTL_SECONDS."""
+    apis, now = tuple(apis), time.monotonic()
     for api in apis:
+        if api in SERVED and now - SERVED[api][0] < SERVED_TTL_SECONDS:
+            continue
         group_version, _, plural = api.rpartition("/")
         listing = call("GET", f"/apis/{group_version}")
         names = {r.get("name") for r in (listing or {}).get("resources", [])}
-        if plural in names:
-            served.add(api)
-    return served
+        SERVED[api] = (now, plural in names)
+    return {api for api in apis if SERVED[api][1]}

@@ -40,7 +40,15 @@ def get_condition(
     }
 
 
+# container states that will not get better by waiting
+WAITING_FAILURES = frozenset({"ImagePullBackOff", "ErrImagePull", "InvalidImageName",
+                              "CrashLoopBackOff", "CreateContainerConfigError",
+                              "CreateContainerError", "RunContainerError"})
+
+
 def get_readiness(desired: int, deployment: Mapping[str, Any] | None) -> tuple[bool, str, str]:
+    """Ready while the endpoint answers: at least one pod serves (during a scale-out or a
+    rollout too, which Progressing reports)."""
     if deployment is None:
         return False, "DeploymentMissing", "the Deployment does not exist (yet)"
     ready = int((deployment.get("status") or {}).get("readyReplicas") or 0)
@@ -48,12 +56,66 @@ def get_readiness(desired: int, deployment: Mapping[str, Any] | None) -> tuple[b
         return False, "ScaledToZero", "replicas is 0"
     if ready >= desired:
         return True, "AllReplicasReady", f"{ready}/{desired} replicas ready"
+    if ready >= 1:
+        return True, "MinimumReplicasReady", f"{ready}/{desired} replicas ready"
     return False, "ReplicasNotReady", f"{ready}/{desired} replicas ready"
 
 
-def get_progress(desired: int, deployment: Mapping[str, Any] | None) -> tuple[bool, str, str]:
+def needs_pods(desired: int, deployment: Mapping[str, Any] | None) -> bool:
+    """Whether to look at the pods: only while some are missing (a steady state lists none)."""
+    status = (deployment or {}).get("status") or {}
+    counts = [int(status.get(k) or 0) for k in ("readyReplicas", "availableReplicas",
+                                                 "updatedReplicas")]
+    return deployment is not None and desired > 0 and min(counts) < desired
+
+
+def get_pod_failure(pod: Mapping[str, Any]) -> tuple[str, str] | None:
+    """Why a pod cannot serve, when waiting will not help: (reason, message)."""
+    name = (pod.get("metadata") or {}).get("name")
+    status = pod.get("status") or {}
+    for cond in status.get("conditions") or []:
+        if cond.get("type") == "PodScheduled" and cond.get("status") == "False" \
+                and cond.get("reason") == "Unschedulable":
+            return "Unschedulable", f"pod {name} cannot be scheduled: {cond.get('message', '')}"
+    containers = (status.get("initContainerStatuses") or []) + \
+        (status.get("containerStatuses") or [])
+    for c in containers:
+        state, last = c.get("state") or {}, (c.get("lastState") or {}).get("terminated") or {}
+        waiting, terminated = state.get("waiting") or {}, state.get("terminated") or {}
+        if "OOMKilled" in (last.get("reason"), terminated.get("reason")) and not c.get("ready"):
+            return "OOMKilled", (f"pod {name}: container {c.get('name')} was OOMKilled: raise "
+                                 "resources.memory or lower preempt.ramMiB / contextSize")
+        reason = waiting.get("reason")
+        if reason == "CrashLoopBackOff":  # kubelet's message names a back-off that keeps growing
+            return reason, (f"pod {name}: container {c.get('name')} keeps exiting "
+                            f"({last.get('reason', 'Error')}, exit code {last.get('exitCode')})")
+        if reason in WAITING_FAILURES:
+            return reason, (f"pod {name}: container {c.get('name')} {reason}: "
+                            f"{waiting.get('message', '')}")
+    return None
+
+
+def get_pod_problems(pods: Sequence[Mapping[str, Any]]) -> list[Problem]:
+    """One problem per reason, naming the first pod; they make the CR Degraded at once instead
+    of after the Deployment's progressDeadlineSeconds."""
+    found: dict[str, list[str]] = {}
+    for pod in pods:
+        if (pod.get("metadata") or {}).get("deletionTimestamp"):
+            continue
+        failure = get_pod_failure(pod)
+        if failure is not None:
+            found.setdefault(failure[0], []).append(failure[1])
+    return [Problem(reason, messages[0] + (f" (and {len(messages) - 1} more pods)"
+                                           if len(messages) > 1 else ""), blocking=False)
+            for reason, messages in found.items()]
+
+
+def get_progress(desired: int, deployment: Mapping[str, Any] | None,
+                 failing: Sequence[Problem] = ()) -> tuple[bool, str, str]:
     if deployment is None:
         return True, "Creating", "creating the Deployment"
+    if failing:
+        return False, failing[0].reason, "; ".join(p.message for p in failing)
     status = deployment.get("status") or {}
     stalled = next(
         (c for c in status.get("conditions") or [] if c.get("type") == "Progressing"
@@ -83,14 +145,23 @@ def get_status(
     preempt_ram: int | str,
     problems: Sequence[Problem] = (),
     notes: Sequence[str] = (),
+    pod_problems: Sequence[Problem] = (),
+    applied: bool = True,
     now: datetime.datetime,
 ) -> dict[str, Any]:
-    """The whole `.status` of a PreemptServer (the caller patches it when it differs)."""
+    """The whole `.status` of a PreemptServer (the caller patches it when it differs).
+
+    `applied`: this generation's children were all written as the spec says. Only then does
+    `observedGeneration` move to it; the conditions carry the generation they judged anyway.
+    `pod_problems` (get_pod_problems) stop Progressing and make the CR Degraded.
+    """
     generation = int((body.get("metadata") or {}).get("generation") or 0)
-    previous = (body.get("status") or {}).get("conditions") or []
+    old = body.get("status") or {}
+    previous = old.get("conditions") or []
     dep_status = (deployment or {}).get("status") or {}
     ready, ready_reason, ready_message = get_readiness(desired, deployment)
-    moving, move_reason, move_message = get_progress(desired, deployment)
+    moving, move_reason, move_message = get_progress(desired, deployment, pod_problems)
+    problems = [*problems, *pod_problems]
     if problems:
         degraded_reason = problems[0].reason
         degraded_message = "; ".join(p.message for p in problems)
@@ -103,12 +174,25 @@ def get_status(
         get_condition(previous, "Degraded", bool(problems), degraded_reason, degraded_message,
                       generation, now),
     ]
-    return {
+    status = {
         "replicas": int(dep_status.get("replicas") or 0),
         "readyReplicas": int(dep_status.get("readyReplicas") or 0),
         "selector": selector,
-        "observedGeneration": generation,
+        "observedGeneration": generation if applied else old.get("observedGeneration"),
         "endpoint": endpoint,
         "preemptRamMiB": preempt_ram,
         "conditions": conditions,
     }
+    if status["observedGeneration"] is None:
+        del status["observedGeneration"]  # nothing applied yet
+    return status
+
+
+def get_new_problems(old_status: Mapping[str, Any] | None,
+                     problems: Sequence[Problem]) -> list[Problem]:
+    """The problems the stored Degraded condition does not say yet: each gets one Event, not
+    one per reconcile."""
+    degraded = next((c for c in (old_status or {}).get("conditions") or []
+                     if c.get("type") == "Degraded" and c.get("status") == "True"), None)
+    said = (degraded or {}).get("message") or ""
+    return [p for p in problems if p.message not in said]

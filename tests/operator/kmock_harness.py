@@ -5,8 +5,11 @@ memory; it is not kube-apiserver. `Emulator` adds what kopf and the client rely 
 server: uid, creationTimestamp, resourceVersion bumped on every change, generation bumped on spec
 changes, the URL's namespace in created objects, generateName, and no event for a patch that
 changes nothing. It runs no controllers (no Deployment controller, no garbage collector), does
-no defaulting, no schema or CEL validation, no RBAC, and treats server-side apply as a merge
-patch. `Api` is a plain `kubernetes` client for the tests' own calls, with its own User-Agent.
+no defaulting, no schema or CEL validation, no RBAC, no label-selector filtering, ignores delete
+preconditions, and treats server-side apply as a merge patch. Tests may add `admission` checks:
+stand-ins for validating webhooks, each told (emulator, request) before a write is stored and
+raising kmock.KubernetesError to refuse it (see `keda_webhook`). `Api` is a plain `kubernetes`
+client for the tests' own calls, with its own User-Agent.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ CORE_RESOURCES = [
     ("v1/services", "Service", True, {"status"}),
     ("policy/v1/poddisruptionbudgets", "PodDisruptionBudget", True, {"status"}),
     ("autoscaling/v2/horizontalpodautoscalers", "HorizontalPodAutoscaler", True, {"status"}),
+    ("v1/pods", "Pod", True, {"status"}),
     ("v1/namespaces", "Namespace", False, {"status"}),
     ("v1/events", "Event", True, set()),
 ]
@@ -71,6 +75,7 @@ class Emulator(kmock.KubernetesEmulator):
         super().__attrs_post_init__()
         self.log: list[kmock.Request] = []
         self.fail_once: list[tuple[str, str]] = []  # (method, path) answered with a 500, once
+        self.admission: list[Callable[[Emulator, kmock.Request], None]] = []
 
     async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         # kmock matches each request against its whole history (quadratic over a test module):
@@ -81,6 +86,10 @@ class Emulator(kmock.KubernetesEmulator):
             if request.method == method and request.url.path == path:
                 self.fail_once.remove((method, path))
                 raise kmock.KubernetesError(500, "InternalError", "injected by the test")
+        if request.resource is not None and request.action in (
+                kmock.action.CREATE, kmock.action.UPDATE):
+            for check in self.admission:
+                check(self, request)
         if request.resource is not None and isinstance(request.data, dict):
             if request.action == kmock.action.CREATE:
                 self._on_create(request)
@@ -113,6 +122,28 @@ class Emulator(kmock.KubernetesEmulator):
         if request.subresource != "status" and new.get("spec") != old.get("spec"):
             meta["generation"] = int(old["metadata"].get("generation", 1)) + 1
         return None
+
+
+def keda_webhook(emulator: Emulator, request: kmock.Request) -> None:
+    """An emulation of KEDA's validating webhook (vscaledobject.kb.io), the one rule of it that
+    matters here: a ScaledObject is refused while a HorizontalPodAutoscaler other than KEDA's own
+    (keda-hpa-NAME) scales the same target. The real webhook answers 403 through the API server
+    with this message; it runs on create and update, as here."""
+    if request.resource is None or request.resource.plural != "scaledobjects":
+        return
+    target = ((request.data or {}).get("spec") or {}).get("scaleTargetRef") or {}
+    name = (request.data.get("metadata") or {}).get("name") or request.name
+    for (resource, namespace, hpa_name), obj in list(emulator.objects.items()):
+        if resource.plural != "horizontalpodautoscalers" or namespace != request.namespace:
+            continue
+        if obj.deleted or hpa_name == f"keda-hpa-{name}":
+            continue
+        ref = (obj.raw.get("spec") or {}).get("scaleTargetRef") or {}
+        if (ref.get("kind"), ref.get("name")) == (target.get("kind"), target.get("name")):
+            raise kmock.KubernetesError(
+                403, "Forbidden", 'admission webhook "vscaledobject.kb.io" denied the request: '
+                f"the workload '{target.get('name')}' of type '{target.get('apiVersion')}."
+                f"{target.get('kind')}' is already managed by the hpa '{hpa_name}'")
 
 
 class KmockServer:

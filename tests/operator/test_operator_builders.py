@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from typing import Any
 
 import kubernetes_validate.utils as kv
@@ -139,6 +141,32 @@ def test_image_settings() -> None:
         ("mine/kvpark:2", "Always")
 
 
+def test_hf_download_room() -> None:
+    """Defect 10: the hf:// emptyDir had no sizeLimit and the pod no ephemeral-storage request."""
+    def room(model: dict) -> tuple[dict, str]:
+        pod = deployment_of({"model": {"uri": "hf://O/R", "defaultBranch": True, **model},
+                             "resources": {"memory": "8Gi"}})["spec"]["template"]["spec"]
+        (volume,) = [v for v in pod["volumes"] if v["name"] == "model"]
+        return volume["emptyDir"], pod["containers"][0]["resources"]["requests"][
+            "ephemeral-storage"]
+    assert room({"downloadSize": "20Gi"}) == ({"sizeLimit": "20Gi"}, "22528Mi")
+    assert room({}) == ({"sizeLimit": crd.DEFAULT_DOWNLOAD_SIZE}, "67584Mi")
+    builtin = server_container(deployment_of())
+    assert "ephemeral-storage" not in builtin["resources"]["requests"]
+
+
+def test_rollout_strategy_follows_the_spec() -> None:
+    """Defect 10: the rollout was fixed at maxSurge 1 / maxUnavailable 0, which stalls when no
+    GPU is free for the surge pod."""
+    def strategy(value: dict) -> dict:
+        return deployment_of({"strategy": value})["spec"]["strategy"]
+    assert strategy({"maxSurge": 0, "maxUnavailable": 1}) == {
+        "type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1, "maxSurge": 0}}
+    assert strategy({"maxUnavailable": "25%"})["rollingUpdate"] == {
+        "maxUnavailable": "25%", "maxSurge": 1}
+    assert strategy({"type": "Recreate"}) == {"type": "Recreate"}
+
+
 def test_rollout_and_drain_settings() -> None:
     deployment = deployment_of({"server": {"shutdownTimeoutSeconds": 200}})
     assert deployment["spec"]["strategy"] == {
@@ -179,7 +207,9 @@ def test_hf_model_is_downloaded_by_an_init_container() -> None:
         in fetch["env"]
     assert fetch["image"] == pod["containers"][0]["image"]
     assert arg(pod["containers"][0], "--model") == "/models/hf/sub/q4.gguf"
-    assert {"name": "model", "emptyDir": {}} in pod["volumes"]
+    # 800 MiB + 10% + 1 GiB: a download that outgrows it evicts the pod instead of the node
+    assert {"name": "model", "emptyDir": {"sizeLimit": "1904Mi"}} in pod["volumes"]
+    assert pod["containers"][0]["resources"]["requests"]["ephemeral-storage"] == "3952Mi"
     default = deployment_of({"model": {"uri": "hf://Org/Repo", "defaultBranch": True,
                                        "sizeMiB": 800}})
     (fetch,) = default["spec"]["template"]["spec"]["initContainers"]
@@ -245,6 +275,11 @@ def test_keda_scaled_object_carries_the_promql(signal: str, query: str) -> None:
                                    "query": query, "threshold": "0.75"}
     assert scaled["spec"]["scaleTargetRef"]["kind"] == "PreemptServer"
     assert ("autoscaling/v2", "HorizontalPodAutoscaler", "llm") in children.delete
+    # Defect 10: cooldownPeriod only acts on scaling to zero, and minReplicas >= 1; the
+    # scale-down window is the HPA's, as with engine: hpa
+    assert "cooldownPeriod" not in scaled["spec"]
+    assert scaled["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"] == {
+        "scaleDown": {"stabilizationWindowSeconds": 300}}
 
 
 def test_optional_children_follow_the_spec_and_the_cluster() -> None:
@@ -265,17 +300,44 @@ def test_optional_children_follow_the_spec_and_the_cluster() -> None:
 
 @pytest.mark.parametrize("server, offending", [
     ({"args": ["--parallel", "9"]}, "--parallel"),
-    ({"args": ["-c", "100"]}, "-c"),
-    ({"args": ["--api-key=secret"]}, "--api-key=secret"),
-    ({"args": ["--preempt-ram=1"]}, "--preempt-ram=1"),
+    ({"args": ["-c", "100"]}, "--ctx-size"),
+    ({"args": ["-c4096"]}, "--ctx-size"),
+    ({"args": ["-np", "8"]}, "--parallel"),
+    ({"args": ["--api-key=secret"]}, "--api-key"),
+    ({"args": ["--preempt-ram=1"]}, "--preempt-ram"),
+    ({"args": ["--no-preempt"]}, "--preempt"),
     ({"env": [{"name": "KVPARK_PARALLEL", "value": "9"}]}, "KVPARK_PARALLEL"),
     ({"env": [{"name": "KVPARK_MEMORY_LIMIT", "value": "1"}]}, "KVPARK_MEMORY_LIMIT"),
+    ({"env": [{"name": "LLAMA_ARG_PREEMPT_RAM", "value": "1"}]}, "LLAMA_ARG_PREEMPT_RAM"),
 ])
 def test_flags_the_operator_owns_are_refused(server: dict, offending: str) -> None:
     _, _, _, children = build({"server": server})
     (problem,) = children.problems
     assert problem.reason == "ReservedArgument" and problem.blocking
     assert offending in problem.message
+
+
+def test_abbreviated_flags_are_refused() -> None:
+    """Defect 4: argparse took `--ctx` for `--ctx-size`, so these passed the old check while the
+    memory limit stayed sized for the spec's values."""
+    args = ["--ctx", "262144", "--par=64", "-c4096", "--preempt-ra=-1", "--shut", "9999"]
+    _, _, _, children = build({"server": {"args": args}})
+    reserved, unknown = children.problems
+    assert (reserved.reason, reserved.blocking) == ("ReservedArgument", True)
+    assert "--ctx-size" in reserved.message  # -c4096
+    assert (unknown.reason, unknown.blocking) == ("UnknownArgument", True)
+    for token in ("--ctx", "--par=64", "--preempt-ra=-1", "--shut"):
+        assert token in unknown.message
+    (bad,) = build({"server": {"args": ["--max-queue", "lots"]}})[3].problems
+    assert bad.reason == "InvalidArgument" and "--max-queue" in bad.message
+
+
+def test_the_args_check_needs_no_torch() -> None:
+    """The operator's image may have no torch: the server's parser comes without it."""
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "from kvpark.operator import builders, handlers\n"
+            "assert builders.get_args_problems(['--ctx', '1'])\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_harmless_extra_args_pass() -> None:
@@ -296,7 +358,9 @@ SPECS = [
      "nodeSelector": {"gpu": "h100"}, "tolerations": [{"key": "x", "operator": "Exists"}],
      "imagePullSecrets": [{"name": "registry"}]},
     {"model": {"uri": "pvc://weights/m.gguf"}, "resources": {"memory": "24Gi"},
-     "preempt": {"ramMiB": -1}},
+     "preempt": {"ramMiB": -1}, "strategy": {"maxSurge": 0, "maxUnavailable": "50%"}},
+    {"model": {"uri": "hf://O/R", "defaultBranch": True, "downloadSize": "30Gi"},
+     "resources": {"memory": "24Gi"}, "strategy": {"type": "Recreate"}},
 ]
 
 
@@ -309,3 +373,27 @@ def test_children_pass_the_official_schemas(spec: dict, version: str) -> None:
     assert {c["kind"] for c in builtin} >= {"Deployment", "Service"}
     for child in builtin:
         kv.validate(child, version, strict=True)
+
+
+def test_more_than_one_gpu_is_refused() -> None:
+    """Defect 5: the server uses one device; the CRD caps gpus at 1 and the operator refuses
+    more (a CRD installed before the cap lets it through), instead of allocating idle GPUs."""
+    assert crd.get_openapi_schema()["properties"]["spec"]["properties"]["resources"][
+        "properties"]["gpus"]["maximum"] == 1
+    _, _, _, children = build({"resources": {"gpus": 4}})
+    (problem,) = children.problems
+    assert (problem.reason, problem.blocking) == ("TooManyGPUs", True)
+    assert build({"resources": {"gpus": 1}})[3].problems == []
+
+
+def test_pod_monitor_labels_come_from_the_operator_and_the_spec() -> None:
+    """Defect 6: kube-prometheus-stack's Prometheus selects PodMonitors by `release`."""
+    config = OperatorConfig(pod_monitor_labels=(("release", "kps"), ("team", "ops")))
+    _, _, _, children = build({"monitoring": {"podMonitorLabels": {
+        "team": "ml", "app.kubernetes.io/name": "mine"}}}, config=config)
+    (monitor,) = [c for c in children.apply if c["kind"] == "PodMonitor"]
+    labels = monitor["metadata"]["labels"]
+    assert labels["release"] == "kps" and labels["team"] == "ml"  # the spec's win over config
+    assert labels["app.kubernetes.io/name"] == builders.APP  # ours stay ours
+    deployment = next(c for c in children.apply if c["kind"] == "Deployment")
+    assert "release" not in deployment["metadata"]["labels"]

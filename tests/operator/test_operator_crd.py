@@ -139,14 +139,25 @@ def test_the_three_examples_exist() -> None:
 BAD = [
     ("zero slots", {"parallel": 0}, "spec.parallel: minimum"),
     ("negative replicas", {"replicas": -1}, "spec.replicas: minimum"),
-    ("too many gpus", {"resources": {"gpus": 17}}, "spec.resources.gpus: maximum"),
+    ("more than one gpu", {"resources": {"gpus": 2}}, "spec.resources.gpus: maximum"),
     ("unknown scheme", {"model": {"uri": "s3://bucket/model"}}, "spec.model.uri: pattern"),
     ("hf without revision", {"model": {"uri": "hf://org/repo"}},
      "spec.model: an hf:// model must name a revision or set defaultBranch: true"),
     ("hf with both", {"model": {"uri": "hf://org/repo", "revision": "v1", "defaultBranch": True}},
      "spec.model: revision and defaultBranch: true exclude each other"),
     ("revision off hf", {"model": {"uri": "pvc://c/m.gguf", "revision": "v1"}},
-     "spec.model: revision, defaultBranch and hfTokenSecretRef apply to hf:// models only"),
+     "spec.model: revision, defaultBranch, hfTokenSecretRef and downloadSize apply to hf:// "
+     "models only"),
+    ("download size off hf", {"model": {"uri": "pvc://c/m.gguf", "downloadSize": "1Gi"}},
+     "spec.model: revision, defaultBranch, hfTokenSecretRef and downloadSize apply to hf:// "
+     "models only"),
+    ("no rollout can move", {"strategy": {"maxSurge": 0, "maxUnavailable": "0%"}},
+     "spec.strategy: maxSurge and maxUnavailable may not both be 0"),
+    ("negative surge", {"strategy": {"maxSurge": -1}},
+     "spec.strategy.maxSurge: must be an integer >= 0 or a percentage such as 25%"),
+    ("surge word", {"strategy": {"maxSurge": "lots"}},
+     "spec.strategy.maxSurge: must be an integer >= 0 or a percentage such as 25%"),
+    ("unknown strategy", {"strategy": {"type": "BlueGreen"}}, "spec.strategy.type: enum"),
     ("min above max", {"autoscaling": {"minReplicas": 5, "maxReplicas": 2}},
      "spec.autoscaling: minReplicas must be <= maxReplicas"),
     ("no max", {"autoscaling": {"minReplicas": 1}}, "spec.autoscaling: required"),
@@ -184,7 +195,9 @@ def test_each_bad_resource_is_one_change_from_a_good_one() -> None:
     """The table's resources are invalid because of what they name, not by accident."""
     fixes = {"zero slots": {"parallel": 1}, "hf without revision": {"model": {
         "uri": "hf://org/repo", "revision": "v1"}}, "min above max": {"autoscaling": {
-            "minReplicas": 2, "maxReplicas": 2}}, "ram below -1": {"preempt": {"ramMiB": -1}}}
+            "minReplicas": 2, "maxReplicas": 2}}, "ram below -1": {"preempt": {"ramMiB": -1}},
+        "no rollout can move": {"strategy": {"maxSurge": 0, "maxUnavailable": "10%"}},
+        "surge word": {"strategy": {"maxSurge": "25%"}}}
     for name, spec, _ in BAD:
         if name in fixes:
             fixed = copy.deepcopy(spec) | fixes[name]

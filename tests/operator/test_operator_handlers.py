@@ -27,9 +27,10 @@ def test_config_from_env() -> None:
     config = OperatorConfig.from_env({
         "KVPARK_SERVER_IMAGE": "img:1", "KVPARK_WATCH_NAMESPACES": " a, ,b ",
         "KVPARK_RECONCILE_SECONDS": "7.5", "KVPARK_POD_MONITOR": "False",
-        "KVPARK_LIVENESS": ""})
+        "KVPARK_LIVENESS": "", "KVPARK_POD_MONITOR_LABELS": "team=a, release=kps,"})
     assert config == OperatorConfig(image="img:1", namespaces=("a", "b"), reconcile_seconds=7.5,
-                                    pod_monitor="false", liveness="")
+                                    pod_monitor="false", liveness="",
+                                    pod_monitor_labels=(("release", "kps"), ("team", "a")))
     assert OperatorConfig.from_env({}) == OperatorConfig()
 
 
@@ -41,6 +42,10 @@ class FakeKube:
         self.served = set(served)
         self.writes: list[tuple[str, str, str]] = []
         self.rejects: set[str] = set()
+        self.errors: dict[str, kube.ApiError] = {}  # kind -> what applying it raises
+        self.events: list[tuple[str, str, str]] = []  # (type, reason, message)
+        self.lists: list[tuple[str, str]] = []  # (kind, label selector)
+        self.uids = iter(range(1000, 10**6))
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(kube, "get_served", lambda apis: {a for a in apis if a in self.served})
@@ -48,18 +53,42 @@ class FakeKube:
         monkeypatch.setattr(kube, "delete", self.delete)
         monkeypatch.setattr(kube, "get", self.get)
         monkeypatch.setattr(kube, "patch_status", self.patch_status)
+        monkeypatch.setattr(kube, "post_event", self.post_event)
+        monkeypatch.setattr(kube, "list_objects", self.list_objects)
+        monkeypatch.setattr(handlers, "MEMORY", handlers.Memory())
 
     def apply(self, obj: dict) -> dict:
         if obj["kind"] in self.rejects:
-            raise kube.Rejected(f"{obj['kind']} is invalid: spec.x: Invalid value")
+            raise kube.Rejected(422, f"{obj['kind']} is invalid: spec.x: Invalid value")
+        if obj["kind"] in self.errors:
+            raise self.errors[obj["kind"]]
         key = (obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
-        self.objects[key] = copy.deepcopy(obj)
+        stored = copy.deepcopy(obj)
+        old = self.objects.get(key)
+        stored["metadata"]["uid"] = old["metadata"]["uid"] if old else f"uid-{next(self.uids)}"
+        self.objects[key] = stored
         self.writes.append(("apply", *key))
+        return copy.deepcopy(stored)
+
+    def add(self, obj: dict) -> dict:
+        """Someone else's object (or ours from before), as it is on the cluster."""
+        obj = copy.deepcopy(obj)
+        obj["metadata"].setdefault("uid", f"uid-{next(self.uids)}")
+        self.objects[(obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])] = obj
         return obj
 
-    def delete(self, kind: str, namespace: str, name: str) -> bool:
+    def delete(self, kind: str, namespace: str, name: str, uid: str) -> bool:
         self.writes.append(("delete", kind, name))
+        assert self.objects[(kind, namespace, name)]["metadata"]["uid"] == uid
         return self.objects.pop((kind, namespace, name), None) is not None
+
+    def list_objects(self, kind: str, namespace: str, selector: str) -> list[dict]:
+        self.lists.append((kind, selector))
+        return [copy.deepcopy(o) for (k, ns, _), o in self.objects.items()
+                if k == kind and ns == namespace]
+
+    def post_event(self, body: dict, type_: str, reason: str, message: str) -> None:
+        self.events.append((type_, reason, message))
 
     def get(self, kind: str, namespace: str, name: str) -> dict | None:
         return copy.deepcopy(self.objects.get((kind, namespace, name)))
@@ -93,7 +122,7 @@ def test_reconcile_applies_children_and_writes_status(fake: FakeKube) -> None:
     handlers.reconcile(add_server(fake, {"replicas": 2}))
     kinds = [w[1] for w in fake.writes if w[0] == "apply"]
     assert kinds == ["Deployment", "Service", "PodDisruptionBudget"]
-    assert ("delete", "HorizontalPodAutoscaler", "s") in fake.writes
+    assert [w for w in fake.writes if w[0] == "delete"] == []  # no HPA was there to delete
     status = fake.objects[(crd.KIND, "ns", "s")]["status"]
     assert status["endpoint"] == "http://s.ns.svc:8080" and status["preemptRamMiB"] == 180
     assert conditions(fake)["Ready"]["reason"] == "ReplicasNotReady"
@@ -119,6 +148,9 @@ def test_a_rejected_child_is_reported_and_the_rest_applied(fake: FakeKube) -> No
     degraded = conditions(fake)["Degraded"]
     assert (degraded["status"], degraded["reason"]) == ("True", "ChildRejected")
     assert "Service is invalid" in degraded["message"]
+    assert fake.events == [("Warning", "ChildRejected", degraded["message"])]
+    handlers.reconcile(fake.get(crd.KIND, "ns", "s"))
+    assert len(fake.events) == 1  # one Event per problem, not one per reconcile
 
 
 def test_served_apis_decide_the_optional_children(fake: FakeKube) -> None:
@@ -145,8 +177,111 @@ def test_deployment_events_reconcile_their_owner(fake: FakeKube,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[str] = []
     monkeypatch.setattr(handlers, "reconcile", lambda body: seen.append(body["metadata"]["name"]))
-    add_server(fake, {}, name="alive")
+    handlers.server_event(type=None, body=kopf.Body(add_server(fake, {}, name="alive")))
     handlers.deployment_event(body=deployment_body("alive"))
     handlers.deployment_event(body=deployment_body("gone"))  # its PreemptServer was deleted
     handlers.deployment_event(body=deployment_body("alive", controller=False))
     assert seen == ["alive"]
+
+
+def foreign(kind: str, api_version: str, spec: dict, name: str = "s") -> dict:
+    return {"apiVersion": api_version, "kind": kind,
+            "metadata": {"name": name, "namespace": "ns", "labels": {"team": "a"}}, "spec": spec}
+
+
+def test_a_foreign_object_is_neither_adopted_nor_deleted(fake: FakeKube) -> None:
+    """Defect 1: objects of the PreemptServer's name that it does not own are left alone."""
+    service = fake.add(foreign("Service", "v1", {"selector": {"app": "team"}}))
+    hpa = fake.add(foreign("HorizontalPodAutoscaler", "autoscaling/v2", {"maxReplicas": 9}))
+    handlers.reconcile(add_server(fake, {}))  # wants a Service and no HPA
+    assert fake.get("Service", "ns", "s") == service
+    assert fake.get("HorizontalPodAutoscaler", "ns", "s") == hpa
+    assert [w for w in fake.writes if w[0] in ("apply", "delete")] == [
+        ("apply", "Deployment", "ns", "s")]
+    degraded = conditions(fake)["Degraded"]
+    assert (degraded["status"], degraded["reason"]) == ("True", "NameConflict")
+    assert "Service s already exists, not owned by this PreemptServer" in degraded["message"]
+    assert [(t, r) for t, r, _ in fake.events] == [("Warning", "NameConflict")]
+    assert "observedGeneration" not in fake.get(crd.KIND, "ns", "s")["status"]
+    # the team deletes its Service: the next reconcile makes ours
+    del fake.objects[("Service", "ns", "s")]
+    handlers.reconcile(fake.get(crd.KIND, "ns", "s"))
+    assert fake.get("Service", "ns", "s")["metadata"]["ownerReferences"][0]["uid"] == "u-1"
+    assert conditions(fake)["Degraded"]["status"] == "False"
+    assert fake.get(crd.KIND, "ns", "s")["status"]["observedGeneration"] == 1
+
+
+def test_an_object_owned_by_an_older_server_of_the_name_is_left_to_the_gc(fake: FakeKube) -> None:
+    old = foreign("Deployment", "apps/v1", {"replicas": 1})
+    old["metadata"]["ownerReferences"] = [{"apiVersion": crd.API_VERSION, "kind": crd.KIND,
+                                           "name": "s", "uid": "u-0", "controller": True}]
+    fake.add(old)
+    handlers.reconcile(add_server(fake, {}))
+    assert ("apply", "Deployment", "ns", "s") not in fake.writes
+    assert "owned by PreemptServer s" in conditions(fake)["Degraded"]["message"]
+
+
+def test_switching_the_engine_deletes_the_old_autoscaler_first(fake: FakeKube) -> None:
+    """Defect 2: KEDA refuses a ScaledObject while an HPA scales the same target."""
+    fake.served = {builders.SCALED_OBJECTS}
+    body = add_server(fake, {"autoscaling": {"maxReplicas": 3}})
+    handlers.reconcile(body)
+    assert ("HorizontalPodAutoscaler", "ns", "s") in fake.objects
+    fake.writes.clear()
+    body = fake.get(crd.KIND, "ns", "s")
+    body["spec"]["autoscaling"]["engine"] = "keda"
+    body["metadata"]["generation"] = 2
+    handlers.reconcile(body)
+    writes = [w[:2] for w in fake.writes if w[0] in ("apply", "delete")]
+    assert writes == [("delete", "HorizontalPodAutoscaler"), ("apply", "ScaledObject")]
+    body = fake.get(crd.KIND, "ns", "s")
+    body["spec"]["autoscaling"]["engine"] = "hpa"
+    body["metadata"]["generation"] = 3
+    fake.writes.clear()
+    handlers.reconcile(body)
+    writes = [w[:2] for w in fake.writes if w[0] in ("apply", "delete")]
+    assert writes == [("delete", "ScaledObject"), ("apply", "HorizontalPodAutoscaler")]
+
+
+@pytest.mark.parametrize("error", [
+    kube.ApiError(403, 'admission webhook "vscaledobject.kb.io" denied the request: the workload '
+                  "'s' of type 'kvpark.io/v1alpha1.PreemptServer' is already managed by the hpa "
+                  "'other'"),
+    kube.ApiError(503, "the server is currently unable to handle the request"),
+], ids=["403", "503"])
+def test_any_api_error_is_degraded_and_the_generation_is_not_claimed(
+        fake: FakeKube, error: kube.ApiError) -> None:
+    """Defect 2: 403 (webhooks, RBAC) and 5xx reach Degraded with the API server's message."""
+    fake.served = {builders.SCALED_OBJECTS}
+    handlers.reconcile(add_server(fake, {}))
+    assert fake.get(crd.KIND, "ns", "s")["status"]["observedGeneration"] == 1
+    body = fake.get(crd.KIND, "ns", "s")
+    body["spec"]["autoscaling"] = {"engine": "keda", "maxReplicas": 2}
+    body["metadata"]["generation"] = 2
+    fake.objects[(crd.KIND, "ns", "s")] = body
+    fake.errors["ScaledObject"] = error
+    handlers.reconcile(body)  # no exception: kopf would retry it and post an Event each time
+    status = fake.get(crd.KIND, "ns", "s")["status"]
+    degraded = conditions(fake)["Degraded"]
+    assert (degraded["status"], degraded["reason"]) == ("True", "ApiError")
+    assert str(error) in degraded["message"] and degraded["observedGeneration"] == 2
+    assert status["observedGeneration"] == 1  # generation 2 is not applied
+    assert [r for _, r, _ in fake.events] == ["ApiError"]
+    del fake.errors["ScaledObject"]
+    handlers.reconcile(fake.get(crd.KIND, "ns", "s"))
+    assert fake.get(crd.KIND, "ns", "s")["status"]["observedGeneration"] == 2
+    assert conditions(fake)["Degraded"]["status"] == "False"
+
+
+def test_a_steady_state_writes_nothing(fake: FakeKube) -> None:
+    """Defect 8: once the children are as wanted, a reconcile only reads."""
+    fake.served = {builders.POD_MONITORS, builders.SCALED_OBJECTS}
+    handlers.reconcile(add_server(fake, {"replicas": 1, "autoscaling": {"maxReplicas": 2}}))
+    fake.writes.clear()
+    for _ in range(3):
+        handlers.reconcile(fake.get(crd.KIND, "ns", "s"))
+    assert fake.writes == []
+    # a hand edit of a field the operator sets is put back
+    fake.objects[("Service", "ns", "s")]["spec"]["selector"] = {"app": "other"}
+    handlers.reconcile(fake.get(crd.KIND, "ns", "s"))
+    assert fake.writes == [("apply", "Service", "ns", "s")]

@@ -7,6 +7,8 @@ patch. What only a real cluster can show is in test_operator_cluster.py (marker 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from kmock_harness import (
     CORE_RESOURCES,
@@ -15,6 +17,7 @@ from kmock_harness import (
     Cluster,
     condition,
     running_operator,
+    wait_for,
 )
 
 from kvpark.operator import crd
@@ -105,10 +108,14 @@ def test_status_and_ready_follow_the_deployment(cluster: Cluster) -> None:
     assert condition(server, "Degraded")["reason"] == "AsExpected"
     assert condition(server, "Ready")["lastTransitionTime"] >= not_ready_since
 
+    # Defect 9: one pod of two serving is Ready (the endpoint answers), and Progressing
     cluster.set_deployment_status("status", "s", readyReplicas=1, availableReplicas=1)
-    server = cluster.wait_condition("status", "s", "Ready", "False", "ReplicasNotReady")
+    server = cluster.wait_condition("status", "s", "Ready", "True", "MinimumReplicasReady")
     assert server["status"]["readyReplicas"] == 1
     assert "1/2" in condition(server, "Ready")["message"]
+    assert condition(server, "Progressing")["status"] == "True"
+    cluster.set_deployment_status("status", "s", readyReplicas=0, availableReplicas=0)
+    cluster.wait_condition("status", "s", "Ready", "False", "ReplicasNotReady")
 
 
 def test_children_deleted_by_hand_come_back(cluster: Cluster) -> None:
@@ -164,3 +171,84 @@ def test_spec_only_the_operator_can_reject_is_degraded(cluster: Cluster) -> None
     cluster.wait_condition("degraded", "s", "Degraded", "False", "AsExpected")
     deployment = cluster.wait_child("Deployment", "degraded", "s")
     assert container(deployment)["args"][-2:] == ["--max-queue", "64"]
+
+
+def test_no_finalizer_is_added_and_an_old_one_is_taken_off(cluster: Cluster) -> None:
+    """Defect 3: kopf's timer added kopf.zalando.org/KopfFinalizerMarker, so a PreemptServer
+    (and its namespace) could not be deleted once the operator was uninstalled."""
+    cluster.create_server("final", "s", {})
+    cluster.wait_child("PreemptServer", "final", "s", lambda s: "status" in s)
+    time.sleep(2.5)  # two resync rounds (KVPARK_RECONCILE_SECONDS=1)
+    assert not cluster.get("PreemptServer", "final", "s")["metadata"].get("finalizers")
+    # one made by an older operator: kopf drops a finalizer that no handler needs
+    cluster.api.create(cluster.path("PreemptServer", "final"), {
+        "apiVersion": crd.API_VERSION, "kind": crd.KIND, "spec": {}, "metadata": {
+            "name": "old", "finalizers": ["kopf.zalando.org/KopfFinalizerMarker"]}})
+    cluster.wait_child("PreemptServer", "final", "old",
+                       lambda s: not s["metadata"].get("finalizers"))
+
+
+def test_abbreviated_reserved_flags_are_degraded(cluster: Cluster) -> None:
+    """Defect 4: `--ctx 262144` and friends passed as if they were harmless extra flags."""
+    cluster.create_server("abbrev", "s", {"server": {"args": [
+        "--ctx", "262144", "--par=64", "-c4096", "--preempt-ra=-1", "--shut", "9999"]}})
+    server = cluster.wait_condition("abbrev", "s", "Degraded", "True", "ReservedArgument")
+    message = condition(server, "Degraded")["message"]
+    assert "--ctx-size" in message and "--preempt-ra=-1" in message
+    assert cluster.get("Deployment", "abbrev", "s") is None
+
+
+def test_pod_monitor_carries_the_labels_prometheus_selects(cluster: Cluster) -> None:
+    """Defect 6: without `release: <name>` kube-prometheus-stack never scraped the pods."""
+    cluster.create_server("monitor", "s", {"monitoring": {"podMonitorLabels": {
+        "release": "kube-prometheus-stack"}}})
+    monitor = cluster.wait_child("PodMonitor", "monitor", "s")
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    cluster.patch_spec("monitor", "s", {"monitoring": {"podMonitorLabels": {"release": "prom"}}})
+    cluster.wait_child("PodMonitor", "monitor", "s",
+                       lambda m: m["metadata"]["labels"]["release"] == "prom")
+
+
+def test_rollout_strategy_is_configurable(cluster: Cluster) -> None:
+    """Defect 10: maxSurge 1 stalls a rollout when no GPU is free for the extra pod."""
+    cluster.create_server("strategy", "s", {})
+    deployment = cluster.wait_child("Deployment", "strategy", "s")
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    cluster.patch_spec("strategy", "s", {"strategy": {"maxSurge": 0, "maxUnavailable": 1}})
+    cluster.wait_child("Deployment", "strategy", "s", lambda d: d["spec"]["strategy"][
+        "rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1})
+
+
+def test_pod_failures_reach_status_and_events_within_an_interval(cluster: Cluster) -> None:
+    """Defect 9: an unschedulable pod (no GPU free) and an image that cannot be pulled showed
+    nowhere until the Deployment's progressDeadlineSeconds (1800 s). kmock runs no scheduler
+    or kubelet: the test writes the pods' status as they would."""
+    from kvpark.operator import builders
+
+    cluster.create_server("pods", "s", {"replicas": 2})
+    cluster.wait_child("Deployment", "pods", "s")
+    labels = builders.get_labels("s")
+    for name, status in [
+        ("s-1", {"conditions": [{"type": "PodScheduled", "status": "False",
+                                 "reason": "Unschedulable", "message": "0/3 nodes are "
+                                 "available: 3 Insufficient nvidia.com/gpu."}]}),
+        ("s-2", {"containerStatuses": [{"name": "server", "ready": False, "state": {
+            "waiting": {"reason": "ImagePullBackOff", "message": 'Back-off pulling image "x"'}}}]}),
+    ]:
+        cluster.api.create("/api/v1/namespaces/pods/pods", {
+            "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": labels},
+            "spec": {"containers": [{"name": "server", "image": "x"}]}, "status": status})
+    server = cluster.wait_child("PreemptServer", "pods", "s", lambda s: "ImagePullBackOff" in
+                                str(s.get("status")), timeout=5)
+    degraded = condition(server, "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "Unschedulable")
+    assert "Insufficient nvidia.com/gpu" in degraded["message"]
+    assert condition(server, "Progressing")["status"] == "False"
+    def reasons() -> set[str]:
+        listing = cluster.api.get("/api/v1/namespaces/pods/events") or {}
+        return {e["reason"] for e in listing.get("items", []) if e.get("type") == "Warning"}
+    wait_for("the Events", lambda: {"Unschedulable", "ImagePullBackOff"} <= reasons(), 5)
+    deployment = cluster.get("Deployment", "pods", "s")
+    cluster.set_deployment_status("pods", "s", observedGeneration=deployment["metadata"][
+        "generation"], replicas=2, updatedReplicas=2, readyReplicas=2, availableReplicas=2)
+    cluster.wait_condition("pods", "s", "Degraded", "False", "AsExpected")

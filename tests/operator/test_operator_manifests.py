@@ -19,8 +19,7 @@ from kvpark.operator import builders, crd
 
 VERSIONS = ["1.29", "1.33"]
 CHART = REPO / "charts" / "kvpark"
-MANIFESTS = [REPO / "manifests" / "crd.yaml", REPO / "manifests" / "operator.yaml",
-             REPO / "manifests" / "autoscaling" / "prometheus-adapter-config.yaml"]
+MANIFESTS = [REPO / "manifests" / "crd.yaml", REPO / "manifests" / "operator.yaml"]
 
 
 def load(path: Path) -> list[dict]:
@@ -72,23 +71,38 @@ def test_operator_manifest() -> None:
     check_operator_deployment(operator_deployment(docs))
 
 
-def adapter_rules() -> tuple[list[dict], list[dict]]:
-    config = load(REPO / "manifests" / "autoscaling" / "prometheus-adapter-config.yaml")[0]
+def adapter_rules() -> list[dict]:
     values = load(REPO / "manifests" / "autoscaling" / "prometheus-adapter-values.yaml")[0]
-    return yaml.safe_load(config["data"]["config.yaml"])["rules"], values["rules"]["custom"]
+    return values["rules"]["custom"]
 
 
 def test_adapter_rules_serve_the_metrics_the_hpas_ask_for() -> None:
-    config_rules, chart_rules = adapter_rules()
-    assert config_rules == chart_rules
-    served = {rule["name"]["as"] for rule in config_rules}
+    rules = adapter_rules()
+    served = {rule["name"]["as"] for rule in rules}
     assert served == {signal.hpa_metric for signal in builders.SIGNALS.values()}
-    series = {rule["seriesQuery"].split("{")[0] for rule in config_rules}
+    series = {rule["seriesQuery"].split("{")[0] for rule in rules}
     assert series == {"kvpark:requests_preempted", "kvpark:n_preempt_total",
                       "kvpark:kv_cache_usage_ratio"}
-    for rule in config_rules:
+    for rule in rules:
         assert rule["resources"]["overrides"] == {"namespace": {"resource": "namespace"},
                                                   "pod": {"resource": "pod"}}
+
+
+def test_no_manifest_takes_another_components_object() -> None:
+    """Defect 7: a ConfigMap `adapter-config` in `monitoring` replaced kube-prometheus's adapter
+    rules (kubectl top and CPU HPAs broke). Every object shipped is named kvpark-* (or is the
+    CRD); the adapter's rules ship as Helm values, with how to register custom.metrics.k8s.io."""
+    for path in sorted((REPO / "manifests").rglob("*.yaml")):
+        for doc in load(path):
+            if doc.get("apiVersion", "").startswith("kvpark.io/"):
+                continue  # examples
+            if {"prometheus", "rules"} <= set(doc):
+                continue  # Helm values for prometheus-adapter
+            name = doc["metadata"]["name"]
+            assert name.startswith("kvpark") or name.endswith(".kvpark.io"), (path, name)
+    readme = (REPO / "manifests" / "autoscaling" / "README.md").read_text()
+    assert "kubectl get apiservice v1beta1.custom.metrics.k8s.io" in readme
+    assert "custom.metrics.k8s.io" in (REPO / "README.md").read_text()
 
 
 def helm_run(helm: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -107,6 +121,18 @@ def test_helm_lint_strict(helm: str) -> None:
     namespaced = helm_run(helm, "lint", "--strict", str(CHART), "--set",
                           "watchNamespaces={a,b}", check=False)
     assert namespaced.returncode == 0, namespaced.stdout + namespaced.stderr
+
+
+@pytest.mark.parametrize("value, env", [("false", "false"), ("true", "auto"),
+                                        ("auto", "auto")])
+def test_pod_monitor_can_be_turned_off_with_set(helm: str, value: str, env: str) -> None:
+    """Defect 10: `--set metrics.podMonitor=false` makes a boolean, which the schema refused."""
+    args = ["--set", f"metrics.podMonitor={value}"]
+    result = helm_run(helm, "lint", "--strict", str(CHART), *args, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    container = operator_deployment(render(helm, *args))["spec"]["template"]["spec"][
+        "containers"][0]
+    assert {e["name"]: e.get("value") for e in container["env"]}["KVPARK_POD_MONITOR"] == env
 
 
 @pytest.mark.parametrize("values", [
@@ -142,12 +168,28 @@ def test_rendered_chart(helm: str) -> None:
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["KVPARK_SERVER_IMAGE"] == "example/server:1"
     assert env["KVPARK_WATCH_NAMESPACES"] == ""
+    assert env["KVPARK_POD_MONITOR_LABELS"] == ""
     default = operator_deployment(render(helm))["spec"]["template"]["spec"]["containers"][0]
     app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
     assert default["image"] == f"kvpark/kvpark:{app_version}"
     notes = helm_run(helm, "install", "kvpark", str(CHART), "--dry-run=client",
                      "--namespace", "kvpark-system").stdout
     assert "kubectl get ps" in notes
+
+
+def test_chart_pod_monitor_labels_reach_the_operator(helm: str) -> None:
+    """Defect 6: metrics.podMonitorLabels -> KVPARK_POD_MONITOR_LABELS, as config.py reads it."""
+    from kvpark.operator.config import OperatorConfig
+
+    docs = render(helm, "--set", "metrics.podMonitorLabels.release=kube-prometheus-stack",
+                  "--set", "metrics.podMonitorLabels.team=ml")
+    container = operator_deployment(docs)["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    config = OperatorConfig.from_env(env)
+    assert config.pod_monitor_labels == (("release", "kube-prometheus-stack"), ("team", "ml"))
+    bad = helm_run(helm, "lint", "--strict", str(CHART), "--set",
+                   "metrics.podMonitorLabels.team=a\\,b", check=False)
+    assert bad.returncode != 0
 
 
 def test_dockerfile_builds_one_unprivileged_image_with_the_model() -> None:

@@ -3,8 +3,8 @@ exactly the calls that operator/kube.py and kopf make, no more and no less.
 
 The calls are recorded by kmock, a Kubernetes API *emulator* on 127.0.0.1 (kmock_harness.py),
 while the real operator goes through a scenario that uses every kind of child and every verb:
-create, update in place, delete (PDB, autoscalers, PodMonitor), a failed call (kopf then posts
-an Event), status patches and the Deployment watch. The User-Agent tells kube.py
+create, update in place, delete (PDB, autoscalers, PodMonitor), a failed call (the operator then
+posts an Event), status patches and the Deployment watch. The User-Agent tells kube.py
 (`kvpark-operator/...`) from kopf (`kopf/...`).
 """
 
@@ -84,7 +84,7 @@ def run_scenario(cluster: Cluster) -> None:
         cluster.wait_gone("PodMonitor", ns, "s")
     finally:
         handlers.CONFIG = config
-    # the failed call made kopf post an Event about it
+    # the failed call made the operator post an Event about it
     cluster.wait_child("PreemptServer", ns, "s", lambda s: any(
         r.method == "POST" and r.resource and r.resource.plural == "events"
         for r in cluster.server.requests()))
@@ -102,7 +102,7 @@ def test_manifest_rbac_is_exactly_what_kube_py_and_kopf_call(calls) -> None:
     assert calls["kopf"] - granted == set(), "kopf calls what the ClusterRole lacks"
     assert granted - calls["kube.py"] - calls["kopf"] == set(), "granted but never called"
     # the two halves, as the comments in the manifests explain them
-    assert ("", "events", "create") in calls["kopf"]
+    assert ("", "events", "create") in calls["kube.py"]
     assert ("kvpark.io", "preemptservers/status", "patch") in calls["kube.py"]
 
 

@@ -79,6 +79,64 @@ def test_rollouts() -> None:
     assert cond(stalled, "Ready")["message"] == "1/2 replicas ready"
 
 
+def test_ready_while_a_pod_serves() -> None:
+    """Defect 9: Ready was False during every scale-out although pods served; now Ready says
+    whether the endpoint answers and Progressing says the rest."""
+    scaling = status(desired=3, dep=deployment(replicas=3, ready=1, available=1, updated=3))
+    assert (cond(scaling, "Ready")["status"], cond(scaling, "Ready")["reason"]) == \
+        ("True", "MinimumReplicasReady")
+    assert cond(scaling, "Ready")["message"] == "1/3 replicas ready"
+    assert (cond(scaling, "Progressing")["status"], cond(scaling, "Progressing")["reason"]) == \
+        ("True", "RollingOut")
+    none = status(desired=3, dep=deployment(replicas=3, ready=0, available=0, updated=3))
+    assert (cond(none, "Ready")["status"], cond(none, "Ready")["reason"]) == \
+        ("False", "ReplicasNotReady")
+
+
+def pod(name: str, **status: object) -> dict:
+    return {"metadata": {"name": name}, "status": status}
+
+
+def waiting(reason: str, message: str = "", last: dict | None = None) -> dict:
+    return {"name": "server", "ready": False, "state": {"waiting": {
+        "reason": reason, "message": message}}, "lastState": {"terminated": last} if last else {}}
+
+
+def test_pod_failures_become_problems() -> None:
+    """Defect 9: what only the pods show (no GPU free, a bad image, a crash, OOM) reaches the
+    status at once, not after progressDeadlineSeconds."""
+    pods = [
+        pod("a", conditions=[{"type": "PodScheduled", "status": "False",
+                              "reason": "Unschedulable", "message": "0/3 nodes are available: "
+                              "3 Insufficient nvidia.com/gpu."}]),
+        pod("b", containerStatuses=[waiting("ImagePullBackOff", 'Back-off pulling image "x"')]),
+        pod("c", initContainerStatuses=[waiting("ErrImagePull", "not found")]),
+        pod("d", containerStatuses=[waiting("CrashLoopBackOff", "back-off 40s", {
+            "reason": "Error", "exitCode": 2})]),
+        pod("e", containerStatuses=[waiting("CrashLoopBackOff", "back-off 10s", {
+            "reason": "OOMKilled", "exitCode": 137})]),
+        pod("f", containerStatuses=[waiting("ImagePullBackOff", 'Back-off pulling image "x"')]),
+        pod("g", containerStatuses=[waiting("ContainerCreating")]),  # waiting helps
+        {**pod("h", containerStatuses=[waiting("CrashLoopBackOff")]),
+         "metadata": {"name": "h", "deletionTimestamp": "2026-01-01T00:00:00Z"}},
+    ]
+    from kvpark.operator.status import get_pod_problems
+    problems = {p.reason: p.message for p in get_pod_problems(pods)}
+    assert set(problems) == {"Unschedulable", "ImagePullBackOff", "ErrImagePull",
+                             "CrashLoopBackOff", "OOMKilled"}
+    assert "Insufficient nvidia.com/gpu" in problems["Unschedulable"]
+    assert problems["ImagePullBackOff"].endswith("(and 1 more pods)")
+    assert "exit code 2" in problems["CrashLoopBackOff"] and "40s" not in \
+        problems["CrashLoopBackOff"]
+    assert "resources.memory" in problems["OOMKilled"]
+    result = status(dep=deployment(ready=1, available=1), pod_problems=get_pod_problems(pods[:1]))
+    assert (cond(result, "Progressing")["status"], cond(result, "Progressing")["reason"]) == \
+        ("False", "Unschedulable")
+    assert (cond(result, "Degraded")["status"], cond(result, "Degraded")["reason"]) == \
+        ("True", "Unschedulable")
+    assert result["observedGeneration"] == 3  # the spec was applied; the pods fail
+
+
 def test_scaled_to_zero_is_not_ready() -> None:
     result = status(desired=0, dep=deployment(replicas=0, ready=0, updated=0, available=0))
     assert (cond(result, "Ready")["status"], cond(result, "Ready")["reason"]) == \
@@ -89,11 +147,11 @@ def test_transition_time_moves_only_when_the_status_flips() -> None:
     first = status(dep=deployment(ready=1))
     assert cond(first, "Ready")["lastTransitionTime"] == "2026-01-02T03:04:05Z"
     # same status, other message: the time stays
-    again = status(server(conditions=first["conditions"]), dep=deployment(ready=0), now=T1)
-    assert cond(again, "Ready")["message"] == "0/2 replicas ready"
+    again = status(server(conditions=first["conditions"]), dep=deployment(ready=2), now=T1)
+    assert cond(again, "Ready")["message"] == "2/2 replicas ready"
     assert cond(again, "Ready")["lastTransitionTime"] == "2026-01-02T03:04:05Z"
     # the flip: a new time
-    flipped = status(server(conditions=again["conditions"]), dep=deployment(), now=T1)
+    flipped = status(server(conditions=again["conditions"]), dep=deployment(ready=0), now=T1)
     assert cond(flipped, "Ready")["lastTransitionTime"] == "2026-01-02T03:11:05Z"
     assert cond(flipped, "Degraded")["lastTransitionTime"] == "2026-01-02T03:04:05Z"
 

@@ -20,6 +20,21 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- default (include "kvpark.fullname" .) .Values.serviceAccount.name -}}
 {{- end -}}
 
+{{/* a map as k=v,k2=v2 (sorted), the way the operator reads KVPARK_POD_MONITOR_LABELS */}}
+{{- define "kvpark.labelPairs" -}}
+{{- $pairs := list -}}
+{{- range $key, $value := . -}}
+{{- $pairs = append $pairs (printf "%s=%s" $key $value) -}}
+{{- end -}}
+{{- join "," $pairs -}}
+{{- end -}}
+
+{{/* metrics.podMonitor as the operator reads it: auto or false (`--set` makes booleans) */}}
+{{- define "kvpark.podMonitor" -}}
+{{- $value := toString .Values.metrics.podMonitor -}}
+{{- ternary "false" "auto" (eq $value "false") -}}
+{{- end -}}
+
 {{- define "kvpark.image" -}}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
@@ -31,7 +46,7 @@ Least privilege: exactly the calls operator/kube.py and kopf make
 {{- define "kvpark.rules" -}}
 - apiGroups: [kvpark.io]
   resources: [preemptservers]
-  verbs: [get, list, watch, patch]
+  verbs: [list, watch, patch]
 - apiGroups: [kvpark.io]
   resources: [preemptservers/status]
   verbs: [patch]
@@ -40,19 +55,22 @@ Least privilege: exactly the calls operator/kube.py and kopf make
   verbs: [get, list, watch, create, patch]
 - apiGroups: [""]
   resources: [services]
-  verbs: [create, patch]
+  verbs: [get, create, patch]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
-  verbs: [create, patch, delete]
+  verbs: [get, create, patch, delete]
 - apiGroups: [autoscaling]
   resources: [horizontalpodautoscalers]
-  verbs: [create, patch, delete]
+  verbs: [get, create, patch, delete]
 - apiGroups: [keda.sh]
   resources: [scaledobjects]
-  verbs: [create, patch, delete]
+  verbs: [get, create, patch, delete]
 - apiGroups: [monitoring.coreos.com]
   resources: [podmonitors]
-  verbs: [create, patch, delete]
+  verbs: [get, create, patch, delete]
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [list]
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
