@@ -352,8 +352,8 @@ class Server:
             raise ApiError(400, f"'{name[gen.kind]}': {prompt} prompt tokens + {max_tokens} to "
                            f"generate exceed the {limit} tokens one request can hold here",
                            param=name[gen.kind])
-        # the n sequences each hold their own pages (the prompt's are not shared) and are never
-        # parked, so as many as get a slot at once must fit the pool together
+        # the n sequences are never parked, so as many as get a slot at once must fit the pool
+        # together (an upper bound: with the prefix cache they share the prompt's full pages)
         pool = stack.scheduler.pool
         together = min(gen.params.n, len(stack.scheduler.slots))
         each = prompt + (max_tokens or 1)
