@@ -147,20 +147,23 @@ def sse(payload: dict[str, Any] | str) -> str:
     return f"data: {data}\n\n"
 
 
-def usage(seqs: list[Sequence]) -> dict[str, int]:
+def usage(seqs: list[Sequence]) -> dict[str, Any]:
     completion = sum(s.num_generated for s in seqs)
     prompt = seqs[0].num_prompt
     return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": seqs[0].num_cached}}
 
 
 def timings(seq: Sequence) -> dict[str, float]:
-    """llama.cpp's timings: the prompt as sent (recompute replays are not in here)."""
+    """llama.cpp's timings: the prompt as sent (recompute replays are not in here); cache_n of
+    its tokens came from the prefix cache (prompt_n still counts them, unlike llama.cpp)."""
     prompt_ms = seq.prompt_seconds * 1e3
     end = seq.finished_at or time.monotonic()
     predicted_ms = (end - seq.first_token_at) * 1e3 if seq.first_token_at else 0.0
     n = seq.num_generated
     return {
+        "cache_n": seq.num_cached,
         "prompt_n": seq.num_prompt,
         "prompt_ms": prompt_ms,
         "prompt_per_token_ms": prompt_ms / max(1, seq.num_prompt),
@@ -349,8 +352,8 @@ class Server:
             raise ApiError(400, f"'{name[gen.kind]}': {prompt} prompt tokens + {max_tokens} to "
                            f"generate exceed the {limit} tokens one request can hold here",
                            param=name[gen.kind])
-        # the n sequences each hold their own pages (the prompt's are not shared) and are never
-        # parked, so as many as get a slot at once must fit the pool together
+        # the n sequences are never parked, so as many as get a slot at once must fit the pool
+        # together (an upper bound: with the prefix cache they share the prompt's full pages)
         pool = stack.scheduler.pool
         together = min(gen.params.n, len(stack.scheduler.slots))
         each = prompt + (max_tokens or 1)

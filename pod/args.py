@@ -35,6 +35,7 @@ class ServerArgs:
     preempt_high: float = 94.0  # % of the pool: park before the next step passes it
     preempt_low: float = 80.0  # % of the pool: restore only below it
     preempt_resume: str = "spec"  # restore order: spec (measured lower worst wait) or fair
+    prefix_cache: bool = True  # keep full KV pages across requests, shared by hash
     sse_keepalive: float = 2.0  # seconds between ": keepalive" comments to a parked stream
     api_key: str | None = None
     threads: int = 0  # 0: pick from the machine
@@ -109,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="restore order: spec = most-preempted first, then longest parked, "
                    "fit-first (default: the lower worst-case wait measured); fair = "
                    "head-of-line by park time")
+    p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction,
+                   help="keep full KV pages after a request and share them with any request "
+                   "whose prompt starts the same (default on); --no-prefix-cache turns it off")
     p.add_argument("--sse-keepalive", type=float,
                    help="seconds between ': keepalive' comments to a parked stream (2)")
     p.add_argument("--api-key")

@@ -48,6 +48,7 @@ class HostStore:
         return buffer
 
     def release(self, buffer: torch.Tensor) -> None:
-        num_bytes = buffer.numel() * buffer.element_size()
+        """Give back a whole buffer `allocate` returned (a view of it gives back all of it)."""
+        num_bytes = buffer.untyped_storage().nbytes()
         assert num_bytes <= self.held_bytes, "released more than was held"
         self.held_bytes -= num_bytes

@@ -1,6 +1,10 @@
 """The paged KV pool shared by every slot: one cache tensor per layer, a free list of pages.
 
 A sequence's page table is a plain `list[int]`; the pool hands pages out and takes them back.
+Pages carry reference counts: with a prefix cache (`prefix_cache.py`) a full page may sit in
+several page tables, and a page whose last holder let go stays *cached* (evictable, LRU) rather
+than free. Cached pages count as allocatable: `allocate` takes free pages first, then evicts the
+least recently used cached ones, so the pool is full only when free + cached pages run out.
 Swapping (`swap.py`, with `kernels/kv_copy.py`) moves whole pages between the pool and a host
 buffer, so a parked sequence comes back bit for bit.
 """
@@ -11,11 +15,13 @@ import heapq
 
 import torch
 
+from .prefix_cache import PrefixCache
+
 
 class KVPool:
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", cache: PrefixCache | None = None) -> None:
         assert num_pages > 0 and page_size > 0, "the pool needs at least one page"
         self.num_pages = num_pages
         self.page_size = page_size
@@ -30,14 +36,22 @@ class KVPool:
         # a min-heap hands out low page ids first, so a lone sequence's pages tend to be
         # consecutive and attention can read them through a view
         self._free = list(range(num_pages))
+        self._refs = [0] * num_pages  # holders of each page: page tables and copies in flight
+        self.cache = cache
 
     @property
     def num_free_pages(self) -> int:
-        return len(self._free)
+        """Pages an allocation can have: free ones and evictable cached ones."""
+        return len(self._free) + self.num_cached_pages
+
+    @property
+    def num_cached_pages(self) -> int:
+        return self.cache.num_cached_pages if self.cache is not None else 0
 
     @property
     def num_used_pages(self) -> int:
-        return self.num_pages - len(self._free)
+        """Pages someone holds (cached pages are not used: any allocation may take them)."""
+        return self.num_pages - self.num_free_pages
 
     @property
     def capacity_tokens(self) -> int:
@@ -57,17 +71,39 @@ class KVPool:
         return -(-num_tokens // self.page_size)
 
     def can_allocate(self, num_pages: int) -> bool:
-        return num_pages <= len(self._free)
+        return num_pages <= self.num_free_pages
 
     def allocate(self, num_pages: int) -> list[int]:
+        """Fresh pages, one reference each: free pages first, then evicted cached ones."""
         assert self.can_allocate(num_pages), (
-            f"asked for {num_pages} pages with {len(self._free)} free"
+            f"asked for {num_pages} pages with {self.num_free_pages} free"
         )
-        return [heapq.heappop(self._free) for _ in range(num_pages)]
+        pages = [heapq.heappop(self._free) if self._free else self.cache.evict()
+                 for _ in range(num_pages)]
+        for page in pages:
+            assert self._refs[page] == 0, f"page {page} handed out while held"
+            self._refs[page] = 1
+        return pages
+
+    def share(self, pages: list[int]) -> None:
+        """One more reference to each page (a cache hit); cached pages leave the LRU."""
+        for page in pages:
+            if self._refs[page] == 0:
+                self.cache.touch(page)
+            self._refs[page] += 1
 
     def free(self, pages: list[int]) -> None:
-        for page in pages:
-            heapq.heappush(self._free, page)
+        """Drop one reference to each page; a page nobody holds is kept cached when it is
+        registered, else freed. Released last page first, so a sequence's tail is evicted
+        before the prefix it depends on."""
+        for page in reversed(pages):
+            assert self._refs[page] > 0, f"page {page} released more often than held"
+            self._refs[page] -= 1
+            if self._refs[page] == 0 and not (self.cache is not None and self.cache.keep(page)):
+                heapq.heappush(self._free, page)
+
+    def ref_count(self, page: int) -> int:
+        return self._refs[page]
 
     def free_page_ids(self) -> list[int]:
         return sorted(self._free)

@@ -37,6 +37,15 @@ class SchedulerCollector(Collector):
                      s.pool.usage_ratio)
         yield _gauge("kv_cache_pages_total", "Pages in the KV pool", s.pool.num_pages)
         yield _gauge("kv_cache_pages_free", "Free pages in the KV pool", s.pool.num_free_pages)
+        yield _gauge("kv_cache_pages_cached", "Pages nobody holds, kept for the prefix cache "
+                     "(evictable: counted free)", s.pool.num_cached_pages)
+        cache = s.pool.cache.stats if s.pool.cache is not None else None
+        yield _counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                       cache.queries if cache else 0)
+        yield _counter("prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                       cache.hits if cache else 0)
+        yield _counter("prefix_cache_evictions", "Cached pages evicted for new content",
+                       cache.evictions if cache else 0)
         yield _gauge("preempt_ram_bytes", "Host bytes held by swapped sequences now",
                      s.swapper.host.held_bytes)
         yield _gauge("preempt_ram_budget_bytes", "Host byte budget for swaps (-1: no limit)",
@@ -49,6 +58,8 @@ class SchedulerCollector(Collector):
                        stats.n_preempt_recompute)
         yield _counter("n_recompute_tokens", "Tokens re-prefilled by recompute resumes",
                        stats.n_recompute_tokens)
+        yield _counter("n_preempt_cached", "Parks restored from the prefix cache with nothing "
+                       "replayed (a subset of n_preempt)", stats.n_preempt_cached)
         yield _counter("n_preempt_swap_fallback", "Swaps refused by host RAM, recomputed",
                        stats.n_swap_fallbacks)
         ps = s.pool.page_size

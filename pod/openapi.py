@@ -78,8 +78,10 @@ def get_openapi(max_context: int) -> dict[str, Any]:
                          "minItems": 1}]}
     usage = {"type": "object", "required": ["prompt_tokens", "completion_tokens",
                                             "total_tokens"],
-             "properties": {k: {"type": "integer"} for k in
-                            ("prompt_tokens", "completion_tokens", "total_tokens")}}
+             "properties": {**{k: {"type": "integer"} for k in
+                               ("prompt_tokens", "completion_tokens", "total_tokens")},
+                            "prompt_tokens_details": {"type": "object", "properties": {
+                                "cached_tokens": {"type": "integer"}}}}}
     finish = {"type": "string", "enum": ["stop", "length"], "nullable": True}
     schemas: dict[str, Any] = {
         "Error": {"type": "object", "required": ["error"], "properties": {"error": {

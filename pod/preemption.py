@@ -33,6 +33,7 @@ class PreemptStats:
     n_preempt_swap: int = 0
     n_preempt_recompute: int = 0
     n_recompute_tokens: int = 0
+    n_preempt_cached: int = 0  # parks restored from the prefix cache with nothing replayed
     n_swap_fallbacks: int = 0  # host allocation refused, parked by recompute instead
     n_watermark_parks: int = 0  # parked before the wall: the next step passed the high mark
     n_restore_refused_watermark: int = 0  # a restore that fit, held back by the low mark

@@ -108,15 +108,38 @@ class Scheduler:
 
     def _admit(self) -> None:
         for slot_id, occupant in enumerate(self.slots):
-            if occupant is not None or not self.waiting:
+            eligible = [s for s in self.waiting if not self._sibling_prefilling(s)]
+            if occupant is not None or not eligible:
                 continue
             # highest priority first, first come first served within a priority
-            seq = max(self.waiting, key=lambda s: (s.priority, -s.arrival, -s.seq_id))
+            seq = max(eligible, key=lambda s: (s.priority, -s.arrival, -s.seq_id))
             self.waiting.remove(seq)
             seq.slot_id, seq.phase = slot_id, Phase.RUNNING
             self.slots[slot_id] = seq
             if len(seq.tokens) + 1 > self.pool.capacity_tokens:
                 self.finish(seq, error=CONTEXT_EXCEEDED, status=400)
+            else:
+                self._take_cached_prefix(seq)
+
+    def _sibling_prefilling(self, seq: Sequence) -> bool:
+        """With a prefix cache, an `n > 1` sibling waits while another computes their shared
+        prompt, then takes its full pages from the cache instead of computing them again."""
+        return self.pool.cache is not None and seq.in_family and any(
+            s.in_family and s.in_prompt and s.prompt_ids == seq.prompt_ids for s in self.running)
+
+    def _take_cached_prefix(self, seq: Sequence) -> None:
+        """Share the longest cached whole-page prefix of the prompt, keeping at least one token
+        to compute (its logits give the first sample)."""
+        cache = self.pool.cache
+        if cache is None:
+            return
+        limit = (seq.num_prompt - 1) // self.pool.page_size
+        pages = cache.lookup(cache.extend_hashes(seq, limit))
+        self.pool.share(pages)
+        seq.page_table = pages
+        seq.num_computed = seq.num_cached = len(pages) * self.pool.page_size
+        cache.stats.queries += seq.num_prompt
+        cache.stats.hits += seq.num_cached
 
     # ---- the step plan -----------------------------------------------------------------------
     def schedule(self) -> list[ScheduledSeq]:
@@ -278,8 +301,6 @@ class Scheduler:
         assert seq.phase is Phase.PARKED, f"cannot resume a {seq.phase.value} sequence"
         if not self.swapper.resume(seq):
             return  # stays parked (and busy) until the copy lands: see reap_copies
-        if seq.parking.mode is PreemptMode.RECOMPUTE:
-            self.stats.n_recompute_tokens += seq.parking.replay_until
         self._mark_resumed(seq)
 
     def reap_copies(self) -> None:
@@ -296,8 +317,16 @@ class Scheduler:
         parked_for = seq.parking.end(time.monotonic())
         seq.phase = Phase.RUNNING
         self.stats.n_resume += 1
-        log.info("seq %s (slot %s) resumed after %.1f ms parked by %s", seq.request_id,
-                 seq.slot_id, parked_for * 1e3, seq.parking.mode.value)
+        replay = seq.parking.replay_until - seq.num_computed if seq.is_replaying else 0
+        self.stats.n_recompute_tokens += replay
+        parked_by = seq.parking.mode.value
+        released = seq.parking.cached_pages
+        if released and seq.parking.restored_pages == len(released) and not replay:
+            seq.parking.mode = PreemptMode.CACHED  # how it came back: /slots shows it
+            self.stats.n_preempt_cached += 1
+        log.info("seq %s (slot %s) resumed after %.1f ms parked by %s: %d tokens back in the "
+                 "pool, %d to replay", seq.request_id, seq.slot_id, parked_for * 1e3, parked_by,
+                 seq.num_computed, replay)
         self.notify(seq, "resumed")
 
     # ---- after the step ----------------------------------------------------------------------
@@ -305,9 +334,19 @@ class Scheduler:
         """Account the fed tokens; append the sampled one (the caller checks stop conditions)."""
         seq = item.seq
         seq.num_computed += item.num_tokens
+        self._register_full_pages(seq, item.num_tokens)
         if seq.parking.replay_until and seq.num_computed >= seq.parking.replay_until:
             seq.parking.replay_until = 0
             self.notify(seq, "recomputed")
         if sampled is not None:
             seq.tokens.append(sampled)
             seq.parking.tokens_since_forced += 1
+
+    def _register_full_pages(self, seq: Sequence, num_fed: int) -> None:
+        """Pages this step filled become findable in the prefix cache."""
+        cache, ps = self.pool.cache, self.pool.page_size
+        first, full = (seq.num_computed - num_fed) // ps, seq.num_computed // ps
+        if cache is None or full == first:
+            return
+        for i, h in enumerate(cache.extend_hashes(seq, full)[first:full], start=first):
+            cache.register(seq.page_table[i], h)

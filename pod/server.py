@@ -25,6 +25,7 @@ from .model.config import ModelConfig
 from .model.llama import LlamaModel, WeightFormat
 from .model.loader import LoadedModel, load_model_files
 from .model.tokenizer import Tokenizer
+from .prefix_cache import PrefixCache
 from .runner import ModelRunner
 from .scheduler import Scheduler, SchedulerConfig
 from .swap import Swapper
@@ -167,8 +168,15 @@ def build_stack(args: ServerArgs) -> ServingStack:
                        batch_invariant=args.batch_invariant and device.type == "cpu",
                        weight_format=pick_weight_format(args, device, dtype),
                        quantized=pick_blocks(args, loaded, device, dtype))
+    cache = None
+    if args.prefix_cache:
+        # pages are reusable only by the same weights at the same precision; where decode rows
+        # read other weights than prompt rows their K/V differ, and the hash tells them apart
+        identity = (f"{loaded.name}|{loaded.source}|{dtype}|{model.weight_format.value}"
+                    f"|blocks={model.has_blocks}")
+        cache = PrefixCache(identity, args.page_size, split_kinds=model.has_blocks)
     pool = KVPool(config.num_layers, pick_num_pages(args, config, dtype, device), args.page_size,
-                  config.num_kv_heads, config.head_dim, dtype=dtype, device=device)
+                  config.num_kv_heads, config.head_dim, dtype=dtype, device=device, cache=cache)
     backend = pick_backend(args, device, config, dtype)
     graphs = None
     if args.cuda_graph and device.type == "cuda" and hasattr(backend, "plan_graph"):
@@ -208,5 +216,6 @@ def build_stack(args: ServerArgs) -> ServingStack:
              "resume order %s", "on" if args.preempt else "off (--no-preempt)",
              budget.describe(), args.preempt_every, args.preempt_high, args.preempt_low,
              args.preempt_resume)
+    log.info("prefix cache %s", "on" if cache else "off (--no-prefix-cache)")
     return ServingStack(args, loaded.name, loaded.tokenizer, scheduler_config.max_context,
                         scheduler, engine, metrics, budget)

@@ -30,6 +30,7 @@ class Phase(enum.Enum):
 class PreemptMode(str, enum.Enum):
     SWAP = "swap"
     RECOMPUTE = "recompute"
+    CACHED = "cached"  # set at resume: everything came back from the cache, nothing replayed
 
 
 @dataclass
@@ -44,6 +45,11 @@ class ParkState:
     host_kv: torch.Tensor | None = None  # swap: the pages, [layers, pages, 2, ps, Hkv, D]
     host_bytes: int = 0
     swapped_tokens: int = 0  # num_computed at the moment of a swap park
+    # prefix cache: the full pages its park released into the cache, those a resume found
+    # there again, and (while a resume copy is in flight) the ones it holds meanwhile
+    cached_pages: list[int] = field(default_factory=list)
+    restored_pages: int = 0
+    held_pages: list[int] = field(default_factory=list)
     tokens_since_forced: int = 0  # for KVPARK_PREEMPT_EVERY
     manual: bool = False  # parked through POST /slots/{id}?action=park; waits for unpark
     seconds: float = 0.0  # total time parked
@@ -73,6 +79,8 @@ class Sequence:
     tokens: list[int] = field(default_factory=list)
     num_computed: int = 0
     page_table: list[int] = field(default_factory=list)
+    page_hashes: list[bytes] = field(default_factory=list)  # of its full pages (prefix cache)
+    num_cached: int = 0  # prompt tokens found in the prefix cache at admission
     slot_id: int | None = None
     phase: Phase = Phase.WAITING
     arrival: float = field(default_factory=time.monotonic)

@@ -6,11 +6,17 @@ host store and a copy engine. A swap park copies the pages into a host buffer ch
 them and marks the tokens to replay. On CUDA a copy may still be in flight when `park`/`resume`
 return: until it lands the sequence is busy (neither scheduled nor chosen), its device pages
 stay allocated and its host buffer stays charged; a cancel mid-copy is honoured once it lands.
+
+With a prefix cache the victim's full pages also stay in the pool as cached pages when it lets
+go of them. A resume takes back whatever of them is still cached; a swapped sequence then copies
+back only the rest (its own pages only, so a swap stays exact on any device), and a recomputed
+one replays only from the first page the cache lost (often just its partial last page).
 """
 
 from __future__ import annotations
 
 import enum
+import itertools
 import logging
 import time
 from collections.abc import Callable, Hashable
@@ -131,13 +137,16 @@ class Swapper:
 
     # ---- park --------------------------------------------------------------------------------
     def park(self, seq: Sequence, wait: bool = True) -> PreemptMode:
-        """Take a running sequence's pages: swapped when the budget allows, else dropped.
+        """Take a running sequence's pages: swapped when the budget allows, else dropped; with
+        a prefix cache its full pages stay cached once let go.
 
         With `wait=False` an asynchronous copy may still be in flight on return; its pages come
         back to the pool when it lands (`reap`).
         """
         started = time.perf_counter()
-        num_bytes = self.pool.swap_bytes(len(seq.page_table))
+        self._offer_full_pages(seq)
+        pages = seq.page_table
+        num_bytes = self.pool.swap_bytes(len(pages))
         mode = policy.choose_mode(num_bytes, self.host.budget_bytes, self.host.held_bytes)
         ticket = self._start_park_copy(seq, num_bytes) if mode is PreemptMode.SWAP else None
         if ticket is None:
@@ -148,17 +157,28 @@ class Swapper:
         if ticket is not None and not self.copy.poll(ticket):
             self.transfers.start(seq, ticket)  # the pages stay allocated until it lands
         else:
-            self.pool.free(seq.page_table)
+            self.pool.free(pages)
             if ticket is not None:
                 self.stats.park_seconds.append(time.perf_counter() - started)
         seq.page_table = []
         return mode
 
+    def _offer_full_pages(self, seq: Sequence) -> None:
+        """With a prefix cache: make sure its full computed pages are registered, so that they
+        stay cached when released, and remember them for the resume."""
+        cache = self.pool.cache
+        if cache is None:
+            return
+        kept = seq.num_computed // self.pool.page_size
+        for page, h in zip(seq.page_table[:kept], cache.extend_hashes(seq, kept)):
+            cache.register(page, h)
+        seq.parking.cached_pages = seq.page_table[:kept]
+
     def _start_park_copy(self, seq: Sequence, num_bytes: int) -> Ticket | None:
         """The copy into a fresh host buffer, or None where the host refused the buffer."""
         try:
             seq.parking.host_kv = self.host.allocate(self.pool.swap_shape(len(seq.page_table)),
-                                             self.pool.dtype)
+                                                     self.pool.dtype)
         except HostAllocationError as exc:
             log.warning("seq %s: %s; parking by recompute", seq.request_id, exc)
             self.stats.n_swap_fallbacks += 1
@@ -170,19 +190,43 @@ class Swapper:
     def resume(self, seq: Sequence) -> bool:
         """Give a parked sequence its pages back. False while its swap copy is still in flight
         (`reap` reports it once it lands); a recompute park gets its pages step by step."""
-        if seq.parking.host_kv is None:  # parked by recompute
+        found = self._take_back_cached(seq)
+        if seq.parking.host_kv is None:  # parked by recompute: replay what the cache lost
+            seq.page_table, seq.num_computed = found, len(found) * self.pool.page_size
+            if seq.parking.replay_until <= seq.num_computed:
+                seq.parking.replay_until = 0
             return True
         started = time.perf_counter()
-        pages = self.pool.allocate(self.pool.pages_for(seq.parking.swapped_tokens))
-        ticket = self.copy.start_resume(pages, seq.parking.host_kv)
+        num_pages = self.pool.pages_for(seq.parking.swapped_tokens) - len(found)
+        host_kv = seq.parking.host_kv[:, len(found):]  # the pages the cache lost, and the tail
+        seq.parking.held_pages = found
+        ticket = self.copy.start_resume(self.pool.allocate(num_pages), host_kv)
         if not self.copy.poll(ticket):
             self.transfers.start(seq, ticket)
             return False
         self._resume_landed(seq, ticket, started)
         return True
 
+    def _take_back_cached(self, seq: Sequence) -> list[int]:
+        """The longest prefix of the pages its park released that is still cached, shared
+        again. A swapped sequence takes back only its own pages (same bytes on any device); a
+        recomputed one any page with the same content."""
+        cache, released = self.pool.cache, seq.parking.cached_pages
+        seq.parking.restored_pages = 0
+        if cache is None or not released:
+            return []
+        found = cache.lookup(seq.page_hashes[:len(released)])
+        if seq.parking.host_kv is not None:
+            found = list(itertools.takewhile(lambda pair: pair[0] == pair[1],
+                                             zip(found, released)))
+            found = [page for page, _ in found]
+        self.pool.share(found)
+        seq.parking.restored_pages = len(found)
+        return found
+
     def _resume_landed(self, seq: Sequence, ticket: Ticket, started: float) -> None:
-        seq.page_table = list(ticket.pages)
+        seq.page_table = [*seq.parking.held_pages, *ticket.pages]
+        seq.parking.held_pages = []
         self.host.release(seq.parking.host_kv)
         seq.parking.host_kv, seq.parking.host_bytes = None, 0
         self.stats.resume_seconds.append(time.perf_counter() - started)
@@ -215,4 +259,6 @@ class Swapper:
             self.pool.free(seq.page_table)
             if seq.parking.host_kv is not None:
                 self.host.release(seq.parking.host_kv)
+        self.pool.free(seq.parking.held_pages)  # cache hits a resume copy was joining
+        seq.parking.held_pages = []
         seq.page_table, seq.parking.host_kv, seq.parking.host_bytes = [], None, 0

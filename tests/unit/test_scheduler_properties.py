@@ -3,8 +3,13 @@
 After every event: each page is free or in exactly one page table; parked host bytes equal the
 sum over swapped sequences and never exceed the budget; a finished sequence holds nothing and
 was finished exactly once; and once arrivals stop, everything ends within a bounded number of
-steps.
+steps. With the prefix cache: a page's reference count is the number of its holders (page
+tables, copies in flight, cache hits a resume holds), so every reference is released exactly
+once; no page is both free and referenced, or cached and referenced; only registered full pages
+are shared, and no step writes into a shared page.
 """
+
+from collections import Counter
 
 import pytest
 import torch
@@ -14,6 +19,7 @@ from hypothesis import strategies as st
 from kvpark.pod.engine import Engine
 from kvpark.pod.host_store import HostStore
 from kvpark.pod.kv_pool import KVPool
+from kvpark.pod.prefix_cache import PrefixCache
 from kvpark.pod.sampling import SamplingParams
 from kvpark.pod.scheduler import Scheduler, SchedulerConfig
 from kvpark.pod.slot import Phase, Sequence
@@ -25,30 +31,40 @@ EOS = 3
 
 
 class FakeRunner:
-    """Returns token 7 for every row that samples (never EOS), without a model."""
+    """Returns token 7 for every row that samples (never EOS), without a model; with a pool,
+    checks that no row writes its K/V into a page someone else holds too."""
+
+    def __init__(self, pool: KVPool | None = None) -> None:
+        self.pool = pool
 
     def run(self, plan):
+        for item in plan if self.pool is not None else ():
+            seq, ps = item.seq, self.pool.page_size
+            for pos in range(seq.num_computed, seq.num_computed + item.num_tokens):
+                page = seq.page_table[pos // ps]
+                assert self.pool.ref_count(page) == 1, f"a write into shared page {page}"
         return [7 if item.samples else None for item in plan]
 
 
 def make_engine(budget_pages: int, preempt: bool, preempt_every: int,
-                batch_size: int = 8) -> Engine:
+                batch_size: int = 8, prefix_cache: bool = False) -> Engine:
+    cache = PrefixCache("test-model", PAGE_SIZE) if prefix_cache else None
     pool = KVPool(num_layers=1, num_pages=NUM_PAGES, page_size=PAGE_SIZE, num_kv_heads=1,
-                  head_dim=2)
+                  head_dim=2, cache=cache)
     budget = budget_pages if budget_pages < 0 else budget_pages * pool.page_bytes
     config = SchedulerConfig(num_slots=3, batch_size=batch_size, preempt=preempt,
                              preempt_every=preempt_every)
-    return Engine(Scheduler(config, Swapper(pool, HostStore(budget))), FakeRunner(),
-                  frozenset({EOS}))
+    return Engine(Scheduler(config, Swapper(pool, HostStore(budget))),
+                  FakeRunner(pool if prefix_cache else None), frozenset({EOS}))
 
 
-def make_seq(prompt_len: int, max_tokens: int, finished: dict) -> Sequence:
+def make_seq(prompt_len: int, max_tokens: int, finished: dict, token: int = 1) -> Sequence:
     def on_event(seq, kind, token):
         if kind == "finished":
             finished[seq.seq_id] = finished.get(seq.seq_id, 0) + 1
         return False
 
-    return Sequence(request_id=f"r{prompt_len}", prompt_ids=[1] * prompt_len,
+    return Sequence(request_id=f"r{prompt_len}", prompt_ids=[token] * prompt_len,
                     params=SamplingParams(temperature=0, max_tokens=max_tokens),
                     generator=torch.Generator(), on_event=on_event)
 
@@ -56,6 +72,9 @@ def make_seq(prompt_len: int, max_tokens: int, finished: dict) -> Sequence:
 def check_invariants(engine: Engine, seqs: list[Sequence], finished: dict) -> None:
     s = engine.scheduler
     owned = [p for seq in s.active for p in seq.page_table] + s.swapper.pages_in_flight
+    if s.pool.cache is not None:
+        check_references(engine)
+        owned = list(set(owned))  # shared pages: check_references counts their holders
     assert len(owned) == len(set(owned)), "a page is in two page tables"
     assert not set(owned) & set(s.pool.free_page_ids()), "a page is both free and owned"
     assert len(owned) + s.pool.num_free_pages == s.pool.num_pages, "pages leaked"
@@ -75,6 +94,24 @@ def check_invariants(engine: Engine, seqs: list[Sequence], finished: dict) -> No
             assert not seq.page_table
 
 
+def check_references(engine: Engine) -> None:
+    s = engine.scheduler
+    pool, cache = s.pool, s.pool.cache
+    holders = Counter([p for seq in s.active for p in (*seq.page_table, *seq.parking.held_pages)]
+                      + s.swapper.pages_in_flight)
+    for page in range(pool.num_pages):
+        assert pool.ref_count(page) == holders[page], f"page {page}: references != holders"
+    cached, free = set(cache.cached_page_ids()), set(pool.free_page_ids())
+    assert not cached & set(holders), "a page is both cached and referenced"
+    assert not cached & free, "a page is both cached and free"
+    assert len(cached) + len(free) + len(holders) == pool.num_pages, "pages leaked"
+    for page, count in holders.items():
+        assert count == 1 or cache.is_registered(page), "an unregistered page is shared"
+    for seq in s.running:  # shared pages are full pages behind what the sequence writes
+        shared = [i for i, p in enumerate(seq.page_table) if pool.ref_count(p) > 1]
+        assert all((i + 1) * pool.page_size <= seq.num_computed for i in shared)
+
+
 event = st.one_of(
     st.tuples(st.just("arrive"), st.integers(1, 60), st.integers(1, 40)),
     st.tuples(st.just("step"), st.integers(1, 4), st.just(0)),
@@ -92,14 +129,29 @@ def test_invariants_hold_under_random_events(events, budget_pages, preempt, pree
         run_events(monkeypatch, events, budget_pages, preempt, preempt_every)
 
 
-def run_events(monkeypatch, events, budget_pages, preempt, preempt_every):
-    engine = make_engine(budget_pages, preempt, preempt_every)
+prefix_event = st.one_of(
+    event, st.tuples(st.just("arrive"), st.integers(1, 60), st.integers(1, 40)))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(events=st.lists(prefix_event, max_size=60),
+       budget_pages=st.sampled_from([-1, 0, 1, 3, 50]), preempt=st.booleans(),
+       preempt_every=st.sampled_from([0, 0, 3]))
+def test_invariants_hold_with_the_prefix_cache(events, budget_pages, preempt, preempt_every):
+    """The same events over a pool with a prefix cache: prompts of one repeated token share
+    their pages with every earlier one, so sharing, eviction and cached resumes all happen."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        run_events(monkeypatch, events, budget_pages, preempt, preempt_every, prefix_cache=True)
+
+
+def run_events(monkeypatch, events, budget_pages, preempt, preempt_every, prefix_cache=False):
+    engine = make_engine(budget_pages, preempt, preempt_every, prefix_cache=prefix_cache)
     s = engine.scheduler
     seqs: list[Sequence] = []
     finished: dict[int, int] = {}
     for kind, a, b in events:
         if kind == "arrive":
-            seq = make_seq(a, b, finished)
+            seq = make_seq(a, b, finished, token=1 + len(seqs) % 2 if prefix_cache else 1)
             seqs.append(seq)
             s.add(seq)
         elif kind == "step":

@@ -1,0 +1,133 @@
+"""C concurrent multi-turn chats, each turn re-sending the whole history: prefix cache on vs off.
+
+    python benchmarks/multiturn.py --conversations 4 --turns 6
+    python benchmarks/multiturn.py --launch "-np 4 -c 8192" --peer http://127.0.0.1:8081
+
+Two kvpark servers are launched with the same flags, one with --no-prefix-cache; with --peer an
+OpenAI-compatible server (llama-server caches prompts by default) joins them. Every turn adds
+about 60 new words and asks for 48-64 tokens (seeded, the same for every target, ignore_eos).
+The targets alternate turn by turn, so they see the same machine conditions. Printed per target:
+total wall, generated tok/s, and the median time to first token at each turn index; the JSON
+keeps every turn's TTFT, tokens and `cached_tokens`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import random
+import shlex
+import time
+from dataclasses import dataclass, field
+
+import httpx
+from workload import ServerProcess, median, print_table, write_json
+
+WORDS = ("river stone lantern orchard harbor meadow copper violin thunder pebble garden "
+         "compass window ladder candle forest marble bridge feather canyon island mirror "
+         "saddle winter ribbon falcon anchor basket engine silver").split()
+
+
+def new_words(rng: random.Random, count: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(count))
+
+
+@dataclass
+class Conversation:
+    index: int
+    messages: list[dict] = field(default_factory=list)
+    turns: list[dict] = field(default_factory=list)
+
+
+def chat_turn(url: str, conv: Conversation, text: str, max_tokens: int) -> dict:
+    conv.messages.append({"role": "user", "content": text})
+    body = {"model": "default", "messages": conv.messages, "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "ignore_eos": True, "seed": 1234,
+            "stream_options": {"include_usage": True}}
+    started = time.perf_counter()
+    ttft, parts, usage, error = None, [], {}, None
+    try:
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body,
+                          timeout=1800) as response:
+            if response.status_code != 200:
+                error = response.read().decode()
+            for line in response.iter_lines() if error is None else ():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                for choice in chunk.get("choices", []):
+                    content = choice.get("delta", {}).get("content")
+                    if content and ttft is None:
+                        ttft = time.perf_counter() - started
+                    parts.append(content or "")
+                usage = chunk.get("usage") or usage
+    except httpx.HTTPError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    conv.messages.append({"role": "assistant", "content": "".join(parts)})
+    details = usage.get("prompt_tokens_details") or {}
+    turn = {"ttft": ttft, "seconds": time.perf_counter() - started, "error": error,
+            "prompt_tokens": usage.get("prompt_tokens", 0),
+            "completion_tokens": usage.get("completion_tokens", 0),
+            "cached_tokens": details.get("cached_tokens", 0)}
+    conv.turns.append(turn)
+    return turn
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--launch", default="-np 4 -c 8192", help="flags of both kvpark servers")
+    p.add_argument("--model", default="builtin://smollm2-135m")
+    p.add_argument("--threads", type=int, default=0, help="kvpark --threads")
+    p.add_argument("--peer", help="another OpenAI-compatible server, e.g. llama-server")
+    p.add_argument("--conversations", "-C", type=int, default=4)
+    p.add_argument("--turns", "-T", type=int, default=6)
+    p.add_argument("--words", type=int, default=60, help="new words per turn")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="benchmarks/results/multiturn.json")
+    args = p.parse_args()
+
+    flags = shlex.split(args.launch) + (["--threads", str(args.threads)] if args.threads else [])
+    servers = {"cache on": ServerProcess(flags, model=args.model),
+               "cache off": ServerProcess([*flags, "--no-prefix-cache"], model=args.model)}
+    rng = random.Random(args.seed)
+    script = [[(new_words(rng, args.words), rng.randint(48, 64)) for _ in range(args.turns)]
+              for _ in range(args.conversations)]
+    try:
+        targets = {name: s.start().url for name, s in servers.items()}
+        if args.peer:
+            targets["peer"] = args.peer
+        convs = {name: [Conversation(i) for i in range(args.conversations)] for name in targets}
+        walls = dict.fromkeys(targets, 0.0)
+        for t in range(args.turns):
+            for name, url in targets.items():  # alternate: same conditions for every target
+                started = time.perf_counter()
+                with cf.ThreadPoolExecutor(args.conversations) as pool:
+                    done = list(pool.map(chat_turn, [url] * len(convs[name]), convs[name],
+                                         *zip(*(script[c.index][t] for c in convs[name]))))
+                walls[name] += time.perf_counter() - started
+                print(f"turn {t + 1} {name}: median ttft "
+                      f"{median([d['ttft'] or 0 for d in done]) * 1e3:.0f} ms, prompt "
+                      f"{median([d['prompt_tokens'] for d in done]):.0f} tokens, cached "
+                      f"{median([d['cached_tokens'] for d in done]):.0f}")
+    finally:
+        for server in servers.values():
+            server.stop()
+    rows = []
+    for name in targets:
+        turns = [c.turns for c in convs[name]]
+        tokens = sum(d["completion_tokens"] for ts in turns for d in ts)
+        errors = sum(d["error"] is not None for ts in turns for d in ts)
+        ttfts = [median([ts[t]["ttft"] or 0 for ts in turns]) * 1e3 for t in range(args.turns)]
+        rows.append([name, f"{walls[name]:.1f}", f"{tokens / walls[name]:.1f}", errors,
+                     *(f"{v:.0f}" for v in ttfts)])
+    print(f"\n{args.conversations} conversations x {args.turns} turns, ~{args.words} new words "
+          f"per turn, 48-64 generated; kvpark {args.launch}, model {args.model}")
+    print_table(["target", "wall s", "gen tok/s", "errors",
+                 *(f"ttft ms t{t + 1}" for t in range(args.turns))], rows)
+    write_json(args.out, {"args": vars(args), "wall_seconds": walls,
+                          "turns": {n: [c.turns for c in convs[n]] for n in targets}})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""The prefix cache: full KV pages by the hash of their tokens, chained with their predecessor's.
+
+A page is registered here once it is full; while someone holds it, it may be shared (read-only:
+only full pages are shared, and a sequence writes only past them). When its last holder lets go
+it stays in the pool as *cached*, in LRU order, until an allocation that found no free page
+evicts it. The pool (`kv_pool.py`) owns the reference counts and the free list; this owns the
+hash table and the LRU. Hashes are SHA-256 over (predecessor, tokens), seeded with the model
+identity, so a collision would have to be a SHA-256 one.
+
+Where prompt rows and generated rows run through different weights (a GGUF's decode rows read
+its quantised blocks on the CPU) their K/V bytes differ for the same tokens, so the hash also
+says how many of the page's tokens were prompt rows (`split_kinds`): a page decoded in one
+request is not reused as prompt by the next, and the cache never changes an output.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+from .slot import Sequence
+
+
+@dataclass
+class CacheStats:
+    queries: int = 0  # prompt tokens looked up at admission
+    hits: int = 0  # of which found cached
+    evictions: int = 0  # cached pages taken back for new content
+
+
+def seed_hash(identity: str) -> bytes:
+    return hashlib.sha256(identity.encode()).digest()
+
+
+def chain_hash(prev: bytes, tokens: Seq[int], num_prompt_rows: int | None) -> bytes:
+    """The hash of one full page: its predecessor's hash, its tokens, and (when row kinds
+    matter) how many of them were prompt rows."""
+    h = hashlib.sha256(prev)
+    h.update(array("q", tokens).tobytes())
+    if num_prompt_rows is not None:
+        h.update(num_prompt_rows.to_bytes(4, "little"))
+    return h.digest()
+
+
+class PrefixCache:
+    def __init__(self, identity: str, page_size: int, split_kinds: bool = False) -> None:
+        self.seed = seed_hash(identity)
+        self.page_size = page_size
+        self.split_kinds = split_kinds
+        self.stats = CacheStats()
+        self._pages: dict[bytes, int] = {}  # hash -> page holding that content
+        self._hash_of: dict[int, bytes] = {}  # page -> its hash (registered pages only)
+        self._lru: OrderedDict[int, None] = OrderedDict()  # unreferenced cached pages, oldest 1st
+
+    @property
+    def num_cached_pages(self) -> int:
+        return len(self._lru)
+
+    def cached_page_ids(self) -> list[int]:
+        return list(self._lru)
+
+    def is_registered(self, page: int) -> bool:
+        return page in self._hash_of
+
+    # ---- hashes ------------------------------------------------------------------------------
+    def extend_hashes(self, seq: Sequence, num_full_pages: int) -> list[bytes]:
+        """`seq.page_hashes` grown to its first `num_full_pages` pages (tokens must exist)."""
+        ps, hashes = self.page_size, seq.page_hashes
+        while len(hashes) < num_full_pages:
+            i = len(hashes)
+            prev = hashes[-1] if hashes else self.seed
+            kinds = min(ps, max(0, seq.num_prompt - i * ps)) if self.split_kinds else None
+            hashes.append(chain_hash(prev, seq.tokens[i * ps:(i + 1) * ps], kinds))
+        return hashes
+
+    # ---- lookups and registration ------------------------------------------------------------
+    def lookup(self, hashes: Seq[bytes]) -> list[int]:
+        """Pages holding the longest registered prefix of `hashes`."""
+        pages = []
+        for h in hashes:
+            page = self._pages.get(h)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    def register(self, page: int, h: bytes) -> None:
+        """A page just filled; the first page seen with some content keeps that content's
+        entry (a duplicate stays private and goes back to the free list when released)."""
+        if h not in self._pages and page not in self._hash_of:
+            self._pages[h] = page
+            self._hash_of[page] = h
+
+    # ---- the LRU of unreferenced pages (called by the pool) ----------------------------------
+    def keep(self, page: int) -> bool:
+        """The page's last holder let go: keep it as cached if registered."""
+        if page not in self._hash_of:
+            return False
+        self._lru[page] = None
+        return True
+
+    def touch(self, page: int) -> None:
+        """A cached page is referenced again: out of the LRU."""
+        self._lru.pop(page, None)
+
+    def evict(self) -> int:
+        """The least recently used cached page, forgotten; the caller reuses it."""
+        page, _ = self._lru.popitem(last=False)
+        del self._pages[self._hash_of.pop(page)]
+        self.stats.evictions += 1
+        return page
