@@ -12,10 +12,14 @@ buffer, so a parked sequence comes back bit for bit.
 from __future__ import annotations
 
 import heapq
+from typing import TYPE_CHECKING
 
 import torch
 
 from .prefix_cache import PrefixCache
+
+if TYPE_CHECKING:
+    from .slot import Sequence
 
 
 class KVPool:
@@ -101,6 +105,28 @@ class KVPool:
             self._refs[page] -= 1
             if self._refs[page] == 0 and not (self.cache is not None and self.cache.keep(page)):
                 heapq.heappush(self._free, page)
+
+    def take_cached_prefix(self, seq: Sequence) -> None:
+        """Share the longest cached whole-page prefix of a new sequence's prompt, keeping at
+        least one token to compute (its logits give the first sample)."""
+        if self.cache is None:
+            return
+        limit = (seq.num_prompt - 1) // self.page_size
+        pages = self.cache.lookup(self.cache.extend_hashes(seq, limit))
+        self.share(pages)
+        seq.page_table = pages
+        seq.num_computed = seq.num_cached = len(pages) * self.page_size
+        self.cache.stats.queries += seq.num_prompt
+        self.cache.stats.hits += seq.num_cached
+
+    def register_filled(self, seq: Sequence, num_fed: int) -> None:
+        """Pages the last `num_fed` tokens filled become findable in the prefix cache."""
+        ps = self.page_size
+        first, full = (seq.num_computed - num_fed) // ps, seq.num_computed // ps
+        if self.cache is None or full == first:
+            return
+        for i, h in enumerate(self.cache.extend_hashes(seq, full)[first:full], start=first):
+            self.cache.register(seq.page_table[i], h)
 
     def ref_count(self, page: int) -> int:
         return self._refs[page]

@@ -147,6 +147,15 @@ def preempt_kv_reserve(running: Iterable[Sequence], page_size: int) -> int:
     return reserve
 
 
+def promised_pages(running: Iterable[Sequence], page_size: int, batch_size: int) -> int:
+    """Pages the running sequences will claim before a parked one may have any: each one's
+    next step, and the whole remaining replay of resuming recomputes."""
+    running = list(running)
+    next_steps = sum(-(-(s.num_computed + next_step_tokens(s, batch_size)) // page_size)
+                     - len(s.page_table) for s in running if not s.is_replaying)
+    return preempt_kv_reserve(running, page_size) + next_steps
+
+
 def can_never_fit(seq: Sequence, capacity_tokens: int) -> bool:
     """A parked sequence that has grown to within the margin of the whole pool."""
     return len(seq.tokens) + PREEMPT_N_MARGIN + 1 > capacity_tokens

@@ -119,27 +119,13 @@ class Scheduler:
             if len(seq.tokens) + 1 > self.pool.capacity_tokens:
                 self.finish(seq, error=CONTEXT_EXCEEDED, status=400)
             else:
-                self._take_cached_prefix(seq)
+                self.pool.take_cached_prefix(seq)
 
     def _sibling_prefilling(self, seq: Sequence) -> bool:
         """With a prefix cache, an `n > 1` sibling waits while another computes their shared
         prompt, then takes its full pages from the cache instead of computing them again."""
         return self.pool.cache is not None and seq.in_family and any(
             s.in_family and s.in_prompt and s.prompt_ids == seq.prompt_ids for s in self.running)
-
-    def _take_cached_prefix(self, seq: Sequence) -> None:
-        """Share the longest cached whole-page prefix of the prompt, keeping at least one token
-        to compute (its logits give the first sample)."""
-        cache = self.pool.cache
-        if cache is None:
-            return
-        limit = (seq.num_prompt - 1) // self.pool.page_size
-        pages = cache.lookup(cache.extend_hashes(seq, limit))
-        self.pool.share(pages)
-        seq.page_table = pages
-        seq.num_computed = seq.num_cached = len(pages) * self.pool.page_size
-        cache.stats.queries += seq.num_prompt
-        cache.stats.hits += seq.num_cached
 
     # ---- the step plan -----------------------------------------------------------------------
     def schedule(self) -> list[ScheduledSeq]:
@@ -221,11 +207,7 @@ class Scheduler:
         """Park a running sequence: swap or recompute, as the budget allows (see `Swapper`)."""
         assert seq.phase is Phase.RUNNING, f"cannot park a {seq.phase.value} sequence"
         mode = self.swapper.park(seq, wait)
-        seq.phase, seq.parking.mode = Phase.PARKED, mode
-        seq.parking.parked_at = time.monotonic()
-        seq.parking.n_preempt += 1
-        seq.parking.tokens_since_forced = 0
-        self._count_park(seq, mode)
+        seq.phase = Phase.PARKED
         self.notify(seq, "parked")
         return mode
 
@@ -244,17 +226,6 @@ class Scheduler:
         if self.pool.can_allocate(need):
             self.resume(seq)
 
-    def _count_park(self, seq: Sequence, mode: PreemptMode) -> None:
-        self.stats.n_preempt += 1
-        if mode is PreemptMode.SWAP:
-            self.stats.n_preempt_swap += 1
-        else:
-            self.stats.n_preempt_recompute += 1
-            seq.parking.n_recompute += 1
-        log.info("seq %s (slot %s) parked by %s: %d tokens, %d host bytes%s", seq.request_id,
-                 seq.slot_id, mode.value, len(seq.tokens), seq.parking.host_bytes,
-                 ", copy in flight" if self.swapper.is_busy(seq) else "")
-
     def _force_parks(self) -> None:
         every = self.config.preempt_every
         if every <= 0:
@@ -270,12 +241,7 @@ class Scheduler:
         if not parked:
             return
         running = self.running
-        promised = policy.preempt_kv_reserve(running, self.pool.page_size) + sum(
-            self.pool.pages_for(s.num_computed + policy.next_step_tokens(s, self.config.batch_size))
-            - len(s.page_table)
-            for s in running
-            if not s.is_replaying
-        )
+        promised = policy.promised_pages(running, self.pool.page_size, self.config.batch_size)
         available = self.pool.num_free_pages - promised
         projected = self.pool.num_used_pages + promised
         head_of_line = self.config.resume_order == "fair"
@@ -314,19 +280,8 @@ class Scheduler:
             self._mark_resumed(seq)
 
     def _mark_resumed(self, seq: Sequence) -> None:
-        parked_for = seq.parking.end(time.monotonic())
+        self.swapper.account_resume(seq)
         seq.phase = Phase.RUNNING
-        self.stats.n_resume += 1
-        replay = seq.parking.replay_until - seq.num_computed if seq.is_replaying else 0
-        self.stats.n_recompute_tokens += replay
-        parked_by = seq.parking.mode.value
-        released = seq.parking.cached_pages
-        if released and seq.parking.restored_pages == len(released) and not replay:
-            seq.parking.mode = PreemptMode.CACHED  # how it came back: /slots shows it
-            self.stats.n_preempt_cached += 1
-        log.info("seq %s (slot %s) resumed after %.1f ms parked by %s: %d tokens back in the "
-                 "pool, %d to replay", seq.request_id, seq.slot_id, parked_for * 1e3, parked_by,
-                 seq.num_computed, replay)
         self.notify(seq, "resumed")
 
     # ---- after the step ----------------------------------------------------------------------
@@ -334,19 +289,10 @@ class Scheduler:
         """Account the fed tokens; append the sampled one (the caller checks stop conditions)."""
         seq = item.seq
         seq.num_computed += item.num_tokens
-        self._register_full_pages(seq, item.num_tokens)
+        self.pool.register_filled(seq, item.num_tokens)
         if seq.parking.replay_until and seq.num_computed >= seq.parking.replay_until:
             seq.parking.replay_until = 0
             self.notify(seq, "recomputed")
         if sampled is not None:
             seq.tokens.append(sampled)
             seq.parking.tokens_since_forced += 1
-
-    def _register_full_pages(self, seq: Sequence, num_fed: int) -> None:
-        """Pages this step filled become findable in the prefix cache."""
-        cache, ps = self.pool.cache, self.pool.page_size
-        first, full = (seq.num_computed - num_fed) // ps, seq.num_computed // ps
-        if cache is None or full == first:
-            return
-        for i, h in enumerate(cache.extend_hashes(seq, full)[first:full], start=first):
-            cache.register(seq.page_table[i], h)

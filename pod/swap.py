@@ -161,7 +161,38 @@ class Swapper:
             if ticket is not None:
                 self.stats.park_seconds.append(time.perf_counter() - started)
         seq.page_table = []
+        self._account_park(seq, mode)
         return mode
+
+    def _account_park(self, seq: Sequence, mode: PreemptMode) -> None:
+        seq.parking.mode, seq.parking.parked_at = mode, time.monotonic()
+        seq.parking.n_preempt += 1
+        seq.parking.tokens_since_forced = 0
+        self.stats.n_preempt += 1
+        if mode is PreemptMode.SWAP:
+            self.stats.n_preempt_swap += 1
+        else:
+            self.stats.n_preempt_recompute += 1
+            seq.parking.n_recompute += 1
+        log.info("seq %s (slot %s) parked by %s: %d tokens, %d host bytes%s", seq.request_id,
+                 seq.slot_id, mode.value, len(seq.tokens), seq.parking.host_bytes,
+                 ", copy in flight" if self.is_busy(seq) else "")
+
+    def account_resume(self, seq: Sequence) -> None:
+        """Close the park's clock and count the resume; a resume that took every full page
+        back from the cache and replays nothing counts (and shows in /slots) as cached."""
+        parked_for = seq.parking.end(time.monotonic())
+        self.stats.n_resume += 1
+        replay = seq.parking.replay_until - seq.num_computed if seq.is_replaying else 0
+        self.stats.n_recompute_tokens += replay
+        parked_by = seq.parking.mode.value
+        released = seq.parking.cached_pages
+        if released and seq.parking.restored_pages == len(released) and not replay:
+            seq.parking.mode = PreemptMode.CACHED
+            self.stats.n_preempt_cached += 1
+        log.info("seq %s (slot %s) resumed after %.1f ms parked by %s: %d tokens back in the "
+                 "pool, %d to replay", seq.request_id, seq.slot_id, parked_for * 1e3, parked_by,
+                 seq.num_computed, replay)
 
     def _offer_full_pages(self, seq: Sequence) -> None:
         """With a prefix cache: make sure its full computed pages are registered, so that they
