@@ -2,10 +2,13 @@
 
 import concurrent.futures as cf
 import json
+import os
 import signal
+import subprocess
+import sys
 
 import httpx
-from serverproc import ServerProcess, poll
+from serverproc import ServerProcess, free_port, poll
 
 
 def stream_lines(url, body):
@@ -64,3 +67,13 @@ def test_sigterm_timeout_ends_unfinished_requests_with_an_error():
         assert server.proc.wait(60) == 0
     finally:
         server.stop(signal.SIGKILL)
+
+
+def test_bad_environment_value_exits_2_with_one_clear_line():
+    env = {**os.environ, "KVPARK_PARALLEL": "0"}
+    cmd = [sys.executable, "-m", "kvpark.pod", "--model", "synthetic:tiny", "--host",
+           "127.0.0.1", "--port", str(free_port())]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip() == ("kvpark-server: error: KVPARK_PARALLEL: must be positive, "
+                                   "got 0 (see --help)")
