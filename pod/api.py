@@ -138,6 +138,12 @@ class SSEResponse(StreamingResponse):
                 await watcher
 
 
+def has_key(request: Request, key: str) -> bool:
+    header = request.headers.get("authorization", "")
+    given = header[7:] if header.lower().startswith("bearer ") else ""
+    return hmac.compare_digest(given.encode(), key.encode())  # constant time
+
+
 def error_response(exc: ApiError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
@@ -209,10 +215,20 @@ class Server:
         key = self.args.api_key
         if not key or request.url.path in OPEN_PATHS:
             return
-        header = request.headers.get("authorization", "")
-        given = header[7:] if header.lower().startswith("bearer ") else ""
-        if not hmac.compare_digest(given.encode(), key.encode()):
+        if not has_key(request, key):
             raise ApiError(401, "invalid or missing API key (Authorization: Bearer ...)",
+                           error_type="authentication_error")
+
+    def check_admin(self, request: Request) -> None:
+        """Admin actions can park every slot for good: off unless a key guards them."""
+        key = self.args.admin_key or self.args.api_key
+        if not key:
+            raise ApiError(403, "admin actions (POST /slots/{id}) are off: start the server with "
+                           "--admin-key KEY (or --api-key KEY) to enable them",
+                           error_type="permission_error")
+        if not has_key(request, key):
+            which = "admin" if self.args.admin_key else "API"
+            raise ApiError(401, f"invalid or missing {which} key (Authorization: Bearer ...)",
                            error_type="authentication_error")
 
     def ready_stack(self) -> ServingStack:
@@ -281,7 +297,7 @@ class Server:
 
     async def slot_action(self, request: Request) -> Response:
         """POST /slots/{id}?action=park|unpark: park by the normal mode decision, or resume."""
-        self.check_auth(request)
+        self.check_admin(request)
         stack = self.ready_stack()
         slots = stack.scheduler.slots
         try:

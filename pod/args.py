@@ -41,6 +41,7 @@ class ServerArgs:
     preempt_resume: str = "spec"  # restore order: spec (measured lower worst wait) or fair
     sse_keepalive: float = 2.0  # seconds between ": keepalive" comments to a parked stream
     api_key: str | None = None
+    admin_key: str | None = None  # POST /slots actions; they are off without this or api_key
     threads: int = 0  # 0: pick from the machine
     max_queue: int = 256
     max_body_bytes: int = 8 << 20
@@ -54,10 +55,11 @@ class ServerArgs:
     gpu_memory_fraction: float = 0.9
     log_level: str = "info"
 
-    def __repr__(self) -> str:  # the API key never reaches a log
+    def __repr__(self) -> str:  # the keys never reach a log
         shown = {f.name: getattr(self, f.name) for f in fields(self)}
-        if shown["api_key"]:
-            shown["api_key"] = "***"
+        for secret in ("api_key", "admin_key"):
+            if shown[secret]:
+                shown[secret] = "***"
         return "ServerArgs(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
 
 
@@ -159,6 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sse-keepalive", type=_seconds,
                    help="seconds between ': keepalive' comments to a parked stream (2)")
     p.add_argument("--api-key")
+    p.add_argument("--admin-key", help="key for POST /slots/{id} (park/unpark); without it the "
+                   "--api-key guards them, and with neither they are off (403)")
     p.add_argument("--threads", "-t", type=_non_negative, help="torch threads (0: auto)")
     p.add_argument("--max-queue", type=_positive, help="queued requests before 503")
     p.add_argument("--max-body-bytes", type=_positive, help="largest request body (413 above)")

@@ -99,3 +99,8 @@ def test_environment_booleans_and_empty_values():
 def test_abbreviated_flags_are_refused(capsys):
     assert "--ctx" in refused(capsys, ["--ctx", "262144"], {})
     assert parse_args(["--ctx-size", "262144"], env={}).ctx_size == 262144
+
+
+def test_admin_key_never_reaches_a_log():
+    args = parse_args([], env={"KVPARK_ADMIN_KEY": "adm1n-secret"})
+    assert args.admin_key == "adm1n-secret" and "adm1n" not in repr(args)
