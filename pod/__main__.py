@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import threading
 
 import uvicorn
 
-from .api import Server, create_app
+from .api import DRAIN_GRACE_SECONDS, Server, create_app
 from .args import parse_args
 
 log = logging.getLogger("kvpark")
@@ -27,6 +28,7 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: object) -> None:
         if self.draining:
             super().handle_exit(sig, frame)
+            self.force_exit = True  # uvicorn would still wait out its graceful timeout
             return
         self.draining = True
         log.info("signal %d: draining for up to %.0f s", sig, self.timeout)
@@ -37,6 +39,13 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+def graceful_timeout(shutdown_timeout: float) -> int:
+    """uvicorn's own cap on open connections at exit. The drain has ended every admitted
+    request by then, so this only binds if that went wrong; it must never cut the drain's
+    final error events short."""
+    return math.ceil(shutdown_timeout + 2 * DRAIN_GRACE_SECONDS)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
@@ -45,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     app = create_app(args)
     api: Server = app.state.server
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=5)
+                            timeout_graceful_shutdown=graceful_timeout(args.shutdown_timeout))
     server = DrainingServer(config, api, args.shutdown_timeout)
 
     def exit_on_load_failure() -> None:

@@ -46,6 +46,9 @@ class ServerArgs:
     max_queue: int = 256
     max_body_bytes: int = 8 << 20
     shutdown_timeout: float = 30.0
+    timeout_header: float = 10.0  # seconds to send a request's whole header (then closed)
+    timeout_body: float = 30.0  # seconds between two chunks of a request body (then 408)
+    max_connections: int = 4096  # open HTTP connections; idle ones are shed first
     attention_backend: str = "auto"
     dtype: str = "auto"
     weights: str = "auto"  # CPU linears: auto / gguf (decode from the GGUF's blocks), fp32, bf16
@@ -168,6 +171,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=_positive, help="largest request body (413 above)")
     p.add_argument("--shutdown-timeout", type=_seconds_or_zero,
                    help="seconds to drain on SIGTERM")
+    p.add_argument("--timeout-header", type=_seconds,
+                   help="seconds a client has to send a request's whole header; then the "
+                   "connection is closed (10)")
+    p.add_argument("--timeout-body", type=_seconds,
+                   help="seconds to wait for the next chunk of a request body; then 408 (30)")
+    p.add_argument("--max-connections", type=_positive,
+                   help="open HTTP connections at most (4096, lowered to fit the open-file "
+                   "limit); past it the oldest idle one is closed, or the new one gets 503")
     p.add_argument("--attention-backend", choices=["auto", "torch", "cpu", "flashinfer"])
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--weights", choices=["auto", "gguf", "fp32", "bf16"],

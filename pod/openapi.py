@@ -58,7 +58,7 @@ def _generation_op(summary: str, request: str, response: str) -> dict[str, Any]:
                         "type": "object", "required": ["data"],
                         "properties": {"data": {"type": "string"},
                                        "event": {"type": "string"}}}}}},
-            **_error_responses((400, 401, 413, 500, 503)),
+            **_error_responses((400, 401, 408, 413, 500, 503)),
         },
     }}
 
