@@ -30,8 +30,8 @@ class DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: object) -> None:
         if self.draining:
+            self.config.timeout_graceful_shutdown = 0  # not --shutdown-timeout again
             super().handle_exit(sig, frame)
-            self.force_exit = True  # uvicorn would still wait out its graceful timeout
             return
         self.draining = True
         log.info("signal %d: draining for up to %.0f s", sig, self.timeout)

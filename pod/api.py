@@ -138,10 +138,12 @@ class SSEResponse(StreamingResponse):
         finally:
             for task in (stream, watcher):
                 task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, OSError):
-                await stream
-                await watcher
-            self.on_close()
+            try:
+                with contextlib.suppress(asyncio.CancelledError, OSError):
+                    await stream
+                    await watcher
+            finally:
+                self.on_close()
 
 
 def has_key(request: Request, key: str) -> bool:

@@ -95,28 +95,33 @@ def test_sigterm_drains_running_requests_then_exits_zero():
         server.stop(signal.SIGKILL)
 
 
-def test_sigterm_ends_a_request_admitted_before_it_whose_body_comes_after():
-    """Headers before SIGTERM, body after: admitted, so it runs until the shutdown timeout and
-    then ends with an error event and [DONE], not a cut connection."""
+def test_sigterm_ends_requests_admitted_before_it_whose_body_comes_late_or_never():
+    """Headers before SIGTERM: admitted. A body that comes after it runs until the shutdown
+    timeout and then ends with an error event and [DONE]; a body that never comes gets a 503.
+    Neither is a cut connection."""
     server = ServerProcess(["-np", "2", "-c", "65536", "--shutdown-timeout", "2"]).start()
+    late, never = RawRequest(server.port), RawRequest(server.port)
     try:
         body = json.dumps({"messages": [{"role": "user", "content": "late body"}],
                            "stream": True, "ignore_eos": True}).encode()
-        conn = RawRequest(server.port)
-        conn.send_head("/v1/chat/completions", body)
-        assert conn.read_head().status == 100  # admitted: the server waits for the body
+        for conn in (late, never):
+            conn.send_head("/v1/chat/completions", body)
+            assert conn.read_head().status == 100  # admitted: the server waits for the body
         server.proc.send_signal(signal.SIGTERM)
         poll(lambda: server.count_in_log("draining for up to"), "the drain to start")
-        conn.send(body)
-        response = conn.response()
+        late.send(body)
+        response = late.response()
         assert response.status == 200
         lines = sse_data(response)
-        conn.close()
         errors = [line for line in lines if isinstance(line, dict) and "error" in line]
         assert errors and "shut down" in errors[0]["error"]["message"], lines[-3:]
         assert lines[-1] == "[DONE]"
+        head = never.read_head()
+        assert head.status == 503 and "shut down" in never.read_json(head)["error"]["message"]
         assert server.proc.wait(60) == 0
     finally:
+        late.close()
+        never.close()
         server.stop(signal.SIGKILL)
 
 
