@@ -74,7 +74,8 @@ def test_stalled_body_ends_with_408_and_a_closed_connection(quick_timeouts):
 
 def test_the_server_raises_its_open_file_limit(capped):
     server, low, hard = capped
-    assert resource.prlimit(server.proc.pid, resource.RLIMIT_NOFILE) == (hard, hard)
+    soft, _ = resource.prlimit(server.proc.pid, resource.RLIMIT_NOFILE)
+    assert soft == hard if hard != resource.RLIM_INFINITY else soft > low
 
 
 def test_idle_connections_past_the_cap_are_shed_oldest_first(capped):
