@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
+import socket
 import sys
 import threading
 
 import uvicorn
 
-from .api import Server, create_app
+from .api import DRAIN_GRACE_SECONDS, Server, create_app
 from .args import parse_args
+from .connections import AcceptErrorLog, get_limits, make_protocol, raise_fd_limit
 
 log = logging.getLogger("kvpark")
 
@@ -26,15 +30,27 @@ class DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: object) -> None:
         if self.draining:
+            self.config.timeout_graceful_shutdown = 0  # not --shutdown-timeout again
             super().handle_exit(sig, frame)
             return
         self.draining = True
         log.info("signal %d: draining for up to %.0f s", sig, self.timeout)
         threading.Thread(target=self._drain_then_exit, name="kvpark-drain", daemon=True).start()
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        asyncio.get_running_loop().set_exception_handler(AcceptErrorLog())
+        await super().startup(sockets)
+
     def _drain_then_exit(self) -> None:
         self.api.drain(self.timeout)
         self.should_exit = True
+
+
+def graceful_timeout(shutdown_timeout: float) -> int:
+    """uvicorn's own cap on open connections at exit. The drain has ended every admitted
+    request by then, so this only binds if that went wrong; it must never cut the drain's
+    final error events short."""
+    return math.ceil(shutdown_timeout + 2 * DRAIN_GRACE_SECONDS)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,8 +60,13 @@ def main(argv: list[str] | None = None) -> int:
     log.info("%r", args)
     app = create_app(args)
     api: Server = app.state.server
+    fd_limit = raise_fd_limit()
+    limits = get_limits(args, fd_limit)
+    log.info("connections: at most %d (open-file limit %d), header timeout %g s, body timeout "
+             "%g s", limits.max_connections, fd_limit, args.timeout_header, args.timeout_body)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=5)
+                            http=make_protocol(limits), backlog=limits.backlog,
+                            timeout_graceful_shutdown=graceful_timeout(args.shutdown_timeout))
     server = DrainingServer(config, api, args.shutdown_timeout)
 
     def exit_on_load_failure() -> None:

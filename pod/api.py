@@ -13,7 +13,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +21,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from . import protocol
 from .args import ServerArgs
@@ -37,6 +37,8 @@ from .text_output import TextOutput
 log = logging.getLogger("kvpark.api")
 
 OPEN_PATHS = {"/health", "/metrics", "/openapi.json"}
+DRAIN_GRACE_SECONDS = 5.0  # after the shutdown timeout: for the final error events to go out
+SHUT_DOWN = "the server shut down before this request finished"
 NOTICES = {"parked": "preempted", "resumed": "resumed", "recomputed": "recomputed",
            "keepalive": "keepalive"}
 CHAT_PARSERS = {
@@ -123,7 +125,10 @@ class RequestStream:
 
 class SSEResponse(StreamingResponse):
     """Always listens for the client going away, even while nothing is being sent (a parked
-    stream sends nothing for a while, and a disconnect must still free its slot)."""
+    stream sends nothing for a while, and a disconnect must still free its slot). `on_close`
+    runs when the response has ended, however it ended."""
+
+    on_close: Callable[[], None] = staticmethod(lambda: None)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         stream = asyncio.ensure_future(self.stream_response(send))
@@ -133,9 +138,18 @@ class SSEResponse(StreamingResponse):
         finally:
             for task in (stream, watcher):
                 task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, OSError):
-                await stream
-                await watcher
+            try:
+                with contextlib.suppress(asyncio.CancelledError, OSError):
+                    await stream
+                    await watcher
+            finally:
+                self.on_close()
+
+
+def has_key(request: Request, key: str) -> bool:
+    header = request.headers.get("authorization", "")
+    given = header[7:] if header.lower().startswith("bearer ") else ""
+    return hmac.compare_digest(given.encode(), key.encode())  # constant time
 
 
 def error_response(exc: ApiError) -> JSONResponse:
@@ -188,9 +202,17 @@ class Server:
         self.created = int(time.time())
         self.on_load_failed = lambda: None  # __main__ makes uvicorn exit
         self.draining = False
+        # admitted requests: from their headers (before the body) until their response ended;
+        # those still being received count against --max-queue, all of them hold the drain
+        self.num_receiving = 0
+        self.num_open = 0
+        self.aborting = False  # the drain timed out: what is left ends with an explicit error
+        self.aborted = asyncio.Event()  # `aborting`, for body reads to wake on
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
         if self.stack is None:
             try:
                 self.stack = await asyncio.to_thread(build_stack, self.args)
@@ -212,10 +234,20 @@ class Server:
         key = self.args.api_key
         if not key or request.url.path in OPEN_PATHS:
             return
-        header = request.headers.get("authorization", "")
-        given = header[7:] if header.lower().startswith("bearer ") else ""
-        if not hmac.compare_digest(given.encode(), key.encode()):
+        if not has_key(request, key):
             raise ApiError(401, "invalid or missing API key (Authorization: Bearer ...)",
+                           error_type="authentication_error")
+
+    def check_admin(self, request: Request) -> None:
+        """Admin actions can park every slot for good: off unless a key guards them."""
+        key = self.args.admin_key or self.args.api_key
+        if not key:
+            raise ApiError(403, "admin actions (POST /slots/{id}) are off: start the server with "
+                           "--admin-key KEY (or --api-key KEY) to enable them",
+                           error_type="permission_error")
+        if not has_key(request, key):
+            which = "admin" if self.args.admin_key else "API"
+            raise ApiError(401, f"invalid or missing {which} key (Authorization: Bearer ...)",
                            error_type="authentication_error")
 
     def ready_stack(self) -> ServingStack:
@@ -236,29 +268,37 @@ class Server:
         if self.draining:
             raise ApiError(503, "the server is shutting down", error_type="unavailable",
                            headers={"Connection": "close", "Retry-After": "5"})
-        if stack.engine.num_queued >= self.args.max_queue:
+        if stack.engine.num_queued + self.num_receiving >= self.args.max_queue:
             stack.metrics.rejected.inc()
             raise ApiError(503, f"the queue is full ({self.args.max_queue} requests wait for a "
                            "slot); retry later", error_type="unavailable",
                            headers={"Retry-After": "1"})
 
     def drain(self, timeout: float, poll: float = 0.05) -> None:
-        """SIGTERM: stop admitting, let running and parked requests finish up to `timeout`,
-        then end what is left with an explicit error. Blocks; call it off the event loop."""
+        """SIGTERM: stop admitting, let admitted requests (running, parked, queued, or still
+        sending their body) finish up to `timeout`, then end what is left with an explicit
+        error, and return once their responses have ended. Blocks; call it off the event loop.
+        """
         self.draining = True
         if self.stack is None:
             return
-        engine = self.stack.engine
         deadline = time.monotonic() + timeout
-        while engine.busy and time.monotonic() < deadline:
+        while self.busy and time.monotonic() < deadline:
             time.sleep(poll)
-        if engine.busy:
-            log.warning("shutdown timeout: ending %d unfinished requests", engine.num_unfinished)
-            engine.call_soon(lambda: self.stack.scheduler.abort_all(
-                "the server shut down before this request finished", status=503))
-            grace = time.monotonic() + 5
-            while engine.busy and time.monotonic() < grace:
-                time.sleep(poll)
+        if not self.busy:
+            return
+        log.warning("shutdown timeout: ending %d unfinished requests", self.num_open)
+        self.aborting = True  # read on the loop before a submit: none slips past abort_all
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self.aborted.set)
+        self.stack.engine.call_soon(lambda: self.stack.scheduler.abort_all(SHUT_DOWN, status=503))
+        grace = time.monotonic() + DRAIN_GRACE_SECONDS
+        while self.busy and time.monotonic() < grace:
+            time.sleep(poll)
+
+    @property
+    def busy(self) -> bool:
+        return self.num_open > 0 or (self.stack is not None and self.stack.engine.busy)
 
     async def models(self, request: Request) -> Response:
         self.check_auth(request)
@@ -284,7 +324,7 @@ class Server:
 
     async def slot_action(self, request: Request) -> Response:
         """POST /slots/{id}?action=park|unpark: park by the normal mode decision, or resume."""
-        self.check_auth(request)
+        self.check_admin(request)
         stack = self.ready_stack()
         slots = stack.scheduler.slots
         try:
@@ -326,16 +366,44 @@ class Server:
         self.check_auth(request)
         stack = self.ready_stack()
         self.check_admission(stack)
-        body = await read_json(request, self.args.max_body_bytes)
-        gen = CHAT_PARSERS[kind](body, stack.tokenizer, stack.max_context)
-        self.check_fits(stack, gen)
-        stream = RequestStream(asyncio.get_running_loop(), stack.tokenizer, gen,
-                               f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}")
-        stack.engine.submit(stream.seqs)
-        if gen.stream:
-            return SSEResponse(self.stream_events(stack, stream), media_type="text/event-stream",
-                               headers={"Cache-Control": "no-cache"})
-        return await self.complete(request, stack, stream)
+        self.num_open += 1  # admitted: from here the drain waits for this response to end
+        streaming = False
+        try:
+            stream = await self.read_request(request, stack, kind)
+            if stream.request.stream:
+                response = SSEResponse(self.stream_events(stack, stream),
+                                       media_type="text/event-stream",
+                                       headers={"Cache-Control": "no-cache"})
+                response.on_close, streaming = self.end_request, True
+                return response
+            return await self.complete(request, stack, stream)
+        finally:
+            if not streaming:
+                self.end_request()
+
+    def end_request(self) -> None:
+        self.num_open -= 1
+
+    async def read_request(self, request: Request, stack: ServingStack,
+                           kind: str) -> RequestStream:
+        """Body -> request -> engine. It counts against --max-queue while its body comes in
+        (the engine's queue counts it after)."""
+        self.num_receiving += 1
+        try:
+            body = await read_json(request, self.args.max_body_bytes, self.args.timeout_body,
+                                   self.aborted)
+            gen = CHAT_PARSERS[kind](body, stack.tokenizer, stack.max_context)
+            self.check_fits(stack, gen)
+            if self.aborting:
+                raise ApiError(503, SHUT_DOWN, error_type="unavailable",
+                               headers={"Connection": "close"})
+            stream = RequestStream(asyncio.get_running_loop(), stack.tokenizer, gen,
+                                   f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-"
+                                   f"{uuid.uuid4().hex}")
+            stack.engine.submit(stream.seqs)
+            return stream
+        finally:
+            self.num_receiving -= 1
 
     def check_fits(self, stack: ServingStack, gen: GenerationRequest) -> None:
         """Refuse up front what could never finish, even alone in the pool (as vLLM does)."""
@@ -427,24 +495,50 @@ async def wait_disconnect(request: Request) -> None:
             return
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refused with 413 as soon as it passes `limit` bytes (declared or sent)."""
+async def read_body(request: Request, limit: int, timeout: float,
+                    aborted: asyncio.Event) -> bytes:
+    """The body, refused with 413 as soon as it passes `limit` bytes (declared or sent), with
+    408 when no part of it comes for `timeout` seconds, with 503 once `aborted` is set."""
     too_large = ApiError(413, f"the request body exceeds {limit} bytes (--max-body-bytes)",
                          param="body")
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise too_large
-    chunks, size = [], 0
-    async for chunk in request.stream():
+    chunks, size, more = [], 0, True
+    while more:
+        message = await next_message(request, timeout, aborted)
+        if message["type"] == "http.disconnect":  # nobody reads the answer: no traceback
+            raise ApiError(499, "the client went away while sending the body", param="body")
+        chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
             raise too_large
         chunks.append(chunk)
+        more = message.get("more_body", False)
     return b"".join(chunks)
 
 
-async def read_json(request: Request, limit: int) -> dict[str, Any]:
-    raw = await read_body(request, limit)
+async def next_message(request: Request, timeout: float, aborted: asyncio.Event) -> Message:
+    receive = asyncio.ensure_future(request.receive())
+    abort = asyncio.ensure_future(aborted.wait())
+    try:
+        done, _ = await asyncio.wait({receive, abort}, timeout=timeout,
+                                     return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        receive.cancel()
+        abort.cancel()
+    if receive in done:
+        return receive.result()
+    close = {"Connection": "close"}  # the rest of the body is not read
+    if abort in done:
+        raise ApiError(503, SHUT_DOWN, error_type="unavailable", headers=close)
+    raise ApiError(408, f"no part of the request body came for {timeout:g} s (--timeout-body)",
+                   param="body", error_type="timeout", headers=close)
+
+
+async def read_json(request: Request, limit: int, timeout: float,
+                    aborted: asyncio.Event) -> dict[str, Any]:
+    raw = await read_body(request, limit, timeout, aborted)
     if not raw.strip():
         raise ApiError(400, "the body is empty; expected a JSON object", param="body")
     try:

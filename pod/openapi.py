@@ -58,7 +58,7 @@ def _generation_op(summary: str, request: str, response: str) -> dict[str, Any]:
                         "type": "object", "required": ["data"],
                         "properties": {"data": {"type": "string"},
                                        "event": {"type": "string"}}}}}},
-            **_error_responses((400, 401, 413, 500, 503)),
+            **_error_responses((400, 401, 408, 413, 500, 503)),
         },
     }}
 
@@ -147,7 +147,7 @@ def get_openapi(max_context: int) -> dict[str, Any]:
                     {"name": "action", "in": "query", "required": True,
                      "schema": {"type": "string", "enum": ["park", "unpark"]}}],
                 "responses": {"200": {"description": "the slot after the action"},
-                              **_error_responses((400, 401, 404, 409, 503))}}},
+                              **_error_responses((400, 401, 403, 404, 409, 503))}}},
             "/metrics": {"get": {"responses": {
                 "200": {"description": "Prometheus text", "content": {
                     "text/plain": {"schema": {"type": "string"}}}},

@@ -8,11 +8,13 @@ import pytest
 from serverproc import ServerProcess
 
 KEY = "s3cret-key"
+ADMIN = "adm1n-key"
 
 
 @pytest.fixture(scope="module")
 def keyed_server():
-    with ServerProcess(["-np", "2", "-c", "16384", "--api-key", KEY]) as server:
+    with ServerProcess(["-np", "2", "-c", "16384", "--api-key", KEY, "--admin-key", ADMIN]
+                       ) as server:
         yield server
 
 
@@ -53,3 +55,22 @@ def test_disconnect_mid_stream_frees_slot_and_pages(keyed_server):
         threading.Event().wait(0.05)
     assert not any(s["is_processing"] for s in keyed_server.slots(headers))
     assert keyed_server.metric("kvpark:kv_cache_pages_free") == 16384 // 16
+
+
+def test_admin_actions_are_off_without_a_key(tiny_server):
+    for action in ("park", "unpark"):
+        refused = httpx.post(f"{tiny_server.url}/slots/0?action={action}")
+        assert refused.status_code == 403
+        error = refused.json()["error"]
+        assert error["type"] == "permission_error" and "--admin-key" in error["message"]
+    assert httpx.get(f"{tiny_server.url}/slots").status_code == 200  # reading stays open
+
+
+def test_admin_key_guards_slot_actions(keyed_server):
+    url = f"{keyed_server.url}/slots/0?action=park"
+    assert httpx.post(url).status_code == 401
+    wrong = httpx.post(url, headers={"Authorization": f"Bearer {KEY}"})
+    assert wrong.status_code == 401 and "admin key" in wrong.json()["error"]["message"]
+    idle = httpx.post(url, headers={"Authorization": f"Bearer {ADMIN}"})
+    assert idle.status_code == 409 and "idle" in idle.json()["error"]["message"]
+    assert ADMIN not in keyed_server.log()

@@ -57,3 +57,54 @@ def test_weights_flag_and_its_reach():
     assert pick_weight_format(bf16, cpu, torch.bfloat16) is WeightFormat.FP32
     assert pick_weight_format(bf16, cuda, torch.bfloat16) is WeightFormat.FP32
     assert pick_weight_format(parse_args([], env={}), cpu, torch.float32) is WeightFormat.FP32
+
+
+def refused(capsys, argv, env):
+    """parse_args exits 2 with one line on stderr; that line."""
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(argv, env=env)
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+@pytest.mark.parametrize(("env", "words"), [
+    ({"KVPARK_PARALLEL": "0"}, ["KVPARK_PARALLEL", "positive"]),
+    ({"KVPARK_PORT": "abc"}, ["KVPARK_PORT", "integer", "'abc'"]),
+    ({"KVPARK_PORT": "70000"}, ["KVPARK_PORT", "65535"]),
+    ({"KVPARK_PREEMPT_HIGH": "150"}, ["KVPARK_PREEMPT_HIGH", "percentage"]),
+    ({"KVPARK_CTX_SIZE": "-5"}, ["KVPARK_CTX_SIZE", "positive"]),
+    ({"KVPARK_WEIGHTS": "int4"}, ["KVPARK_WEIGHTS", "'int4'"]),
+    ({"KVPARK_PREEMPT": "maybe"}, ["KVPARK_PREEMPT", "'maybe'"]),
+    ({"LLAMA_ARG_PREEMPT_RAM": "-7"}, ["LLAMA_ARG_PREEMPT_RAM", ">= -1"]),
+    ({"KVPARK_SHUTDOWN_TIMEOUT": "soon"}, ["KVPARK_SHUTDOWN_TIMEOUT", "'soon'"]),
+    ({"KVPARK_PREEMPT_LOW": "99"}, ["--preempt-low", "--preempt-high"]),
+])
+def test_environment_values_pass_the_flag_checks(capsys, env, words):
+    line = refused(capsys, [], env)
+    assert line.startswith("kvpark-server: error: ")
+    assert all(word in line for word in words), line
+
+
+def test_flags_and_environment_share_one_range_check(capsys):
+    assert "positive" in refused(capsys, ["-np", "0"], {})
+    assert "percentage" in refused(capsys, ["--preempt-high", "150"], {})
+    assert "65535" in refused(capsys, ["--port", "70000"], {})
+    assert parse_args([], env={"KVPARK_PREEMPT_HIGH": "90", "KVPARK_PORT": "9000"}).port == 9000
+
+
+def test_environment_booleans_and_empty_values():
+    assert parse_args([], env={"KVPARK_PREEMPT": "off"}).preempt is False
+    assert parse_args([], env={"KVPARK_CUDA_GRAPH": "Yes"}).cuda_graph is True
+    assert parse_args([], env={"KVPARK_PARALLEL": ""}).parallel == 4  # empty: unset
+
+
+def test_abbreviated_flags_are_refused(capsys):
+    assert "--ctx" in refused(capsys, ["--ctx", "262144"], {})
+    assert parse_args(["--ctx-size", "262144"], env={}).ctx_size == 262144
+
+
+def test_admin_key_never_reaches_a_log():
+    args = parse_args([], env={"KVPARK_ADMIN_KEY": "adm1n-secret"})
+    assert args.admin_key == "adm1n-secret" and "adm1n" not in repr(args)
