@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -27,7 +28,7 @@ from . import protocol
 from .args import ServerArgs
 from .model.tokenizer import Tokenizer
 from .openapi import get_openapi
-from .protocol import ApiError, GenerationRequest
+from .protocol import ApiError, GenerationRequest, InputLimits
 from .sampling import make_generator
 from .scheduler import CONTEXT_EXCEEDED
 from .server import ServingStack, build_stack
@@ -39,11 +40,6 @@ log = logging.getLogger("kvpark.api")
 OPEN_PATHS = {"/health", "/metrics", "/openapi.json"}
 NOTICES = {"parked": "preempted", "resumed": "resumed", "recomputed": "recomputed",
            "keepalive": "keepalive"}
-CHAT_PARSERS = {
-    "chat": protocol.parse_chat,
-    "completion": protocol.parse_completion,
-    "llama": protocol.parse_llama_completion,
-}
 
 
 @dataclass
@@ -266,7 +262,7 @@ class Server:
 
     async def openapi(self, request: Request) -> Response:
         stack = self.ready_stack()
-        return JSONResponse(get_openapi(stack.max_context))
+        return JSONResponse(get_openapi(self.limits(stack)))
 
     async def metrics(self, request: Request) -> Response:
         stack = self.ready_stack()
@@ -323,8 +319,10 @@ class Server:
         self.check_auth(request)
         stack = self.ready_stack()
         self.check_admission(stack)
-        body = await read_json(request, self.args.max_body_bytes)
-        gen = CHAT_PARSERS[kind](body, stack.tokenizer, stack.max_context)
+        raw = await read_body(request, self.args.max_body_bytes)
+        with stack.metrics.preparing.track_inprogress():  # templating and tokenising: off the loop
+            gen = await run_in_threadpool(protocol.parse_request, kind, raw, stack.tokenizer,
+                                          self.limits(stack))
         self.check_fits(stack, gen)
         stream = RequestStream(asyncio.get_running_loop(), stack.tokenizer, gen,
                                f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}")
@@ -333,6 +331,10 @@ class Server:
             return SSEResponse(self.stream_events(stack, stream), media_type="text/event-stream",
                                headers={"Cache-Control": "no-cache"})
         return await self.complete(request, stack, stream)
+
+    def limits(self, stack: ServingStack) -> InputLimits:
+        return InputLimits.of(stack.max_context, self.args.max_messages,
+                              self.args.max_prompt_chars)
 
     def check_fits(self, stack: ServingStack, gen: GenerationRequest) -> None:
         """Refuse up front what could never finish, even alone in the pool (as vLLM does)."""
@@ -428,19 +430,6 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise too_large
         chunks.append(chunk)
     return b"".join(chunks)
-
-
-async def read_json(request: Request, limit: int) -> dict[str, Any]:
-    raw = await read_body(request, limit)
-    if not raw.strip():
-        raise ApiError(400, "the body is empty; expected a JSON object", param="body")
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ApiError(400, f"the body is not valid JSON: {exc}", param="body") from exc
-    if not isinstance(body, dict):
-        raise ApiError(400, "the body must be a JSON object", param="body")
-    return body
 
 
 def slot_entry(slot_id: int, seq: Sequence | None, share: int) -> dict[str, Any]:

@@ -40,6 +40,8 @@ class ServerArgs:
     threads: int = 0  # 0: pick from the machine
     max_queue: int = 256
     max_body_bytes: int = 8 << 20
+    max_messages: int = 4096  # chat messages per request
+    max_prompt_chars: int = 0  # 0: what the context could ever hold (protocol.CHARS_PER_TOKEN)
     shutdown_timeout: float = 30.0
     attention_backend: str = "auto"
     dtype: str = "auto"
@@ -83,6 +85,13 @@ def _positive(value: str) -> int:
     return number
 
 
+def _non_negative(value: str) -> int:
+    number = int(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {number}")
+    return number
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvpark-server", description=__doc__.splitlines()[0])
     p.add_argument("--model", "-m", help="GGUF file, Hugging Face directory, "
@@ -115,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", "-t", type=int, help="torch threads (0: auto)")
     p.add_argument("--max-queue", type=_positive, help="queued requests before 503")
     p.add_argument("--max-body-bytes", type=_positive, help="largest request body (413 above)")
+    p.add_argument("--max-messages", type=_positive,
+                   help="chat messages per request (4096; 400 above)")
+    p.add_argument("--max-prompt-chars", type=_non_negative,
+                   help="prompt characters per request, 400 above (0: 32 per token of context)")
     p.add_argument("--shutdown-timeout", type=float, help="seconds to drain on SIGTERM")
     p.add_argument("--attention-backend", choices=["auto", "torch", "cpu", "flashinfer"])
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
@@ -171,6 +184,8 @@ def parse_args(argv: Sequence[str] | None = None,
                          f"{args.preempt_high}")
     if args.weights not in ("auto", "gguf", "fp32", "bf16"):
         raise SystemExit(f"KVPARK_WEIGHTS must be auto, gguf, fp32 or bf16, not {args.weights}")
+    if args.max_messages <= 0 or args.max_prompt_chars < 0:
+        raise SystemExit("KVPARK_MAX_MESSAGES must be positive, KVPARK_MAX_PROMPT_CHARS >= 0")
     if args.preempt_resume not in ("fair", "spec"):
         raise SystemExit(f"KVPARK_PREEMPT_RESUME must be fair or spec, not {args.preempt_resume}")
     return args

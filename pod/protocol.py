@@ -6,6 +6,7 @@ Every problem raises `ApiError` naming the field, which the API turns into an Op
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +17,9 @@ from .sampling import SamplingParams
 MAX_N = 16
 MAX_STOP_STRINGS = 8
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
+# No tokenizer packs more characters than this into a token on average, so a prompt longer than
+# 32 x the context can never fit: it is refused before the chat template and the tokenizer run.
+CHARS_PER_TOKEN = 32
 
 
 class ApiError(Exception):
@@ -35,6 +39,18 @@ class ApiError(Exception):
 
 
 @dataclass(frozen=True)
+class InputLimits:
+    max_context: int  # tokens one request can hold
+    max_messages: int
+    max_prompt_chars: int  # characters of prompt text (all messages' content together)
+
+    @classmethod
+    def of(cls, max_context: int, max_messages: int, max_prompt_chars: int = 0) -> InputLimits:
+        """`max_prompt_chars` 0: what the context could ever hold."""
+        return cls(max_context, max_messages, max_prompt_chars or CHARS_PER_TOKEN * max_context)
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     kind: str  # "chat", "completion" (OpenAI) or "llama" (/completion)
     prompt_ids: list[int]
@@ -48,6 +64,23 @@ class GenerationRequest:
 
 def _bad(param: str, message: str) -> ApiError:
     return ApiError(400, f"'{param}': {message}", param=param)
+
+
+# ---- the body -------------------------------------------------------------------------------
+
+
+def decode_body(raw: bytes) -> dict[str, Any]:
+    """JSON bytes -> the request object, or a 400 naming what is wrong. CPU-bound on a large
+    body: call it off the event loop."""
+    if not raw.strip():
+        raise ApiError(400, "the body is empty; expected a JSON object", param="body")
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ApiError(400, f"the body is not valid JSON: {exc}", param="body") from exc
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object", param="body")
+    return body
 
 
 def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
@@ -155,27 +188,42 @@ def _message_text(message: dict, index: int) -> str:
     raise _bad(f"messages[{index}].content", "expected a string or a list of text parts")
 
 
-def chat_messages(body: dict) -> list[dict[str, str]]:
+def chat_messages(body: dict, limits: InputLimits) -> list[dict[str, str]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("messages", "expected a non-empty list of messages")
-    cleaned = []
+    if len(messages) > limits.max_messages:
+        raise _bad("messages", f"{len(messages)} messages; at most {limits.max_messages} are "
+                   "accepted (--max-messages)")
+    cleaned, num_chars = [], 0
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise _bad(f"messages[{i}]", "expected an object with 'role' and 'content'")
         role = message.get("role")
         if role not in CHAT_ROLES:
             raise _bad(f"messages[{i}].role", f"unknown role {role!r}")
-        cleaned.append({"role": "system" if role == "developer" else role,
-                        "content": _message_text(message, i)})
+        text = _message_text(message, i)
+        num_chars += len(text)
+        _check_chars("messages", num_chars, limits)
+        cleaned.append({"role": "system" if role == "developer" else role, "content": text})
     return cleaned
 
 
-def _prompt_ids(body: dict, tokenizer: Tokenizer, name: str = "prompt") -> list[int]:
+def _check_chars(param: str, num_chars: int, limits: InputLimits) -> None:
+    """Refused before the template and the tokenizer see it: it could never fit anyway."""
+    if num_chars > limits.max_prompt_chars:
+        raise _bad(param, f"more than {limits.max_prompt_chars} characters of prompt text, "
+                   f"more than a {limits.max_context}-token context can hold "
+                   "(--max-prompt-chars)")
+
+
+def _prompt_ids(body: dict, tokenizer: Tokenizer, limits: InputLimits,
+                name: str = "prompt") -> list[int]:
     prompt = body.get(name)
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, str):
+        _check_chars(name, len(prompt), limits)
         ids = tokenizer.encode(prompt)
     elif isinstance(prompt, list) and prompt and all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -196,47 +244,64 @@ def _model(body: dict) -> str | None:
     return model
 
 
-def parse_chat(body: dict, tokenizer: Tokenizer, max_context: int) -> GenerationRequest:
-    messages = chat_messages(body)
+def _chat_prompt(messages: list[dict[str, str]], tokenizer: Tokenizer) -> list[int]:
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     except Exception as exc:  # the model's own template rejected the conversation
         raise _bad("messages", f"the chat template rejected the messages: {exc}") from exc
+    return tokenizer.encode(text)
+
+
+# The parsers template and tokenise: CPU-bound on a long prompt, so they run off the event loop.
+# Cheap checks come first, so a bad request costs no tokenising.
+
+def parse_chat(body: dict, tokenizer: Tokenizer, limits: InputLimits) -> GenerationRequest:
+    messages = chat_messages(body, limits)
+    params = sampling_params(body, limits.max_context, ("max_completion_tokens", "max_tokens"))
     return GenerationRequest(
         kind="chat",
-        prompt_ids=tokenizer.encode(text),
-        params=sampling_params(body, max_context, ("max_completion_tokens", "max_tokens")),
+        params=params,
         stream=_boolean(body, "stream", False),
         include_usage=_include_usage(body),
         model=_model(body),
         priority=_priority(body),
+        prompt_ids=_chat_prompt(messages, tokenizer),
     )
 
 
-def parse_completion(body: dict, tokenizer: Tokenizer, max_context: int) -> GenerationRequest:
+def parse_completion(body: dict, tokenizer: Tokenizer, limits: InputLimits) -> GenerationRequest:
     return GenerationRequest(
         kind="completion",
-        prompt_ids=_prompt_ids(body, tokenizer),
-        params=sampling_params(body, max_context, ("max_tokens",)),
+        params=sampling_params(body, limits.max_context, ("max_tokens",)),
         stream=_boolean(body, "stream", False),
         include_usage=_include_usage(body),
         model=_model(body),
         priority=_priority(body),
+        prompt_ids=_prompt_ids(body, tokenizer, limits),
     )
 
 
-def parse_llama_completion(body: dict, tokenizer: Tokenizer, max_context: int
+def parse_llama_completion(body: dict, tokenizer: Tokenizer, limits: InputLimits
                            ) -> GenerationRequest:
-    params = sampling_params(body, max_context, ("n_predict", "max_tokens"))
+    params = sampling_params(body, limits.max_context, ("n_predict", "max_tokens"))
     if params.n != 1:
         raise _bad("n", "/completion generates one sequence; use /v1/completions for n > 1")
     return GenerationRequest(
         kind="llama",
-        prompt_ids=_prompt_ids(body, tokenizer),
         params=params,
         stream=_boolean(body, "stream", False),
         include_usage=False,
         model=_model(body),
         return_tokens=_boolean(body, "return_tokens", False),
         priority=_priority(body),
+        prompt_ids=_prompt_ids(body, tokenizer, limits),
     )
+
+
+PARSERS = {"chat": parse_chat, "completion": parse_completion, "llama": parse_llama_completion}
+
+
+def parse_request(kind: str, raw: bytes, tokenizer: Tokenizer,
+                  limits: InputLimits) -> GenerationRequest:
+    """Body bytes -> a `GenerationRequest` for route `kind`, or an `ApiError`."""
+    return PARSERS[kind](decode_body(raw), tokenizer, limits)

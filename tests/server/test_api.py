@@ -150,3 +150,32 @@ def test_metrics_count_tokens_and_batched_decode(tiny_server):
     assert m["kvpark:kv_cache_usage_ratio"] == 0.0
     # more than one sequence per decode step happened
     assert m['kvpark:decode_batch_size_bucket{le="1.0"}'] < m["kvpark:decode_batch_size_count"]
+
+
+def test_default_limits_refuse_huge_inputs_before_templating(tiny_server):
+    """An 8 MiB prompt and 4097 messages are refused by the default limits (32 characters per
+    token of context; 4096 messages) before the template and the tokenizer see them: the
+    errors name the limit, not the context."""
+    url = tiny_server.url
+    max_len = httpx.get(f"{url}/v1/models").json()["data"][0]["max_model_len"]
+    cases = [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 8_000_000}]},
+         "messages", "--max-prompt-chars"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "y" * 4000}] *
+                                  (32 * max_len // 4000 + 1)}, "messages",
+         "--max-prompt-chars"),
+        ("/v1/completions", {"prompt": "z" * (32 * max_len + 1)}, "prompt",
+         "--max-prompt-chars"),
+        ("/completion", {"prompt": ["z" * (32 * max_len + 1)]}, "prompt", "--max-prompt-chars"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": ""}] * 4097},
+         "messages", "--max-messages"),
+    ]
+    for path, body, param, limit in cases:
+        response = tiny_server.post(path, body)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == param and limit in error["message"], error
+    under = tiny_server.chat("x" * (32 * max_len - 200), max_tokens=2)  # tokenised, too long
+    assert under.json()["error"]["message"].startswith("Context size has been exceeded.")
+    assert tiny_server.chat("still serving", **GREEDY).status_code == 200
+

@@ -1,0 +1,80 @@
+"""Big and pathological inputs: tokenising runs off the event loop, size limits refuse early,
+and whatever the body holds, the answer is a small JSON 400, never a 500 or plain text.
+
+One server with the default body limit (8 MiB), `--max-prompt-chars` raised far above what
+its context holds (so a multi-megabyte prompt really reaches the tokenizer) and a small
+`--max-messages`. The defaults (4096 messages, 32 characters per token of context) are held to
+in test_api.py.
+"""
+
+import concurrent.futures as cf
+import json
+
+import httpx
+import pytest
+from serverproc import ServerProcess, poll
+
+CHAT = "/v1/chat/completions"
+MSG = [{"role": "user", "content": "hi"}]
+MAX_MESSAGES = 64
+PREPARING = "kvpark:requests_preparing"
+
+
+@pytest.fixture(scope="module")
+def big_server():
+    flags = ["-np", "2", "-c", "16384", "--max-prompt-chars", "16000000",
+             "--max-messages", str(MAX_MESSAGES)]
+    with ServerProcess(flags) as server:
+        yield server
+
+
+def content_chunks(lines):
+    """The text deltas of an OpenAI chat stream, one per chunk that carries text."""
+    for line in lines:
+        if line.startswith("data: {"):
+            delta = json.loads(line[6:])["choices"][0]["delta"]
+            if delta.get("content"):
+                yield delta["content"]
+
+
+def test_health_and_a_running_stream_answer_while_a_huge_prompt_is_tokenised(big_server):
+    """A ~6.5 MB prompt takes seconds to tokenise. While it does (the server's own
+    `requests_preparing` gauge says so before and after), /health and /slots answer and a
+    running stream keeps sending tokens generated meanwhile; then the prompt gets its 400."""
+    server = big_server
+    huge = {"prompt": "hello world, how are you? " * 250_000, "max_tokens": 4}
+    stream_body = {"messages": [{"role": "user", "content": "keep talking"}], "stream": True,
+                   "ignore_eos": True}  # no max_tokens: it runs until we hang up
+    with cf.ThreadPoolExecutor(1) as pool, \
+            httpx.stream("POST", f"{server.url}{CHAT}", json=stream_body, timeout=120) as stream:
+        chunks = content_chunks(stream.iter_lines())
+        next(chunks)
+        received = 1
+        big = pool.submit(server.post, "/v1/completions", huge)
+        poll(lambda: server.metric(PREPARING) == 1,
+             "/metrics to answer while the huge prompt is being tokenised")
+        assert httpx.get(f"{server.url}/health", timeout=30).json() == {"status": "ok"}
+        (running,) = [s for s in server.slots() if s["is_processing"]]
+        generated = running["n_generated"]
+        # the k-th text chunk needs k generated tokens: this one was sent after /slots answered
+        while received <= generated:
+            next(chunks)
+            received += 1
+        assert server.metric(PREPARING) == 1, ("the huge prompt is no longer being tokenised: "
+                                               "the loop stalled until it was, or it was quick")
+        assert not big.done()
+        response = big.result()
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["message"].startswith("Context size has been exceeded.")
+    assert server.metric(PREPARING) == 0
+
+
+def test_more_messages_than_max_messages_are_refused_before_templating(big_server):
+    fine = big_server.post(CHAT, {"messages": MSG * MAX_MESSAGES, "max_tokens": 2})
+    assert fine.status_code == 200, fine.text
+    response = big_server.post(CHAT, {"messages": MSG * (MAX_MESSAGES + 1), "max_tokens": 2})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "messages" and "--max-messages" in error["message"]
+    assert str(MAX_MESSAGES) in error["message"]
+
