@@ -19,6 +19,7 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -285,7 +286,8 @@ class Server:
         except ValueError:
             raise ApiError(404, "no such slot", param="id") from None
         if not 0 <= slot_id < len(slots):
-            raise ApiError(404, f"no slot {slot_id}: there are {len(slots)}", param="id")
+            raise ApiError(404, f"no slot {protocol.clip(str(slot_id))}: there are "
+                           f"{len(slots)}", param="id")
         action = request.query_params.get("action")
         if action not in ("park", "unpark"):
             raise ApiError(400, "'action': expected park or unpark", param="action")
@@ -556,6 +558,16 @@ def create_app(args: ServerArgs, stack: ServingStack | None = None) -> Starlette
         assert isinstance(exc, ApiError)
         return error_response(exc)
 
+    async def on_http_error(request: Request, exc: Exception) -> Response:  # 404, 405
+        assert isinstance(exc, HTTPException)
+        where = protocol.clip(f"{request.method} {request.url.path}")
+        return error_response(ApiError(exc.status_code, f"{exc.detail}: {where}",
+                                       headers=exc.headers))
+
+    async def on_crash(request: Request, exc: Exception) -> Response:  # uvicorn logs the trace
+        return error_response(ApiError(500, f"internal server error ({type(exc).__name__})",
+                                       error_type="server_error"))
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         # load in the background so /health answers 503 while the weights come in
@@ -581,8 +593,10 @@ def create_app(args: ServerArgs, stack: ServingStack | None = None) -> Starlette
             Route("/metrics", server.metrics),
             Route("/openapi.json", server.openapi),
         ],
-        exception_handlers={ApiError: on_api_error},
+        exception_handlers={ApiError: on_api_error, HTTPException: on_http_error,
+                            Exception: on_crash},
         lifespan=lifespan,
     )
+    app.router.redirect_slashes = False  # its redirect names the client's Host: a JSON 404
     app.state.server = server
     return app

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import reprlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +22,7 @@ CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 # No tokenizer packs more characters than this into a token on average, so a prompt longer than
 # 32 x the context can never fit: it is refused before the chat template and the tokenizer run.
 CHARS_PER_TOKEN = 32
+MAX_SHOWN = 100  # characters of client input an error message may quote
 
 
 class ApiError(Exception):
@@ -66,7 +69,25 @@ def _bad(param: str, message: str) -> ApiError:
     return ApiError(400, f"'{param}': {message}", param=param)
 
 
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = _REPR.maxlong = MAX_SHOWN
+_REPR.fillvalue = "…"  # Python 3.11+; 3.10 cuts with "..."
+
+
+def clip(text: str, limit: int = MAX_SHOWN) -> str:
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def shown(value: Any) -> str:
+    """`repr(value)` cut short: an error message quotes client input, never all of it."""
+    return clip(_REPR.repr(value))
+
+
 # ---- the body -------------------------------------------------------------------------------
+
+# Where a lone surrogate can come from: a \uD800-\uDFFF escape, or its UTF-8 bytes (json.loads
+# decodes bytes with surrogatepass). Only a body that matches is walked.
+_SURROGATE_HINT = re.compile(rb"\\[uU][dD][89a-fA-F]|\xed[\xa0-\xbf]")
 
 
 def decode_body(raw: bytes) -> dict[str, Any]:
@@ -76,21 +97,56 @@ def decode_body(raw: bytes) -> dict[str, Any]:
         raise ApiError(400, "the body is empty; expected a JSON object", param="body")
     try:
         body = json.loads(raw)
+    except RecursionError:
+        raise ApiError(400, "the body is not valid JSON: it nests too deeply",
+                       param="body") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ApiError(400, f"the body is not valid JSON: {exc}", param="body") from exc
+        raise ApiError(400, f"the body is not valid JSON: {exc}", param="body") from None
+    except ValueError:  # Python refuses integers past 4300 digits
+        raise ApiError(400, "the body is not valid JSON: a number has too many digits",
+                       param="body") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object", param="body")
+    if _SURROGATE_HINT.search(raw):
+        where = _lone_surrogate(body)
+        if where is not None:
+            raise _bad(where, "holds a lone UTF-16 surrogate (not valid Unicode text)")
     return body
+
+
+def _lone_surrogate(value: Any) -> str | None:
+    """The path of the first string (or key) that is not valid Unicode; None if all are."""
+    stack: list[tuple[Any, str]] = [(value, "")]
+    while stack:  # iterative: the nesting can be as deep as json allows
+        item, where = stack.pop()
+        if isinstance(item, str) and not _is_text(item):
+            return where or "body"
+        if isinstance(item, list):
+            stack.extend((v, f"{where}[{i}]") for i, v in enumerate(item))
+        elif isinstance(item, dict):
+            for key, v in item.items():
+                if not _is_text(key):
+                    return where or "body"
+                stack.append((v, f"{where}.{clip(key, 40)}" if where else clip(key, 40)))
+    return None
+
+
+def _is_text(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
     value = body.get(name, default)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise _bad(name, f"expected a number, got {value!r}")
-    if not lo <= value <= hi:
-        raise _bad(name, f"must be between {lo} and {hi}, got {value}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _bad(name, f"expected a number, got {shown(value)}")
+    if not (isinstance(value, int) or math.isfinite(value)) or not lo <= value <= hi:
+        raise _bad(name, f"must be between {lo} and {hi}, got {shown(value)}")
     return float(value)
 
 
@@ -99,9 +155,9 @@ def _integer(body: dict, name: str, default: int | None, lo: int, hi: int) -> in
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int):
-        raise _bad(name, f"expected an integer, got {value!r}")
+        raise _bad(name, f"expected an integer, got {shown(value)}")
     if not lo <= value <= hi:
-        raise _bad(name, f"must be between {lo} and {hi}, got {value}")
+        raise _bad(name, f"must be between {lo} and {hi}, got {shown(value)}")
     return value
 
 
@@ -110,7 +166,7 @@ def _boolean(body: dict, name: str, default: bool) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise _bad(name, f"expected true or false, got {value!r}")
+        raise _bad(name, f"expected true or false, got {shown(value)}")
     return value
 
 
@@ -201,7 +257,7 @@ def chat_messages(body: dict, limits: InputLimits) -> list[dict[str, str]]:
             raise _bad(f"messages[{i}]", "expected an object with 'role' and 'content'")
         role = message.get("role")
         if role not in CHAT_ROLES:
-            raise _bad(f"messages[{i}].role", f"unknown role {role!r}")
+            raise _bad(f"messages[{i}].role", f"unknown role {shown(role)}")
         text = _message_text(message, i)
         num_chars += len(text)
         _check_chars("messages", num_chars, limits)
@@ -248,7 +304,8 @@ def _chat_prompt(messages: list[dict[str, str]], tokenizer: Tokenizer) -> list[i
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     except Exception as exc:  # the model's own template rejected the conversation
-        raise _bad("messages", f"the chat template rejected the messages: {exc}") from exc
+        raise _bad("messages", "the chat template rejected the messages: "
+                   f"{clip(str(exc), 2 * MAX_SHOWN)}") from exc
     return tokenizer.encode(text)
 
 

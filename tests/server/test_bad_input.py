@@ -3,7 +3,7 @@ and the server answers a good request right after each one."""
 
 import httpx
 import pytest
-from serverproc import ServerProcess
+from serverproc import ServerProcess, free_port, poll
 
 CHAT = "/v1/chat/completions"
 MSG = [{"role": "user", "content": "hi"}]
@@ -55,6 +55,7 @@ JSON_CASES = [
     ("/v1/completions", {"prompt": "hi", "max_tokens": 1024}, 400, "max_tokens"),
     ("/completion", {"prompt": "hi", "n_predict": -5}, 400, "n_predict"),
     ("/completion", {"prompt": "hi", "n": 2}, 400, "n"),
+    (CHAT, {"messages": MSG, "temperature": 10**400}, 400, "temperature"),  # past a float
 ]
 
 RAW_CASES = [
@@ -64,11 +65,18 @@ RAW_CASES = [
     (b"[1, 2, 3]", 400, "body"),
     (b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', 400, "body"),  # bad UTF-8
     (b'{"messages": "' + b"x" * 5000 + b'"}', 413, "body"),  # over --max-body-bytes
+    (b'{"messages": [{"role": "user", "content": "\\ud83d"}]}', 400, "messages[0].content"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "stop": ["a", "\\udc00"]}', 400,
+     "stop[1]"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "seed": ' + b"9" * 4000 + b"}", 400,
+     "seed"),  # 4000 digits: under Python's limit, out of range; echoed in part
+    (b'{"messages": ' + b"[" * 2000 + b"]" * 2000 + b"}", 400, "body"),
 ]
 
 
 def assert_error(response, status, field):
     assert response.status_code == status, response.text
+    assert len(response.content) < 1000, response.content[:300]  # quotes of input are cut
     error = response.json()["error"]
     assert error["param"] == field
     assert field in error["message"] or field in ("body", "prompt", "messages")
@@ -92,6 +100,69 @@ def test_malformed_raw_body(server, raw, status, field):
                           headers={"content-type": "application/json"}, timeout=30)
     assert_error(response, status, field)
     assert_still_serving(server)
+
+
+def assert_json_error(response, status):
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/json"
+    error = response.json()["error"]
+    assert error.keys() == {"message", "type", "param", "code"} and error["code"] == status
+
+
+def test_unknown_paths_and_methods_get_json_errors(server):
+    assert_json_error(httpx.get(f"{server.url}/v1/nope"), 404)
+    assert "/v1/nope" in httpx.get(f"{server.url}/v1/nope").json()["error"]["message"]
+    wrong_method = httpx.get(f"{server.url}{CHAT}")
+    assert_json_error(wrong_method, 405)
+    assert wrong_method.headers["allow"] == "POST"
+    assert_json_error(httpx.delete(f"{server.url}/slots"), 405)
+
+
+@pytest.mark.parametrize("path", ["/slots/", "/health/", "/v1/models/"])
+def test_trailing_slash_is_a_json_404_not_a_redirect_to_the_host_header(server, path):
+    response = httpx.get(f"{server.url}{path}", headers={"Host": "evil.example"})
+    assert_json_error(response, 404)
+    assert "evil.example" not in response.headers.get("location", "")
+    assert "location" not in response.headers
+    assert_json_error(server.post(f"{CHAT}/", {"messages": MSG}), 404)
+
+
+def test_error_messages_quote_a_bad_value_only_in_part(server):
+    response = server.post(CHAT, {"messages": [{"role": "w" * 3000, "content": "x"}]})
+    assert_error(response, 400, "messages[0].role")
+    message = response.json()["error"]["message"]
+    assert "www" in message and len(message) < 300
+
+
+def test_an_unexpected_exception_in_a_route_is_a_json_500():
+    """No route fails this way on purpose, so one is added to the app, served by uvicorn
+    in-process on a loopback port (no model needed: its loading is left out)."""
+    import threading
+
+    import uvicorn
+    from starlette.routing import Route
+
+    from kvpark.pod.api import create_app
+    from kvpark.pod.args import ServerArgs
+
+    async def broken(request):
+        raise RuntimeError("a bug")
+
+    app = create_app(ServerArgs(model="synthetic:tiny"))
+    app.router.routes.append(Route("/broken", broken))
+    port = free_port()
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off",
+                                       log_level="critical"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    try:
+        poll(lambda: uv.started, "uvicorn to listen")
+        response = httpx.get(f"http://127.0.0.1:{port}/broken", timeout=30)
+    finally:
+        uv.should_exit = True
+        thread.join(30)
+    assert_json_error(response, 500)
+    assert response.json()["error"]["type"] == "server_error"
 
 
 def test_there_are_at_least_thirty_cases():

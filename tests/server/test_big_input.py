@@ -78,3 +78,38 @@ def test_more_messages_than_max_messages_are_refused_before_templating(big_serve
     assert error["param"] == "messages" and "--max-messages" in error["message"]
     assert str(MAX_MESSAGES) in error["message"]
 
+
+RAW_CASES = [
+    # (what, body, param): each once gave a 500 with a plain-text body
+    ("an integer past Python's 4300-digit limit",
+     b'{"messages": [{"role": "user", "content": "x"}], "seed": ' + b"7" * 4301 + b"}", "body"),
+    ("100,000 levels of nesting", b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+     "body"),
+    ("a lone surrogate in the content",
+     b'{"messages": [{"role": "user", "content": "hi \\ud83d"}]}', "messages[0].content"),
+    ("an integer too large for a float",
+     b'{"messages": [{"role": "user", "content": "x"}], "temperature": 1' + b"0" * 400 + b"}",
+     "temperature"),
+]
+
+
+@pytest.mark.parametrize("what,raw,param", RAW_CASES, ids=[c[0] for c in RAW_CASES])
+def test_pathological_json_gets_a_json_400(big_server, what, raw, param):
+    response = httpx.post(f"{big_server.url}{CHAT}", content=raw, timeout=60,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 400, (what, response.text[:300])
+    assert response.headers["content-type"] == "application/json"
+    error = response.json()["error"]
+    assert error.keys() == {"message", "type", "param", "code"}
+    assert error["param"] == param and error["code"] == 400
+    assert len(response.content) < 1000
+    assert big_server.chat("still here", max_tokens=2).status_code == 200
+
+
+def test_a_one_megabyte_bad_value_is_not_echoed_in_full(big_server):
+    for body in ({"messages": [{"role": "r" * 1_000_000, "content": "x"}]},
+                 {"messages": MSG, "temperature": "t" * 1_000_000}):
+        response = big_server.post(CHAT, body)
+        assert response.status_code == 400
+        assert len(response.content) < 1000, response.content[:300]
+        assert "…" in response.json()["error"]["message"]  # cut, not left out
