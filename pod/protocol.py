@@ -7,14 +7,18 @@ Every problem raises `ApiError` naming the field, which the API turns into an Op
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 import reprlib
+import threading
 from dataclasses import dataclass
 from typing import Any
 
 from .model.tokenizer import Tokenizer
 from .sampling import SamplingParams
+
+log = logging.getLogger("kvpark.protocol")
 
 MAX_N = 16
 MAX_STOP_STRINGS = 8
@@ -137,6 +141,70 @@ def _is_text(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+# ---- fields ---------------------------------------------------------------------------------
+
+# OpenAI (and llama.cpp) fields not implemented here, with the values that ask for nothing. Any
+# other value is refused: a client that asked for JSON, a tool call or logprobs must not get
+# plain text back as if it had.
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    "response_format": (None, {"type": "text"}),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "logit_bias": (None, {}, []),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "web_search_options": (None,),
+    "n_probs": (None, 0),  # llama.cpp from here on
+    "grammar": (None, ""),
+    "json_schema": (None, {}),
+    "repeat_penalty": (None, 1, 1.0),
+}
+# Accepted and without effect on the output: clients send them by default.
+HARMLESS = frozenset({"user", "safety_identifier", "metadata", "store", "service_tier",
+                      "parallel_tool_calls", "prompt_cache_key", "prompt_cache_retention",
+                      "prompt_cache_options", "cache_prompt"})
+SAMPLING = frozenset({"model", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+                      "ignore_eos", "n", "stream", "stream_options", "priority"})
+KNOWN = {
+    "chat": SAMPLING | HARMLESS | {"messages", "max_tokens", "max_completion_tokens"},
+    "completion": SAMPLING | HARMLESS | {"prompt", "max_tokens"},
+    "llama": SAMPLING | HARMLESS | {"prompt", "n_predict", "max_tokens", "return_tokens"},
+}
+MAX_LOGGED_FIELDS = 1000  # bounds what a client inventing field names can make us remember
+_logged_fields: set[str] = set()
+_logged_lock = threading.Lock()
+
+
+def check_fields(body: dict, kind: str) -> None:
+    """400 for a field this server does not implement; unknown fields are ignored, and each
+    name is logged once (as vLLM does)."""
+    for name, off in UNSUPPORTED.items():
+        value = body.get(name)
+        if not any(value == o and type(value) is type(o) for o in off):
+            raise ApiError(400, f"'{name}' is not supported by this server (got "
+                           f"{shown(value)}); leave it out", param=name)
+    unknown = body.keys() - KNOWN[kind] - UNSUPPORTED.keys()
+    if not unknown:
+        return
+    with _logged_lock:
+        new = {clip(name, 40) for name in unknown} - _logged_fields
+        new = set(sorted(new)[:max(0, MAX_LOGGED_FIELDS - len(_logged_fields))])
+        _logged_fields.update(new)
+    if new:
+        log.warning("The following fields were present in the request but ignored: {%s}",
+                    ", ".join(ascii(name) for name in sorted(new)))
 
 
 def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
@@ -313,6 +381,7 @@ def _chat_prompt(messages: list[dict[str, str]], tokenizer: Tokenizer) -> list[i
 # Cheap checks come first, so a bad request costs no tokenising.
 
 def parse_chat(body: dict, tokenizer: Tokenizer, limits: InputLimits) -> GenerationRequest:
+    check_fields(body, "chat")
     messages = chat_messages(body, limits)
     params = sampling_params(body, limits.max_context, ("max_completion_tokens", "max_tokens"))
     return GenerationRequest(
@@ -327,6 +396,7 @@ def parse_chat(body: dict, tokenizer: Tokenizer, limits: InputLimits) -> Generat
 
 
 def parse_completion(body: dict, tokenizer: Tokenizer, limits: InputLimits) -> GenerationRequest:
+    check_fields(body, "completion")
     return GenerationRequest(
         kind="completion",
         params=sampling_params(body, limits.max_context, ("max_tokens",)),
@@ -340,6 +410,7 @@ def parse_completion(body: dict, tokenizer: Tokenizer, limits: InputLimits) -> G
 
 def parse_llama_completion(body: dict, tokenizer: Tokenizer, limits: InputLimits
                            ) -> GenerationRequest:
+    check_fields(body, "llama")
     params = sampling_params(body, limits.max_context, ("n_predict", "max_tokens"))
     if params.n != 1:
         raise _bad("n", "/completion generates one sequence; use /v1/completions for n > 1")

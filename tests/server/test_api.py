@@ -179,3 +179,15 @@ def test_default_limits_refuse_huge_inputs_before_templating(tiny_server):
     assert under.json()["error"]["message"].startswith("Context size has been exceeded.")
     assert tiny_server.chat("still serving", **GREEDY).status_code == 200
 
+
+def test_openai_client_with_harmless_fields_set(tiny_server):
+    out = client(tiny_server).chat.completions.create(
+        model="x", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+        presence_penalty=0, frequency_penalty=0, logprobs=False, user="u-1", store=False,
+        metadata={"k": "v"}, service_tier="auto", response_format={"type": "text"},
+        prompt_cache_key="k", safety_identifier="s", stream_options=None)
+    assert out.usage.completion_tokens <= 3
+    with pytest.raises(openai.BadRequestError, match="'response_format' is not supported"):
+        client(tiny_server).chat.completions.create(
+            model="x", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+            response_format={"type": "json_object"})

@@ -102,6 +102,70 @@ def test_malformed_raw_body(server, raw, status, field):
     assert_still_serving(server)
 
 
+UNSUPPORTED_CASES = [
+    # (path, extra fields, param): a client asking for these must not get plain text back
+    (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    (CHAT, {"tool_choice": "required"}, "tool_choice"),
+    (CHAT, {"functions": [{"name": "f"}]}, "functions"),
+    (CHAT, {"function_call": {"name": "f"}}, "function_call"),
+    (CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
+    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format"),
+    (CHAT, {"logprobs": True}, "logprobs"),
+    (CHAT, {"top_logprobs": 3}, "top_logprobs"),
+    (CHAT, {"logit_bias": {"15": 100}}, "logit_bias"),
+    (CHAT, {"presence_penalty": 0.5}, "presence_penalty"),
+    (CHAT, {"frequency_penalty": -1}, "frequency_penalty"),
+    (CHAT, {"modalities": ["text", "audio"]}, "modalities"),
+    ("/v1/completions", {"echo": True}, "echo"),
+    ("/v1/completions", {"best_of": 3}, "best_of"),
+    ("/v1/completions", {"suffix": "the end"}, "suffix"),
+    ("/v1/completions", {"logprobs": 2}, "logprobs"),
+    ("/completion", {"n_probs": 5}, "n_probs"),
+    ("/completion", {"grammar": 'root ::= "yes"'}, "grammar"),
+    ("/completion", {"json_schema": {"type": "object"}}, "json_schema"),
+    ("/completion", {"repeat_penalty": 1.3}, "repeat_penalty"),
+]
+
+
+@pytest.mark.parametrize("path,extra,param", UNSUPPORTED_CASES)
+def test_unsupported_field_is_refused_by_name(server, path, extra, param):
+    base = {"messages": MSG} if path == CHAT else {"prompt": "hi"}
+    response = server.post(path, {**base, "max_tokens": 2, **extra})
+    assert_error(response, 400, param)
+    assert "not supported" in response.json()["error"]["message"]
+
+
+HARMLESS = {
+    # what clients send by default, or that asks for nothing this server does not do
+    "user": "u-1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto",
+    "parallel_tool_calls": True, "response_format": {"type": "text"}, "logprobs": False,
+    "top_logprobs": 0, "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {},
+    "tools": None, "tool_choice": "none", "functions": None, "function_call": None,
+    "stream_options": {"include_usage": False}, "n": 1, "seed": None, "modalities": ["text"],
+}
+
+
+def test_harmless_and_null_fields_still_work(server):
+    chat = server.post(CHAT, {"messages": MSG, "max_tokens": 2, **HARMLESS})
+    assert chat.status_code == 200, chat.text
+    # langchain's legacy completions defaults
+    body = {"prompt": "hi", "model": "x", "temperature": 0.7, "top_p": 1, "n": 1,
+            "frequency_penalty": 0, "presence_penalty": 0, "logit_bias": {}, "best_of": 1,
+            "logprobs": None, "echo": False, "suffix": None, "max_tokens": 2}
+    assert server.post("/v1/completions", body).status_code == 200
+    assert server.post("/completion", {"prompt": "hi", "n_predict": 2, "cache_prompt": True,
+                                       "repeat_penalty": 1.0, "n_probs": 0}).status_code == 200
+
+
+def test_unknown_fields_are_ignored_and_logged_once_by_name(server):
+    pattern = r"present in the request but ignored: \{'temprature'\}"
+    for _ in range(2):
+        response = server.post(CHAT, {"messages": MSG, "max_tokens": 2, "temprature": 0.1})
+        assert response.status_code == 200, response.text
+    assert server.count_in_log(pattern) == 1
+
+
 def assert_json_error(response, status):
     assert response.status_code == status, response.text
     assert response.headers["content-type"] == "application/json"

@@ -108,7 +108,8 @@ def test_pathological_json_gets_a_json_400(big_server, what, raw, param):
 
 def test_a_one_megabyte_bad_value_is_not_echoed_in_full(big_server):
     for body in ({"messages": [{"role": "r" * 1_000_000, "content": "x"}]},
-                 {"messages": MSG, "temperature": "t" * 1_000_000}):
+                 {"messages": MSG, "temperature": "t" * 1_000_000},
+                 {"messages": MSG, "tools": [{"type": "function", "name": "f" * 1_000_000}]}):
         response = big_server.post(CHAT, body)
         assert response.status_code == 400
         assert len(response.content) < 1000, response.content[:300]
