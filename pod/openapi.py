@@ -68,10 +68,10 @@ def get_openapi(limits: InputLimits) -> dict[str, Any]:
     text_part = {"type": "object", "required": ["type", "text"],
                  "properties": {"type": {"type": "string", "enum": ["text"]},
                                 "text": {"type": "string", "maxLength": max_chars}}}
-    message = {"type": "object", "required": ["role"], "properties": {
+    message = {"type": "object", "required": ["role", "content"], "properties": {
         "role": {"type": "string", "enum": sorted(CHAT_ROLES)},
-        "content": {"nullable": True, "oneOf": [{"type": "string", "maxLength": max_chars},
-                                                {"type": "array", "items": text_part}]}}}
+        "content": {"oneOf": [{"type": "string", "maxLength": max_chars},
+                              {"type": "array", "items": text_part}]}}}
     prompt = {"oneOf": [{"type": "string", "minLength": 1, "maxLength": max_chars},
                         {"type": "array", "items": {"type": "string", "maxLength": max_chars},
                          "minItems": 1, "maxItems": 1},

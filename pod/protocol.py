@@ -294,10 +294,15 @@ def _include_usage(body: dict) -> bool:
     return _boolean(options, "include_usage", False)
 
 
-def _message_text(message: dict, index: int) -> str:
+def _message_text(message: dict, index: int, role: str) -> str:
+    for name in ("tool_calls", "function_call"):
+        if message.get(name):  # replaying a tool call needs tools, which are not supported
+            raise ApiError(400, f"'messages[{index}].{name}' is not supported by this server",
+                           param=f"messages[{index}].{name}")
     content = message.get("content")
-    if content is None:
-        return ""
+    if content is None:  # OpenAI: only an assistant message with tool calls may omit it
+        raise _bad(f"messages[{index}].content",
+                   f"required for a {role} message (a string or a list of text parts)")
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -326,7 +331,7 @@ def chat_messages(body: dict, limits: InputLimits) -> list[dict[str, str]]:
         role = message.get("role")
         if role not in CHAT_ROLES:
             raise _bad(f"messages[{i}].role", f"unknown role {shown(role)}")
-        text = _message_text(message, i)
+        text = _message_text(message, i, role)
         num_chars += len(text)
         _check_chars("messages", num_chars, limits)
         cleaned.append({"role": "system" if role == "developer" else role, "content": text})

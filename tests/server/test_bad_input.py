@@ -56,6 +56,13 @@ JSON_CASES = [
     ("/completion", {"prompt": "hi", "n_predict": -5}, 400, "n_predict"),
     ("/completion", {"prompt": "hi", "n": 2}, 400, "n"),
     (CHAT, {"messages": MSG, "temperature": 10**400}, 400, "temperature"),  # past a float
+    # OpenAI requires content but on an assistant message with tool calls (unsupported)
+    (CHAT, {"messages": [{"role": "user"}]}, 400, "messages[0].content"),
+    (CHAT, {"messages": [{"role": "user", "content": None}]}, 400, "messages[0].content"),
+    (CHAT, {"messages": [{"role": "system"}, *MSG]}, 400, "messages[0].content"),
+    (CHAT, {"messages": [*MSG, {"role": "assistant"}, *MSG]}, 400, "messages[1].content"),
+    (CHAT, {"messages": [*MSG, {"role": "tool", "tool_call_id": "c1"}]}, 400,
+     "messages[1].content"),
 ]
 
 RAW_CASES = [
@@ -102,6 +109,7 @@ def test_malformed_raw_body(server, raw, status, field):
     assert_still_serving(server)
 
 
+TOOL_CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
 UNSUPPORTED_CASES = [
     # (path, extra fields, param): a client asking for these must not get plain text back
     (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
@@ -117,6 +125,8 @@ UNSUPPORTED_CASES = [
     (CHAT, {"presence_penalty": 0.5}, "presence_penalty"),
     (CHAT, {"frequency_penalty": -1}, "frequency_penalty"),
     (CHAT, {"modalities": ["text", "audio"]}, "modalities"),
+    (CHAT, {"messages": [*MSG, {"role": "assistant", "tool_calls": [TOOL_CALL]}]},
+     "messages[1].tool_calls"),
     ("/v1/completions", {"echo": True}, "echo"),
     ("/v1/completions", {"best_of": 3}, "best_of"),
     ("/v1/completions", {"suffix": "the end"}, "suffix"),
