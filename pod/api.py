@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -27,7 +29,7 @@ from . import protocol
 from .args import ServerArgs
 from .model.tokenizer import Tokenizer
 from .openapi import get_openapi
-from .protocol import ApiError, GenerationRequest
+from .protocol import ApiError, GenerationRequest, InputLimits
 from .sampling import make_generator
 from .scheduler import CONTEXT_EXCEEDED
 from .server import ServingStack, build_stack
@@ -41,11 +43,6 @@ DRAIN_GRACE_SECONDS = 5.0  # after the shutdown timeout: for the final error eve
 SHUT_DOWN = "the server shut down before this request finished"
 NOTICES = {"parked": "preempted", "resumed": "resumed", "recomputed": "recomputed",
            "keepalive": "keepalive"}
-CHAT_PARSERS = {
-    "chat": protocol.parse_chat,
-    "completion": protocol.parse_completion,
-    "llama": protocol.parse_llama_completion,
-}
 
 
 @dataclass
@@ -309,7 +306,7 @@ class Server:
 
     async def openapi(self, request: Request) -> Response:
         stack = self.ready_stack()
-        return JSONResponse(get_openapi(stack.max_context))
+        return JSONResponse(get_openapi(self.limits(stack)))
 
     async def metrics(self, request: Request) -> Response:
         stack = self.ready_stack()
@@ -332,7 +329,8 @@ class Server:
         except ValueError:
             raise ApiError(404, "no such slot", param="id") from None
         if not 0 <= slot_id < len(slots):
-            raise ApiError(404, f"no slot {slot_id}: there are {len(slots)}", param="id")
+            raise ApiError(404, f"no slot {protocol.clip(str(slot_id))}: there are "
+                           f"{len(slots)}", param="id")
         action = request.query_params.get("action")
         if action not in ("park", "unpark"):
             raise ApiError(400, "'action': expected park or unpark", param="action")
@@ -387,12 +385,14 @@ class Server:
     async def read_request(self, request: Request, stack: ServingStack,
                            kind: str) -> RequestStream:
         """Body -> request -> engine. It counts against --max-queue while its body comes in
-        (the engine's queue counts it after)."""
+        and is parsed (the engine's queue counts it after)."""
         self.num_receiving += 1
         try:
-            body = await read_json(request, self.args.max_body_bytes, self.args.timeout_body,
-                                   self.aborted)
-            gen = CHAT_PARSERS[kind](body, stack.tokenizer, stack.max_context)
+            raw = await read_body(request, self.args.max_body_bytes, self.args.timeout_body,
+                                  self.aborted)
+            with stack.metrics.preparing.track_inprogress():  # templating, tokenising: off loop
+                gen = await run_in_threadpool(protocol.parse_request, kind, raw,
+                                              stack.tokenizer, self.limits(stack))
             self.check_fits(stack, gen)
             if self.aborting:
                 raise ApiError(503, SHUT_DOWN, error_type="unavailable",
@@ -404,6 +404,10 @@ class Server:
             return stream
         finally:
             self.num_receiving -= 1
+
+    def limits(self, stack: ServingStack) -> InputLimits:
+        return InputLimits.of(stack.max_context, self.args.max_messages,
+                              self.args.max_prompt_chars)
 
     def check_fits(self, stack: ServingStack, gen: GenerationRequest) -> None:
         """Refuse up front what could never finish, even alone in the pool (as vLLM does)."""
@@ -536,20 +540,6 @@ async def next_message(request: Request, timeout: float, aborted: asyncio.Event)
                    param="body", error_type="timeout", headers=close)
 
 
-async def read_json(request: Request, limit: int, timeout: float,
-                    aborted: asyncio.Event) -> dict[str, Any]:
-    raw = await read_body(request, limit, timeout, aborted)
-    if not raw.strip():
-        raise ApiError(400, "the body is empty; expected a JSON object", param="body")
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ApiError(400, f"the body is not valid JSON: {exc}", param="body") from exc
-    if not isinstance(body, dict):
-        raise ApiError(400, "the body must be a JSON object", param="body")
-    return body
-
-
 def slot_entry(slot_id: int, seq: Sequence | None, share: int) -> dict[str, Any]:
     entry: dict[str, Any] = {"id": slot_id, "n_ctx": share, "is_processing": seq is not None,
                              "is_preempted": False, "n_preempt": 0, "n_recompute": 0,
@@ -677,6 +667,16 @@ def create_app(args: ServerArgs, stack: ServingStack | None = None) -> Starlette
         assert isinstance(exc, ApiError)
         return error_response(exc)
 
+    async def on_http_error(request: Request, exc: Exception) -> Response:  # 404, 405
+        assert isinstance(exc, HTTPException)
+        where = protocol.clip(f"{request.method} {request.url.path}")
+        return error_response(ApiError(exc.status_code, f"{exc.detail}: {where}",
+                                       headers=exc.headers))
+
+    async def on_crash(request: Request, exc: Exception) -> Response:  # uvicorn logs the trace
+        return error_response(ApiError(500, f"internal server error ({type(exc).__name__})",
+                                       error_type="server_error"))
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         # load in the background so /health answers 503 while the weights come in
@@ -702,8 +702,10 @@ def create_app(args: ServerArgs, stack: ServingStack | None = None) -> Starlette
             Route("/metrics", server.metrics),
             Route("/openapi.json", server.openapi),
         ],
-        exception_handlers={ApiError: on_api_error},
+        exception_handlers={ApiError: on_api_error, HTTPException: on_http_error,
+                            Exception: on_crash},
         lifespan=lifespan,
     )
+    app.router.redirect_slashes = False  # its redirect names the client's Host: a JSON 404
     app.state.server = server
     return app

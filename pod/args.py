@@ -46,6 +46,8 @@ class ServerArgs:
     threads: int = 0  # 0: pick from the machine
     max_queue: int = 256
     max_body_bytes: int = 8 << 20
+    max_messages: int = 4096  # chat messages per request
+    max_prompt_chars: int = 0  # 0: what the context could ever hold (protocol.CHARS_PER_TOKEN)
     shutdown_timeout: float = 30.0
     timeout_header: float = 10.0  # seconds to send a request's whole header (then closed)
     timeout_body: float = 30.0  # seconds between two chunks of a request body (then 408)
@@ -173,6 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", "-t", type=_non_negative, help="torch threads (0: auto)")
     p.add_argument("--max-queue", type=_positive, help="queued requests before 503")
     p.add_argument("--max-body-bytes", type=_positive, help="largest request body (413 above)")
+    p.add_argument("--max-messages", type=_positive,
+                   help="chat messages per request (4096; 400 above)")
+    p.add_argument("--max-prompt-chars", type=_non_negative,
+                   help="prompt characters per request, 400 above (0: 32 per token of context)")
     p.add_argument("--shutdown-timeout", type=_seconds_or_zero,
                    help="seconds to drain on SIGTERM")
     p.add_argument("--timeout-header", type=_seconds,

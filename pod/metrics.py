@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -94,6 +94,9 @@ class Metrics:
                                         registry=r)
         self.requests = Counter("kvpark:requests", "Finished requests by outcome",
                                 ["outcome"], registry=r)
+        self.preparing = Gauge("kvpark:requests_preparing",
+                               "Requests whose body is being parsed, templated and tokenised",
+                               registry=r)
         self.rejected = Counter("kvpark:requests_rejected", "Requests rejected (503, full)",
                                 registry=r)
         self.latency = Histogram("kvpark:request_latency_seconds", "Arrival to last token",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .protocol import CHAT_ROLES, MAX_N, MAX_STOP_CHARS, MAX_STOP_STRINGS
+from .protocol import CHAT_ROLES, MAX_N, MAX_STOP_CHARS, MAX_STOP_STRINGS, InputLimits
 
 JSON = "application/json"
 SSE = "text/event-stream"
@@ -63,17 +63,18 @@ def _generation_op(summary: str, request: str, response: str) -> dict[str, Any]:
     }}
 
 
-def get_openapi(max_context: int) -> dict[str, Any]:
+def get_openapi(limits: InputLimits) -> dict[str, Any]:
+    max_context, max_chars = limits.max_context, limits.max_prompt_chars
     text_part = {"type": "object", "required": ["type", "text"],
                  "properties": {"type": {"type": "string", "enum": ["text"]},
-                                "text": {"type": "string"}}}
-    message = {"type": "object", "required": ["role"], "properties": {
+                                "text": {"type": "string", "maxLength": max_chars}}}
+    message = {"type": "object", "required": ["role", "content"], "properties": {
         "role": {"type": "string", "enum": sorted(CHAT_ROLES)},
-        "content": {"nullable": True, "oneOf": [{"type": "string"},
-                                                {"type": "array", "items": text_part}]}}}
-    prompt = {"oneOf": [{"type": "string", "minLength": 1},
-                        {"type": "array", "items": {"type": "string"}, "minItems": 1,
-                         "maxItems": 1},
+        "content": {"oneOf": [{"type": "string", "maxLength": max_chars},
+                              {"type": "array", "items": text_part}]}}}
+    prompt = {"oneOf": [{"type": "string", "minLength": 1, "maxLength": max_chars},
+                        {"type": "array", "items": {"type": "string", "maxLength": max_chars},
+                         "minItems": 1, "maxItems": 1},
                         {"type": "array", "items": {"type": "integer", "minimum": 0},
                          "minItems": 1}]}
     usage = {"type": "object", "required": ["prompt_tokens", "completion_tokens",
@@ -90,7 +91,8 @@ def get_openapi(max_context: int) -> dict[str, Any]:
                            "param": {"type": "string", "nullable": True},
                            "code": {"type": "integer"}}}}},
         "ChatRequest": {"type": "object", "required": ["messages"], "properties": {
-            "messages": {"type": "array", "items": message, "minItems": 1},
+            "messages": {"type": "array", "items": message, "minItems": 1,
+                         "maxItems": limits.max_messages},
             **_sampling(("max_tokens", "max_completion_tokens"), max_context)}},
         "CompletionRequest": {"type": "object", "required": ["prompt"], "properties": {
             "prompt": prompt, **_sampling(("max_tokens",), max_context)}},

@@ -6,17 +6,28 @@ Every problem raises `ApiError` naming the field, which the API turns into an Op
 
 from __future__ import annotations
 
+import json
+import logging
 import math
+import re
+import reprlib
+import threading
 from dataclasses import dataclass
 from typing import Any
 
 from .model.tokenizer import Tokenizer
 from .sampling import SamplingParams
 
+log = logging.getLogger("kvpark.protocol")
+
 MAX_N = 16
 MAX_STOP_STRINGS = 8
 MAX_STOP_CHARS = 1024  # per stop string: up to this much text is held back while it may match
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
+# No tokenizer packs more characters than this into a token on average, so a prompt longer than
+# 32 x the context can never fit: it is refused before the chat template and the tokenizer run.
+CHARS_PER_TOKEN = 32
+MAX_SHOWN = 100  # characters of client input an error message may quote
 
 
 class ApiError(Exception):
@@ -36,6 +47,18 @@ class ApiError(Exception):
 
 
 @dataclass(frozen=True)
+class InputLimits:
+    max_context: int  # tokens one request can hold
+    max_messages: int
+    max_prompt_chars: int  # characters of prompt text (all messages' content together)
+
+    @classmethod
+    def of(cls, max_context: int, max_messages: int, max_prompt_chars: int = 0) -> InputLimits:
+        """`max_prompt_chars` 0: what the context could ever hold."""
+        return cls(max_context, max_messages, max_prompt_chars or CHARS_PER_TOKEN * max_context)
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     kind: str  # "chat", "completion" (OpenAI) or "llama" (/completion)
     prompt_ids: list[int]
@@ -51,14 +74,148 @@ def _bad(param: str, message: str) -> ApiError:
     return ApiError(400, f"'{param}': {message}", param=param)
 
 
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = _REPR.maxlong = MAX_SHOWN
+_REPR.fillvalue = "…"  # Python 3.11+; 3.10 cuts with "..."
+
+
+def clip(text: str, limit: int = MAX_SHOWN) -> str:
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def shown(value: Any) -> str:
+    """`repr(value)` cut short: an error message quotes client input, never all of it."""
+    return clip(_REPR.repr(value))
+
+
+# ---- the body -------------------------------------------------------------------------------
+
+# Where a lone surrogate can come from: a \uD800-\uDFFF escape, or its UTF-8 bytes (json.loads
+# decodes bytes with surrogatepass). Only a body that matches is walked.
+_SURROGATE_HINT = re.compile(rb"\\[uU][dD][89a-fA-F]|\xed[\xa0-\xbf]")
+
+
+def decode_body(raw: bytes) -> dict[str, Any]:
+    """JSON bytes -> the request object, or a 400 naming what is wrong. CPU-bound on a large
+    body: call it off the event loop."""
+    if not raw.strip():
+        raise ApiError(400, "the body is empty; expected a JSON object", param="body")
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise ApiError(400, "the body is not valid JSON: it nests too deeply",
+                       param="body") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ApiError(400, f"the body is not valid JSON: {exc}", param="body") from None
+    except ValueError:  # Python refuses integers past 4300 digits
+        raise ApiError(400, "the body is not valid JSON: a number has too many digits",
+                       param="body") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object", param="body")
+    if _SURROGATE_HINT.search(raw):
+        where = _lone_surrogate(body)
+        if where is not None:
+            raise _bad(where, "holds a lone UTF-16 surrogate (not valid Unicode text)")
+    return body
+
+
+def _lone_surrogate(value: Any) -> str | None:
+    """The path of the first string (or key) that is not valid Unicode; None if all are."""
+    stack: list[tuple[Any, str]] = [(value, "")]
+    while stack:  # iterative: the nesting can be as deep as json allows
+        item, where = stack.pop()
+        if isinstance(item, str) and not _is_text(item):
+            return where or "body"
+        if isinstance(item, list):
+            stack.extend((v, f"{where}[{i}]") for i, v in enumerate(item))
+        elif isinstance(item, dict):
+            for key, v in item.items():
+                if not _is_text(key):
+                    return where or "body"
+                stack.append((v, f"{where}.{clip(key, 40)}" if where else clip(key, 40)))
+    return None
+
+
+def _is_text(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+# ---- fields ---------------------------------------------------------------------------------
+
+# OpenAI (and llama.cpp) fields not implemented here, with the values that ask for nothing. Any
+# other value is refused: a client that asked for JSON, a tool call or logprobs must not get
+# plain text back as if it had.
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    "response_format": (None, {"type": "text"}),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "logit_bias": (None, {}, []),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "web_search_options": (None,),
+    "n_probs": (None, 0),  # llama.cpp from here on
+    "grammar": (None, ""),
+    "json_schema": (None, {}),
+    "repeat_penalty": (None, 1, 1.0),
+}
+# Accepted and without effect on the output: clients send them by default.
+HARMLESS = frozenset({"user", "safety_identifier", "metadata", "store", "service_tier",
+                      "parallel_tool_calls", "prompt_cache_key", "prompt_cache_retention",
+                      "prompt_cache_options", "cache_prompt"})
+SAMPLING = frozenset({"model", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+                      "ignore_eos", "n", "stream", "stream_options", "priority"})
+KNOWN = {
+    "chat": SAMPLING | HARMLESS | {"messages", "max_tokens", "max_completion_tokens"},
+    "completion": SAMPLING | HARMLESS | {"prompt", "max_tokens"},
+    "llama": SAMPLING | HARMLESS | {"prompt", "n_predict", "max_tokens", "return_tokens"},
+}
+MAX_LOGGED_FIELDS = 1000  # bounds what a client inventing field names can make us remember
+_logged_fields: set[str] = set()
+_logged_lock = threading.Lock()
+
+
+def check_fields(body: dict, kind: str) -> None:
+    """400 for a field this server does not implement; unknown fields are ignored, and each
+    name is logged once (as vLLM does)."""
+    for name, off in UNSUPPORTED.items():
+        value = body.get(name)
+        if not any(value == o and type(value) is type(o) for o in off):
+            raise ApiError(400, f"'{name}' is not supported by this server (got "
+                           f"{shown(value)}); leave it out", param=name)
+    unknown = body.keys() - KNOWN[kind] - UNSUPPORTED.keys()
+    if not unknown:
+        return
+    with _logged_lock:
+        new = {clip(name, 40) for name in unknown} - _logged_fields
+        new = set(sorted(new)[:max(0, MAX_LOGGED_FIELDS - len(_logged_fields))])
+        _logged_fields.update(new)
+    if new:
+        log.warning("The following fields were present in the request but ignored: {%s}",
+                    ", ".join(ascii(name) for name in sorted(new)))
+
+
 def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
     value = body.get(name, default)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise _bad(name, f"expected a number, got {value!r}")
-    if not lo <= value <= hi:
-        raise _bad(name, f"must be between {lo} and {hi}, got {value}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _bad(name, f"expected a number, got {shown(value)}")
+    if not (isinstance(value, int) or math.isfinite(value)) or not lo <= value <= hi:
+        raise _bad(name, f"must be between {lo} and {hi}, got {shown(value)}")
     return float(value)
 
 
@@ -67,9 +224,9 @@ def _integer(body: dict, name: str, default: int | None, lo: int, hi: int) -> in
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int):
-        raise _bad(name, f"expected an integer, got {value!r}")
+        raise _bad(name, f"expected an integer, got {shown(value)}")
     if not lo <= value <= hi:
-        raise _bad(name, f"must be between {lo} and {hi}, got {value}")
+        raise _bad(name, f"must be between {lo} and {hi}, got {shown(value)}")
     return value
 
 
@@ -78,7 +235,7 @@ def _boolean(body: dict, name: str, default: bool) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise _bad(name, f"expected true or false, got {value!r}")
+        raise _bad(name, f"expected true or false, got {shown(value)}")
     return value
 
 
@@ -142,10 +299,15 @@ def _include_usage(body: dict) -> bool:
     return _boolean(options, "include_usage", False)
 
 
-def _message_text(message: dict, index: int) -> str:
+def _message_text(message: dict, index: int, role: str) -> str:
+    for name in ("tool_calls", "function_call"):
+        if message.get(name):  # replaying a tool call needs tools, which are not supported
+            raise ApiError(400, f"'messages[{index}].{name}' is not supported by this server",
+                           param=f"messages[{index}].{name}")
     content = message.get("content")
-    if content is None:
-        return ""
+    if content is None:  # OpenAI: only an assistant message with tool calls may omit it
+        raise _bad(f"messages[{index}].content",
+                   f"required for a {role} message (a string or a list of text parts)")
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -160,29 +322,44 @@ def _message_text(message: dict, index: int) -> str:
     raise _bad(f"messages[{index}].content", "expected a string or a list of text parts")
 
 
-def chat_messages(body: dict) -> list[dict[str, str]]:
+def chat_messages(body: dict, limits: InputLimits) -> list[dict[str, str]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("messages", "expected a non-empty list of messages")
-    cleaned = []
+    if len(messages) > limits.max_messages:
+        raise _bad("messages", f"{len(messages)} messages; at most {limits.max_messages} are "
+                   "accepted (--max-messages)")
+    cleaned, num_chars = [], 0
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise _bad(f"messages[{i}]", "expected an object with 'role' and 'content'")
         role = message.get("role")
         if role not in CHAT_ROLES:
-            raise _bad(f"messages[{i}].role", f"unknown role {role!r}")
-        cleaned.append({"role": "system" if role == "developer" else role,
-                        "content": _message_text(message, i)})
+            raise _bad(f"messages[{i}].role", f"unknown role {shown(role)}")
+        text = _message_text(message, i, role)
+        num_chars += len(text)
+        _check_chars("messages", num_chars, limits)
+        cleaned.append({"role": "system" if role == "developer" else role, "content": text})
     return cleaned
 
 
-def _prompt_ids(body: dict, tokenizer: Tokenizer, name: str = "prompt") -> list[int]:
+def _check_chars(param: str, num_chars: int, limits: InputLimits) -> None:
+    """Refused before the template and the tokenizer see it: it could never fit anyway."""
+    if num_chars > limits.max_prompt_chars:
+        raise _bad(param, f"more than {limits.max_prompt_chars} characters of prompt text, "
+                   f"more than a {limits.max_context}-token context can hold "
+                   "(--max-prompt-chars)")
+
+
+def _prompt_ids(body: dict, tokenizer: Tokenizer, limits: InputLimits,
+                name: str = "prompt") -> list[int]:
     """A raw prompt's ids. Special-token texts in it become their ids, as llama.cpp parses them
     in /completion prompts: a raw prompt is the caller's whole model input, template included."""
     prompt = body.get(name)
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, str):
+        _check_chars(name, len(prompt), limits)
         ids = tokenizer.encode(prompt)
     elif isinstance(prompt, list) and prompt and all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -203,47 +380,67 @@ def _model(body: dict) -> str | None:
     return model
 
 
-def parse_chat(body: dict, tokenizer: Tokenizer, max_context: int) -> GenerationRequest:
-    messages = chat_messages(body)
+def _chat_prompt(messages: list[dict[str, str]], tokenizer: Tokenizer) -> list[int]:
     try:  # special-token texts in the messages stay text: only the template's markers are special
-        prompt_ids = tokenizer.encode_chat(messages, add_generation_prompt=True)
+        return tokenizer.encode_chat(messages, add_generation_prompt=True)
     except Exception as exc:  # the model's own template rejected the conversation
-        raise _bad("messages", f"the chat template rejected the messages: {exc}") from exc
+        raise _bad("messages", "the chat template rejected the messages: "
+                   f"{clip(str(exc), 2 * MAX_SHOWN)}") from exc
+
+
+# The parsers template and tokenise: CPU-bound on a long prompt, so they run off the event loop.
+# Cheap checks come first, so a bad request costs no tokenising.
+
+def parse_chat(body: dict, tokenizer: Tokenizer, limits: InputLimits) -> GenerationRequest:
+    check_fields(body, "chat")
+    messages = chat_messages(body, limits)
+    params = sampling_params(body, limits.max_context, ("max_completion_tokens", "max_tokens"))
     return GenerationRequest(
         kind="chat",
-        prompt_ids=prompt_ids,
-        params=sampling_params(body, max_context, ("max_completion_tokens", "max_tokens")),
+        params=params,
         stream=_boolean(body, "stream", False),
         include_usage=_include_usage(body),
         model=_model(body),
         priority=_priority(body),
+        prompt_ids=_chat_prompt(messages, tokenizer),
     )
 
 
-def parse_completion(body: dict, tokenizer: Tokenizer, max_context: int) -> GenerationRequest:
+def parse_completion(body: dict, tokenizer: Tokenizer, limits: InputLimits) -> GenerationRequest:
+    check_fields(body, "completion")
     return GenerationRequest(
         kind="completion",
-        prompt_ids=_prompt_ids(body, tokenizer),
-        params=sampling_params(body, max_context, ("max_tokens",)),
+        params=sampling_params(body, limits.max_context, ("max_tokens",)),
         stream=_boolean(body, "stream", False),
         include_usage=_include_usage(body),
         model=_model(body),
         priority=_priority(body),
+        prompt_ids=_prompt_ids(body, tokenizer, limits),
     )
 
 
-def parse_llama_completion(body: dict, tokenizer: Tokenizer, max_context: int
+def parse_llama_completion(body: dict, tokenizer: Tokenizer, limits: InputLimits
                            ) -> GenerationRequest:
-    params = sampling_params(body, max_context, ("n_predict", "max_tokens"))
+    check_fields(body, "llama")
+    params = sampling_params(body, limits.max_context, ("n_predict", "max_tokens"))
     if params.n != 1:
         raise _bad("n", "/completion generates one sequence; use /v1/completions for n > 1")
     return GenerationRequest(
         kind="llama",
-        prompt_ids=_prompt_ids(body, tokenizer),
         params=params,
         stream=_boolean(body, "stream", False),
         include_usage=False,
         model=_model(body),
         return_tokens=_boolean(body, "return_tokens", False),
         priority=_priority(body),
+        prompt_ids=_prompt_ids(body, tokenizer, limits),
     )
+
+
+PARSERS = {"chat": parse_chat, "completion": parse_completion, "llama": parse_llama_completion}
+
+
+def parse_request(kind: str, raw: bytes, tokenizer: Tokenizer,
+                  limits: InputLimits) -> GenerationRequest:
+    """Body bytes -> a `GenerationRequest` for route `kind`, or an `ApiError`."""
+    return PARSERS[kind](decode_body(raw), tokenizer, limits)

@@ -180,3 +180,44 @@ def test_prompt_tokens_metric_counts_an_n_request_prompt_once(tiny_server):
     after = tiny_server.metric("kvpark:prompt_tokens_total")
     assert body["usage"]["prompt_tokens"] > 0
     assert after - before == body["usage"]["prompt_tokens"]
+
+
+def test_default_limits_refuse_huge_inputs_before_templating(tiny_server):
+    """An 8 MiB prompt and 4097 messages are refused by the default limits (32 characters per
+    token of context; 4096 messages) before the template and the tokenizer see them: the
+    errors name the limit, not the context."""
+    url = tiny_server.url
+    max_len = httpx.get(f"{url}/v1/models").json()["data"][0]["max_model_len"]
+    cases = [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 8_000_000}]},
+         "messages", "--max-prompt-chars"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "y" * 4000}] *
+                                  (32 * max_len // 4000 + 1)}, "messages",
+         "--max-prompt-chars"),
+        ("/v1/completions", {"prompt": "z" * (32 * max_len + 1)}, "prompt",
+         "--max-prompt-chars"),
+        ("/completion", {"prompt": ["z" * (32 * max_len + 1)]}, "prompt", "--max-prompt-chars"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": ""}] * 4097},
+         "messages", "--max-messages"),
+    ]
+    for path, body, param, limit in cases:
+        response = tiny_server.post(path, body)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == param and limit in error["message"], error
+    under = tiny_server.chat("x" * (32 * max_len - 200), max_tokens=2)  # tokenised, too long
+    assert under.json()["error"]["message"].startswith("Context size has been exceeded.")
+    assert tiny_server.chat("still serving", **GREEDY).status_code == 200
+
+
+def test_openai_client_with_harmless_fields_set(tiny_server):
+    out = client(tiny_server).chat.completions.create(
+        model="x", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+        presence_penalty=0, frequency_penalty=0, logprobs=False, user="u-1", store=False,
+        metadata={"k": "v"}, service_tier="auto", response_format={"type": "text"},
+        prompt_cache_key="k", safety_identifier="s", stream_options=None)
+    assert out.usage.completion_tokens <= 3
+    with pytest.raises(openai.BadRequestError, match="'response_format' is not supported"):
+        client(tiny_server).chat.completions.create(
+            model="x", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+            response_format={"type": "json_object"})

@@ -3,7 +3,7 @@ and the server answers a good request right after each one."""
 
 import httpx
 import pytest
-from serverproc import ServerProcess
+from serverproc import ServerProcess, free_port, poll
 
 CHAT = "/v1/chat/completions"
 MSG = [{"role": "user", "content": "hi"}]
@@ -62,6 +62,14 @@ JSON_CASES = [
     ("/completion", {"prompt": "hi", "n_predict": -5}, 400, "n_predict"),
     ("/completion", {"prompt": "hi", "n_predict": 0}, 400, "n_predict"),  # as /openapi.json says
     ("/completion", {"prompt": "hi", "n": 2}, 400, "n"),
+    (CHAT, {"messages": MSG, "temperature": 10**400}, 400, "temperature"),  # past a float
+    # OpenAI requires content but on an assistant message with tool calls (unsupported)
+    (CHAT, {"messages": [{"role": "user"}]}, 400, "messages[0].content"),
+    (CHAT, {"messages": [{"role": "user", "content": None}]}, 400, "messages[0].content"),
+    (CHAT, {"messages": [{"role": "system"}, *MSG]}, 400, "messages[0].content"),
+    (CHAT, {"messages": [*MSG, {"role": "assistant"}, *MSG]}, 400, "messages[1].content"),
+    (CHAT, {"messages": [*MSG, {"role": "tool", "tool_call_id": "c1"}]}, 400,
+     "messages[1].content"),
 ]
 
 RAW_CASES = [
@@ -71,11 +79,18 @@ RAW_CASES = [
     (b"[1, 2, 3]", 400, "body"),
     (b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', 400, "body"),  # bad UTF-8
     (b'{"messages": "' + b"x" * 5000 + b'"}', 413, "body"),  # over --max-body-bytes
+    (b'{"messages": [{"role": "user", "content": "\\ud83d"}]}', 400, "messages[0].content"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "stop": ["a", "\\udc00"]}', 400,
+     "stop[1]"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "seed": ' + b"9" * 4000 + b"}", 400,
+     "seed"),  # 4000 digits: under Python's limit, out of range; echoed in part
+    (b'{"messages": ' + b"[" * 2000 + b"]" * 2000 + b"}", 400, "body"),
 ]
 
 
 def assert_error(response, status, field):
     assert response.status_code == status, response.text
+    assert len(response.content) < 1000, response.content[:300]  # quotes of input are cut
     error = response.json()["error"]
     assert error["param"] == field
     assert field in error["message"] or field in ("body", "prompt", "messages")
@@ -99,6 +114,136 @@ def test_malformed_raw_body(server, raw, status, field):
                           headers={"content-type": "application/json"}, timeout=30)
     assert_error(response, status, field)
     assert_still_serving(server)
+
+
+TOOL_CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+UNSUPPORTED_CASES = [
+    # (path, extra fields, param): a client asking for these must not get plain text back
+    (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    (CHAT, {"tool_choice": "required"}, "tool_choice"),
+    (CHAT, {"functions": [{"name": "f"}]}, "functions"),
+    (CHAT, {"function_call": {"name": "f"}}, "function_call"),
+    (CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
+    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format"),
+    (CHAT, {"logprobs": True}, "logprobs"),
+    (CHAT, {"top_logprobs": 3}, "top_logprobs"),
+    (CHAT, {"logit_bias": {"15": 100}}, "logit_bias"),
+    (CHAT, {"presence_penalty": 0.5}, "presence_penalty"),
+    (CHAT, {"frequency_penalty": -1}, "frequency_penalty"),
+    (CHAT, {"modalities": ["text", "audio"]}, "modalities"),
+    (CHAT, {"messages": [*MSG, {"role": "assistant", "tool_calls": [TOOL_CALL]}]},
+     "messages[1].tool_calls"),
+    ("/v1/completions", {"echo": True}, "echo"),
+    ("/v1/completions", {"best_of": 3}, "best_of"),
+    ("/v1/completions", {"suffix": "the end"}, "suffix"),
+    ("/v1/completions", {"logprobs": 2}, "logprobs"),
+    ("/completion", {"n_probs": 5}, "n_probs"),
+    ("/completion", {"grammar": 'root ::= "yes"'}, "grammar"),
+    ("/completion", {"json_schema": {"type": "object"}}, "json_schema"),
+    ("/completion", {"repeat_penalty": 1.3}, "repeat_penalty"),
+]
+
+
+@pytest.mark.parametrize("path,extra,param", UNSUPPORTED_CASES)
+def test_unsupported_field_is_refused_by_name(server, path, extra, param):
+    base = {"messages": MSG} if path == CHAT else {"prompt": "hi"}
+    response = server.post(path, {**base, "max_tokens": 2, **extra})
+    assert_error(response, 400, param)
+    assert "not supported" in response.json()["error"]["message"]
+
+
+HARMLESS = {
+    # what clients send by default, or that asks for nothing this server does not do
+    "user": "u-1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto",
+    "parallel_tool_calls": True, "response_format": {"type": "text"}, "logprobs": False,
+    "top_logprobs": 0, "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {},
+    "tools": None, "tool_choice": "none", "functions": None, "function_call": None,
+    "stream_options": {"include_usage": False}, "n": 1, "seed": None, "modalities": ["text"],
+}
+
+
+def test_harmless_and_null_fields_still_work(server):
+    chat = server.post(CHAT, {"messages": MSG, "max_tokens": 2, **HARMLESS})
+    assert chat.status_code == 200, chat.text
+    # langchain's legacy completions defaults
+    body = {"prompt": "hi", "model": "x", "temperature": 0.7, "top_p": 1, "n": 1,
+            "frequency_penalty": 0, "presence_penalty": 0, "logit_bias": {}, "best_of": 1,
+            "logprobs": None, "echo": False, "suffix": None, "max_tokens": 2}
+    assert server.post("/v1/completions", body).status_code == 200
+    assert server.post("/completion", {"prompt": "hi", "n_predict": 2, "cache_prompt": True,
+                                       "repeat_penalty": 1.0, "n_probs": 0}).status_code == 200
+
+
+def test_unknown_fields_are_ignored_and_logged_once_by_name(server):
+    pattern = r"present in the request but ignored: \{'temprature'\}"
+    for _ in range(2):
+        response = server.post(CHAT, {"messages": MSG, "max_tokens": 2, "temprature": 0.1})
+        assert response.status_code == 200, response.text
+    assert server.count_in_log(pattern) == 1
+
+
+def assert_json_error(response, status):
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/json"
+    error = response.json()["error"]
+    assert error.keys() == {"message", "type", "param", "code"} and error["code"] == status
+
+
+def test_unknown_paths_and_methods_get_json_errors(server):
+    assert_json_error(httpx.get(f"{server.url}/v1/nope"), 404)
+    assert "/v1/nope" in httpx.get(f"{server.url}/v1/nope").json()["error"]["message"]
+    wrong_method = httpx.get(f"{server.url}{CHAT}")
+    assert_json_error(wrong_method, 405)
+    assert wrong_method.headers["allow"] == "POST"
+    assert_json_error(httpx.delete(f"{server.url}/slots"), 405)
+
+
+@pytest.mark.parametrize("path", ["/slots/", "/health/", "/v1/models/"])
+def test_trailing_slash_is_a_json_404_not_a_redirect_to_the_host_header(server, path):
+    response = httpx.get(f"{server.url}{path}", headers={"Host": "evil.example"})
+    assert_json_error(response, 404)
+    assert "evil.example" not in response.headers.get("location", "")
+    assert "location" not in response.headers
+    assert_json_error(server.post(f"{CHAT}/", {"messages": MSG}), 404)
+
+
+def test_error_messages_quote_a_bad_value_only_in_part(server):
+    response = server.post(CHAT, {"messages": [{"role": "w" * 3000, "content": "x"}]})
+    assert_error(response, 400, "messages[0].role")
+    message = response.json()["error"]["message"]
+    assert "www" in message and len(message) < 300
+
+
+def test_an_unexpected_exception_in_a_route_is_a_json_500():
+    """No route fails this way on purpose, so one is added to the app, served by uvicorn
+    in-process on a loopback port (no model needed: its loading is left out)."""
+    import threading
+
+    import uvicorn
+    from starlette.routing import Route
+
+    from kvpark.pod.api import create_app
+    from kvpark.pod.args import ServerArgs
+
+    async def broken(request):
+        raise RuntimeError("a bug")
+
+    app = create_app(ServerArgs(model="synthetic:tiny"))
+    app.router.routes.append(Route("/broken", broken))
+    port = free_port()
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off",
+                                       log_level="critical"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    try:
+        poll(lambda: uv.started, "uvicorn to listen")
+        response = httpx.get(f"http://127.0.0.1:{port}/broken", timeout=30)
+    finally:
+        uv.should_exit = True
+        thread.join(30)
+    assert_json_error(response, 500)
+    assert response.json()["error"]["type"] == "server_error"
 
 
 def test_there_are_at_least_thirty_cases():

@@ -108,3 +108,20 @@ def test_abbreviated_flags_are_refused(capsys):
 def test_admin_key_never_reaches_a_log():
     args = parse_args([], env={"KVPARK_ADMIN_KEY": "adm1n-secret"})
     assert args.admin_key == "adm1n-secret" and "adm1n" not in repr(args)
+
+
+def test_input_limits_from_flags_and_environment():
+    from kvpark.pod.protocol import CHARS_PER_TOKEN, InputLimits
+
+    args = parse_args([], env={})
+    assert (args.max_messages, args.max_prompt_chars) == (4096, 0)
+    env = {"KVPARK_MAX_MESSAGES": "10", "KVPARK_MAX_PROMPT_CHARS": "5000"}
+    args = parse_args([], env=env)
+    assert (args.max_messages, args.max_prompt_chars) == (10, 5000)
+    assert parse_args(["--max-messages", "3"], env=env).max_messages == 3
+    for argv, bad_env in ((["--max-messages", "0"], {}), (["--max-prompt-chars", "-1"], {}),
+                          ([], {"KVPARK_MAX_PROMPT_CHARS": "-1"})):
+        with pytest.raises(SystemExit):
+            parse_args(argv, env=bad_env)
+    assert InputLimits.of(1024, 4096).max_prompt_chars == CHARS_PER_TOKEN * 1024
+    assert InputLimits.of(1024, 4096, 5000).max_prompt_chars == 5000
