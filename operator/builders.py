@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 from kubernetes.utils.quantity import parse_quantity
 
-from kvpark.operator import crd
+from kvpark.operator import crd, podtemplate
 from kvpark.operator.config import MANAGER, OperatorConfig
 from kvpark.operator.sizing import Sizing
 from kvpark.operator.status import Problem
@@ -301,12 +301,17 @@ def get_deployment(body: Mapping[str, Any], spec: Mapping[str, Any], sizing: Siz
             "strategy": get_strategy(spec),
             "revisionHistoryLimit": 3,
             "progressDeadlineSeconds": 1800,
-            "template": {
-                "metadata": {"labels": get_labels(name)},
-                "spec": get_pod_spec(spec, sizing, config),
-            },
+            "template": get_pod_template(name, spec, sizing, config),
         },
     }
+
+
+def get_pod_template(name: str, spec: Mapping[str, Any], sizing: Sizing,
+                     config: OperatorConfig) -> dict[str, Any]:
+    """The pod template, with spec.podTemplate merged over it (podtemplate.py)."""
+    template = {"metadata": {"labels": get_labels(name)},
+                "spec": get_pod_spec(spec, sizing, config)}
+    return podtemplate.merge(template, spec.get("podTemplate") or {})
 
 
 def get_strategy(spec: Mapping[str, Any]) -> dict[str, Any]:
@@ -467,8 +472,10 @@ def get_args_problems(args: Sequence[str]) -> list[Problem]:
     return problems
 
 
-def get_spec_problems(spec: Mapping[str, Any]) -> list[Problem]:
+def get_spec_problems(spec: Mapping[str, Any], name: str) -> list[Problem]:
     problems = get_args_problems(spec["server"].get("args", []))
+    problems += podtemplate.get_template_problems(
+        spec.get("podTemplate") or {}, get_selector_labels(name), CONTAINER, RESERVED_ENV)
     if spec["resources"]["gpus"] > crd.MAX_GPUS:  # a CRD from before the cap let it through
         problems.append(Problem("TooManyGPUs", f"resources.gpus is {spec['resources']['gpus']} "
                                 f"but kvpark-server uses one device: set at most {crd.MAX_GPUS}"))
@@ -483,7 +490,7 @@ def get_children(body: Mapping[str, Any], spec: Mapping[str, Any], sizing: Sizin
                  config: OperatorConfig, served: Set[str]) -> Children:
     """What to apply and what to delete; `served` holds the optional APIs the cluster serves."""
     name = body["metadata"]["name"]
-    problems = get_spec_problems(spec) + ([sizing.problem] if sizing.problem else [])
+    problems = get_spec_problems(spec, name) + ([sizing.problem] if sizing.problem else [])
     apply = [get_deployment(body, spec, sizing, config), get_service(body)]
     delete: list[tuple[str, str, str]] = []
     notes: list[str] = []

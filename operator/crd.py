@@ -220,6 +220,42 @@ def get_strategy_schema() -> dict[str, Any]:
     }
 
 
+def _string_map(description: str) -> dict[str, Any]:
+    return {"type": "object", "description": description,
+            "additionalProperties": {"type": "string"}}
+
+
+def get_pod_template_schema() -> dict[str, Any]:
+    return {
+        "type": "object",
+        "description": "A strategic-merge-style patch over the pod template the operator builds "
+        "(affinity, topologySpreadConstraints, priorityClassName, runtimeClassName, "
+        "nodeSelector, tolerations, annotations and labels, extra volumes, sidecars, extra env "
+        "and volumeMounts on the server container by its name, server). Maps merge, null "
+        "removes a key; containers, initContainers, env, volumes and imagePullSecrets merge by "
+        "name, volumeMounts by mountPath ($patch: delete removes an item); other lists are "
+        "replaced (tolerations here replace the operator's, spec.tolerations add to them). "
+        "The patch wins over the operator's fields except the server container's image, "
+        "command, args, resources and reserved env, and the selector labels: setting those is "
+        "refused (Degraded, reason OwnedField).",
+        "properties": {
+            "metadata": {
+                "type": "object",
+                "properties": {
+                    "labels": _string_map("Extra pod labels."),
+                    "annotations": _string_map("Extra pod annotations."),
+                },
+            },
+            "spec": {
+                "type": "object",
+                "description": "Fields of a core/v1 PodSpec; checked by the API server when "
+                "the Deployment is applied (a refusal shows as Degraded, ChildRejected).",
+                "x-kubernetes-preserve-unknown-fields": True,
+            },
+        },
+    }
+
+
 def get_server_schema() -> dict[str, Any]:
     return {
         "type": "object",
@@ -326,6 +362,7 @@ def get_spec_schema() -> dict[str, Any]:
                 },
             },
             "strategy": get_strategy_schema(),
+            "podTemplate": get_pod_template_schema(),
             "autoscaling": get_autoscaling_schema(),
             "monitoring": {
                 "type": "object",
