@@ -40,6 +40,8 @@ RUN if [ -n "$TORCH_INDEX_URL" ]; then pip install --index-url "$TORCH_INDEX_URL
  && rm -rf /wheels \
  && python -c "from kvpark.pod.model.loader import builtin_gguf_path; print(builtin_gguf_path())" \
  && kvpark-operator crd > /dev/null \
+ # the shared model cache's download takes a lock with flock (util-linux, in Debian's base)
+ && command -v flock \
  && useradd --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin kvpark
 USER 10001:10001
 WORKDIR /tmp

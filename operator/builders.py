@@ -110,7 +110,7 @@ def get_container_security() -> dict[str, Any]:
             "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}}
 
 
-def get_model_source(spec: Mapping[str, Any], image: str) -> ModelSource:
+def get_model_source(name: str, spec: Mapping[str, Any], image: str) -> ModelSource:
     model = spec["model"]
     uri: str = model["uri"]
     if uri.startswith("file://"):
@@ -128,13 +128,50 @@ def get_model_source(spec: Mapping[str, Any], image: str) -> ModelSource:
         org, repo, *rest = uri.removeprefix("hf://").split("/")
         mount = f"{MODELS_DIR}/hf"
         path = "/".join(rest)
+        claim = get_cache_claim(name, model)
+        if claim is None:
+            return ModelSource(
+                f"{mount}/{path}".rstrip("/"),
+                [{"name": "model", "emptyDir": {"sizeLimit": get_download_size(model)}}],
+                [{"name": "model", "mountPath": mount, "readOnly": True}],
+                [get_fetch_container(model, f"{org}/{repo}", path, mount, image, spec)],
+            )
+        # one folder per repository and revision: PreemptServers may share a claim
+        folder = f"{mount}/{org}/{repo}/{model.get('revision', DEFAULT_BRANCH_FOLDER)}"
         return ModelSource(
-            f"{mount}/{path}".rstrip("/"),
-            [{"name": "model", "emptyDir": {"sizeLimit": get_download_size(model)}}],
+            f"{folder}/{path}".rstrip("/"),
+            [{"name": "model", "persistentVolumeClaim": {"claimName": claim}}],
             [{"name": "model", "mountPath": mount, "readOnly": True}],
-            [get_fetch_container(model, f"{org}/{repo}", path, mount, image, spec)],
+            [get_fetch_container(model, f"{org}/{repo}", path, folder, image, spec,
+                                 cached=True, mount=mount)],
         )
     return ModelSource(uri, [], [], [])  # builtin://
+
+
+def get_cache_claim(name: str, model: Mapping[str, Any]) -> str | None:
+    """The PVC of an hf:// model's shared cache: the user's claim, or the one the operator makes
+    (named like the PreemptServer); None: an emptyDir per pod."""
+    pvc = (model.get("cache") or {}).get("pvc")
+    if pvc is None:
+        return None
+    return str(pvc.get("claimName") or name)
+
+
+def get_cache_pvc(body: Mapping[str, Any], spec: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The cache PVC the operator makes (cache.pvc.size given), owned by the PreemptServer: it
+    goes with it (name an existing claimName to keep the cache)."""
+    pvc = (spec["model"].get("cache") or {}).get("pvc") or {}
+    if not spec["model"]["uri"].startswith("hf://") or "size" not in pvc:
+        return None
+    claim: dict[str, Any] = {
+        "accessModes": [pvc["accessMode"]],
+        "volumeMode": "Filesystem",
+        "resources": {"requests": {"storage": str(pvc["size"])}},
+    }
+    if "storageClassName" in pvc:
+        claim["storageClassName"] = pvc["storageClassName"]
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": get_metadata(body),
+            "spec": claim}
 
 
 def get_download_size(model: Mapping[str, Any]) -> str:
@@ -146,11 +183,33 @@ def get_download_size(model: Mapping[str, Any]) -> str:
     return crd.DEFAULT_DOWNLOAD_SIZE
 
 
-def get_fetch_container(model: Mapping[str, Any], repo: str, path: str, mount: str, image: str,
-                        spec: Mapping[str, Any]) -> dict[str, Any]:
-    command = ["hf", "download", repo, *([path] if path else []), "--local-dir", mount]
-    if "revision" in model:
-        command += ["--revision", model["revision"]]
+# The shared cache's download: one pod at a time per folder (flock on a file in it, which NFS
+# and CephFS honour across nodes), skipped once a complete download left its marker. A pod
+# killed mid-download leaves no marker; the next one resumes where it stopped.
+CACHED_FETCH = """set -eu
+folder="$1"; shift
+mkdir -p "$folder"
+exec 9>>"$folder/.kvpark-lock"
+flock 9
+if [ -f "$folder/.kvpark-complete" ]; then
+  echo "kvpark: $folder is complete in the cache"; exit 0
+fi
+"$@" --local-dir "$folder"
+date -u +%Y-%m-%dT%H:%M:%SZ > "$folder/.kvpark-complete"
+"""
+CACHE_MARKER = ".kvpark-complete"
+DEFAULT_BRANCH_FOLDER = "default-branch"  # defaultBranch: true: the first download stays
+
+
+def get_fetch_container(model: Mapping[str, Any], repo: str, path: str, folder: str, image: str,
+                        spec: Mapping[str, Any], cached: bool = False,
+                        mount: str = "") -> dict[str, Any]:
+    download = ["hf", "download", repo, *([path] if path else [])]
+    revision = ["--revision", model["revision"]] if "revision" in model else []
+    if cached:
+        command = ["sh", "-c", CACHED_FETCH, "fetch-model", folder, *download, *revision]
+    else:
+        command = [*download, "--local-dir", folder, *revision]
     env = [{"name": "HOME", "value": "/tmp"}, {"name": "HF_HOME", "value": "/tmp/hf"},
            {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"}]
     if "hfTokenSecretRef" in model:
@@ -165,7 +224,7 @@ def get_fetch_container(model: Mapping[str, Any], repo: str, path: str, mount: s
         "resources": {"requests": {"cpu": "100m", "memory": "256Mi"},
                       "limits": {"memory": "1Gi"}},
         "securityContext": get_container_security(),
-        "volumeMounts": [{"name": "model", "mountPath": mount},
+        "volumeMounts": [{"name": "model", "mountPath": mount or folder},
                          {"name": "tmp", "mountPath": "/tmp"}],
     }
     if "imagePullPolicy" in spec:
@@ -221,7 +280,7 @@ def get_resources(spec: Mapping[str, Any], sizing: Sizing) -> dict[str, Any]:
         requests["cpu"] = str(res["cpu"])
     if res["gpus"]:
         limits[GPU] = str(res["gpus"])
-    if spec["model"]["uri"].startswith("hf://"):
+    if spec["model"]["uri"].startswith("hf://") and "cache" not in spec["model"]:
         # the download lies on the node's disk: schedule where it fits
         disk = parse_quantity(get_download_size(spec["model"])) + parse_quantity(TMP_SIZE)
         requests["ephemeral-storage"] = f"{math.ceil(disk / (1 << 20))}Mi"
@@ -259,9 +318,10 @@ def get_container(spec: Mapping[str, Any], sizing: Sizing, source: ModelSource,
     return container
 
 
-def get_pod_spec(spec: Mapping[str, Any], sizing: Sizing, config: OperatorConfig) -> dict[str, Any]:
+def get_pod_spec(name: str, spec: Mapping[str, Any], sizing: Sizing,
+                 config: OperatorConfig) -> dict[str, Any]:
     image = spec.get("image") or config.image
-    source = get_model_source(spec, image)
+    source = get_model_source(name, spec, image)
     tolerations = [dict(t) for t in spec.get("tolerations", [])]
     if spec["resources"]["gpus"]:
         tolerations.append({"key": GPU, "operator": "Exists", "effect": "NoSchedule"})
@@ -310,7 +370,7 @@ def get_pod_template(name: str, spec: Mapping[str, Any], sizing: Sizing,
                      config: OperatorConfig) -> dict[str, Any]:
     """The pod template, with spec.podTemplate merged over it (podtemplate.py)."""
     template = {"metadata": {"labels": get_labels(name)},
-                "spec": get_pod_spec(spec, sizing, config)}
+                "spec": get_pod_spec(name, spec, sizing, config)}
     return podtemplate.merge(template, spec.get("podTemplate") or {})
 
 
@@ -494,6 +554,11 @@ def get_children(body: Mapping[str, Any], spec: Mapping[str, Any], sizing: Sizin
     apply = [get_deployment(body, spec, sizing, config), get_service(body)]
     delete: list[tuple[str, str, str]] = []
     notes: list[str] = []
+    cache = get_cache_pvc(body, spec)
+    if cache is not None:
+        apply.insert(0, cache)  # before the pods that mount it
+    else:
+        delete.append(("v1", "PersistentVolumeClaim", name))
     if spec["replicas"] > 1:
         apply.append(get_pdb(body))
     else:

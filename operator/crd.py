@@ -117,6 +117,7 @@ def get_model_schema() -> dict[str, Any]:
                 "2Gi for /tmp, the pod's ephemeral-storage request). Default: sizeMiB plus 10% "
                 f"and 1Gi, or {DEFAULT_DOWNLOAD_SIZE} without sizeMiB."
             ),
+            "cache": get_cache_schema(),
         },
         "x-kubernetes-validations": [
             _rule(
@@ -131,11 +132,53 @@ def get_model_schema() -> dict[str, Any]:
             ),
             _rule(
                 "self.uri.startsWith('hf://') || (!has(self.revision) && !has(self.defaultBranch)"
-                " && !has(self.hfTokenSecretRef) && !has(self.downloadSize))",
-                "revision, defaultBranch, hfTokenSecretRef and downloadSize apply to hf:// "
-                "models only",
+                " && !has(self.hfTokenSecretRef) && !has(self.downloadSize) && !has(self.cache))",
+                "revision, defaultBranch, hfTokenSecretRef, downloadSize and cache apply to "
+                "hf:// models only",
+            ),
+            _rule(
+                "!(has(self.cache) && has(self.downloadSize))",
+                "downloadSize sizes the per-pod emptyDir; with a cache, cache.pvc.size sizes the "
+                "claim",
             ),
         ],
+    }
+
+
+def get_cache_schema() -> dict[str, Any]:
+    return {
+        "type": "object",
+        "description": "hf:// only: a shared model cache instead of a download per pod. The "
+        "first pod downloads into the claim (one folder per repository and revision) while the "
+        "others wait on a lock, then find it complete and skip the download.",
+        "required": ["pvc"],
+        "properties": {
+            "pvc": {
+                "type": "object",
+                "description": "claimName: an existing claim (kept when the PreemptServer "
+                "goes); or size (and storageClassName): a claim the operator makes, named like "
+                "the PreemptServer and deleted with it. The claim must be writable by gid "
+                "10001 (fsGroup) and, for pods on several nodes, ReadWriteMany.",
+                "properties": {
+                    "claimName": _str("An existing PersistentVolumeClaim in the namespace.",
+                                      minLength=1, maxLength=253),
+                    "size": _quantity("Storage to request for the claim the operator makes."),
+                    "storageClassName": _str("Storage class of that claim; default: the "
+                                             "cluster's default class.", minLength=1),
+                    "accessMode": _str("Access mode of that claim: ReadWriteMany for pods on "
+                                       "several nodes; ReadWriteOnce when they share one.",
+                                       enum=["ReadWriteMany", "ReadWriteOnce",
+                                             "ReadWriteOncePod"],
+                                       default="ReadWriteMany"),
+                },
+                "x-kubernetes-validations": [
+                    _rule("has(self.claimName) != has(self.size)",
+                          "set either claimName or size", "FieldValueRequired"),
+                    _rule("has(self.size) || !has(self.storageClassName)",
+                          "storageClassName applies with size only"),
+                ],
+            },
+        },
     }
 
 

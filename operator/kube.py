@@ -49,6 +49,7 @@ KINDS = {
     "HorizontalPodAutoscaler": Kind("autoscaling/v2", "horizontalpodautoscalers"),
     "ScaledObject": Kind("keda.sh/v1alpha1", "scaledobjects"),
     "PodMonitor": Kind("monitoring.coreos.com/v1", "podmonitors"),
+    "PersistentVolumeClaim": Kind("v1", "persistentvolumeclaims"),
     "Pod": Kind("v1", "pods"),
     "Event": Kind("v1", "events"),
 }

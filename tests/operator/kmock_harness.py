@@ -45,6 +45,7 @@ CORE_RESOURCES = [
     ("policy/v1/poddisruptionbudgets", "PodDisruptionBudget", True, {"status"}),
     ("autoscaling/v2/horizontalpodautoscalers", "HorizontalPodAutoscaler", True, {"status"}),
     ("v1/pods", "Pod", True, {"status"}),
+    ("v1/persistentvolumeclaims", "PersistentVolumeClaim", True, {"status"}),
     ("v1/namespaces", "Namespace", False, {"status"}),
     ("v1/events", "Event", True, set()),
 ]
@@ -244,6 +245,7 @@ PATHS = {
     "PreemptServer": "/apis/kvpark.io/v1alpha1/namespaces/{ns}/preemptservers",
     "Deployment": "/apis/apps/v1/namespaces/{ns}/deployments",
     "Service": "/api/v1/namespaces/{ns}/services",
+    "PersistentVolumeClaim": "/api/v1/namespaces/{ns}/persistentvolumeclaims",
     "PodDisruptionBudget": "/apis/policy/v1/namespaces/{ns}/poddisruptionbudgets",
     "HorizontalPodAutoscaler": "/apis/autoscaling/v2/namespaces/{ns}/horizontalpodautoscalers",
     "ScaledObject": "/apis/keda.sh/v1alpha1/namespaces/{ns}/scaledobjects",

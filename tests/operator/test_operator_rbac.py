@@ -69,9 +69,14 @@ def run_scenario(cluster: Cluster) -> None:
     ns = "rbac"
     cluster.server.emulator.fail_once.append(("PATCH", cluster.path("Service", ns, "s")))
     cluster.create_server(ns, "s", {"replicas": 2, "autoscaling": {"engine": "keda",
-                                                                     "maxReplicas": 3}})
-    for kind in ["Deployment", "Service", "PodDisruptionBudget", "ScaledObject", "PodMonitor"]:
+                                                                     "maxReplicas": 3},
+                                    "model": {"uri": "hf://O/R", "revision": "main", "sizeMiB": 100,
+                                              "cache": {"pvc": {"size": "10Gi"}}}})
+    for kind in ["Deployment", "Service", "PodDisruptionBudget", "ScaledObject", "PodMonitor",
+                 "PersistentVolumeClaim"]:
         cluster.wait_child(kind, ns, "s")
+    cluster.patch_spec(ns, "s", {"model": {"cache": None}})
+    cluster.wait_gone("PersistentVolumeClaim", ns, "s")
     cluster.patch_spec(ns, "s", {"replicas": 1, "autoscaling": {"engine": "hpa"}})
     cluster.wait_child("HorizontalPodAutoscaler", ns, "s")
     cluster.wait_gone("ScaledObject", ns, "s")
