@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import dataclasses
 import datetime
 import itertools
 import json
@@ -51,6 +52,7 @@ CORE_RESOURCES = [
 ]
 POD_MONITORS = ("monitoring.coreos.com/v1/podmonitors", "PodMonitor", True, set())
 SCALED_OBJECTS = ("keda.sh/v1alpha1/scaledobjects", "ScaledObject", True, {"status"})
+CLUSTER_PEERINGS = ("kopf.dev/v1/clusterkopfpeerings", "ClusterKopfPeering", False, set())
 _versions = itertools.count(1)
 
 
@@ -317,12 +319,13 @@ def find_helm() -> str | None:
 
 
 @contextlib.contextmanager
-def running_operator(resources: list, workdir: Path) -> Iterator[Cluster]:
-    """kmock with `resources` declared, and the real operator (kopf, -A) running against it."""
+def running_operator(resources: list, workdir: Path, peering: str = "") -> Iterator[Cluster]:
+    """kmock with `resources` declared, and the real operator (kopf, -A) running against it;
+    with `peering`, as one of the chart's replicas (its ClusterKopfPeering made first)."""
     from kopf.testing import KopfRunner
     from kubernetes import config as kconfig
 
-    from kvpark.operator import kube
+    from kvpark.operator import handlers, kube
     from kvpark.operator.__main__ import get_kopf_args
     from kvpark.operator.config import OperatorConfig
 
@@ -332,11 +335,18 @@ def running_operator(resources: list, workdir: Path) -> Iterator[Cluster]:
         os.environ["KUBECONFIG"] = str(kubeconfig)
         kube.reset()
         cluster = Cluster(Api(kconfig.new_client_from_config(str(kubeconfig))), server)
+        config, saved_config = OperatorConfig(liveness="", peering=peering), handlers.CONFIG
+        if peering:
+            cluster.api.create("/apis/kopf.dev/v1/clusterkopfpeerings", {
+                "apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering",
+                "metadata": {"name": peering}})
+            handlers.CONFIG = dataclasses.replace(handlers.CONFIG, peering=peering)
         try:
-            with KopfRunner(get_kopf_args(OperatorConfig(liveness="")), timeout=30) as runner:
+            with KopfRunner(get_kopf_args(config, priority=7), timeout=30) as runner:
                 yield cluster
             assert runner.exit_code == 0, runner.output[-4000:]
         finally:
+            handlers.CONFIG = saved_config
             if saved is None:
                 os.environ.pop("KUBECONFIG", None)
             else:

@@ -16,8 +16,11 @@ from kvpark.operator.config import OperatorConfig
 
 def test_kopf_args() -> None:
     assert get_kopf_args(OperatorConfig()) == [
-        "run", "--standalone", "-m", "kvpark.operator.handlers", "--all-namespaces",
+        "run", "-m", "kvpark.operator.handlers", "--standalone", "--all-namespaces",
         "--liveness=http://0.0.0.0:8080/healthz"]
+    peered = get_kopf_args(OperatorConfig(peering="kvpark-operator"), priority=77)
+    assert peered[3:5] == ["--peering=kvpark-operator", "--priority=77"]
+    assert "--standalone" not in peered
     args = get_kopf_args(OperatorConfig(namespaces=("a", "b"), liveness=""))
     assert args[-2:] == ["--namespace=a", "--namespace=b"]
     assert "--all-namespaces" not in args and not any(a.startswith("--liveness") for a in args)

@@ -17,12 +17,14 @@ from collections.abc import Iterable
 import pytest
 import yaml
 from kmock_harness import (
+    CLUSTER_PEERINGS,
     CORE_RESOURCES,
     POD_MONITORS,
     REPO,
     SCALED_OBJECTS,
     Cluster,
     running_operator,
+    wait_for,
 )
 
 from kvpark.operator import handlers
@@ -58,9 +60,13 @@ def called(requests: Iterable, agent: str) -> set[Triple]:
 @pytest.fixture(scope="module")
 def calls(tmp_path_factory: pytest.TempPathFactory) -> dict[str, set[Triple]]:
     """Run the scenario once; the calls kube.py and kopf made, by agent."""
-    resources = [*CORE_RESOURCES, POD_MONITORS, SCALED_OBJECTS]
-    with running_operator(resources, tmp_path_factory.mktemp("kmock")) as cluster:
+    resources = [*CORE_RESOURCES, POD_MONITORS, SCALED_OBJECTS, CLUSTER_PEERINGS]
+    with running_operator(resources, tmp_path_factory.mktemp("kmock"),
+                          peering="kvpark-operator") as cluster:
         run_scenario(cluster)
+        # the resync loop asked the peering object whether this replica works
+        wait_for("a peering GET", lambda: ("kopf.dev", "clusterkopfpeerings", "get") in called(
+            cluster.server.requests(), "kvpark-operator/"))
         requests = cluster.server.requests()
     return {"kube.py": called(requests, "kvpark-operator/"), "kopf": called(requests, "kopf/")}
 
@@ -133,7 +139,10 @@ def test_chart_with_watched_namespaces_grants_nothing_cluster_wide(helm: str) ->
     assert find(docs, "ClusterRole") == [] and find(docs, "ClusterRoleBinding") == []
     roles = find(docs, "Role")
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
-    assert all(expand(r["rules"]) == manifest_rules() for r in roles)
+    # the same, with kopf's namespaced peering objects for the cluster-wide ones
+    peering = {"clusterkopfpeerings": "kopfpeerings"}
+    wanted = {(g, peering.get(r, r), v) for g, r, v in manifest_rules()}
+    assert all(expand(r["rules"]) == wanted for r in roles)
     assert sorted(b["metadata"]["namespace"] for b in find(docs, "RoleBinding")) == \
         ["team-a", "team-b"]
     (deployment,) = find(docs, "Deployment")

@@ -78,3 +78,10 @@ Least privilege: exactly the calls operator/kube.py and kopf make
   resources: [events]
   verbs: [create]
 {{- end -}}
+
+{{/* kopf's peering (kopf: list, watch, patch; kube.py: get), of the kind the mode uses */}}
+{{- define "kvpark.peeringRules" -}}
+- apiGroups: [kopf.dev]
+  resources: [{{ . }}]
+  verbs: [get, list, watch, patch]
+{{- end -}}
