@@ -30,6 +30,10 @@ TMP_SIZE = "2Gi"  # the /tmp emptyDir (caches: HF, Triton, FlashInfer JIT)
 GPU = "nvidia.com/gpu"
 POD_MONITORS = "monitoring.coreos.com/v1/podmonitors"
 SCALED_OBJECTS = "keda.sh/v1alpha1/scaledobjects"
+# the Gateway API Inference Extension, GA group first: the operator makes its pool in the first
+# one the cluster serves
+INFERENCE_POOLS = ("inference.networking.k8s.io/v1/inferencepools",
+                   "inference.networking.x-k8s.io/v1alpha2/inferencepools")
 
 # ServerArgs fields the operator sets from the spec: server.args may not set them by any
 # spelling, nor server.env by KVPARK_<FIELD> or the llama.cpp aliases.
@@ -492,6 +496,28 @@ def get_pod_monitor(body: Mapping[str, Any], spec: Mapping[str, Any],
     }
 
 
+def get_inference_pool(body: Mapping[str, Any], spec: Mapping[str, Any],
+                       api: str) -> dict[str, Any]:
+    """An InferencePool of the server's pods, for a Gateway and its endpoint picker (EPP), which
+    scrapes the pods' /metrics on the target port (README: the flags that name kvpark's
+    metrics). `api` is one of INFERENCE_POOLS; the two versions spell the same fields apart."""
+    picker = spec["routing"]["inferencePool"]["endpointPicker"]
+    selector = get_selector_labels(body["metadata"]["name"])
+    api_version = api.rpartition("/")[0]
+    if api_version == "inference.networking.k8s.io/v1":
+        pool = {"selector": {"matchLabels": selector}, "targetPorts": [{"number": PORT}],
+                "endpointPickerRef": {"name": picker["name"], "kind": "Service",
+                                      "port": {"number": picker["port"]},
+                                      "failureMode": picker["failureMode"]}}
+    else:
+        pool = {"selector": selector, "targetPortNumber": PORT,
+                "extensionRef": {"name": picker["name"], "kind": "Service",
+                                 "portNumber": picker["port"],
+                                 "failureMode": picker["failureMode"]}}
+    return {"apiVersion": api_version, "kind": "InferencePool", "metadata": get_metadata(body),
+            "spec": pool}
+
+
 class ArgsError(Exception):
     """server.args that kvpark-server would refuse."""
 
@@ -582,6 +608,16 @@ def get_children(body: Mapping[str, Any], spec: Mapping[str, Any], sizing: Sizin
             problems.append(Problem("AutoscalerUnavailable", "autoscaling.engine is keda but "
                                     "the cluster does not serve keda.sh/v1alpha1 ScaledObjects",
                                     blocking=False))
+    pool_api = next((api for api in INFERENCE_POOLS if api in served), None)
+    if "inferencePool" not in spec.get("routing", {}):
+        if pool_api is not None:
+            delete.append((pool_api.rpartition("/")[0], "InferencePool", name))
+    elif pool_api is not None:
+        apply.append(get_inference_pool(body, spec, pool_api))
+    else:
+        problems.append(Problem("InferencePoolUnavailable", "routing.inferencePool is set but "
+                                "the cluster serves no InferencePool (install the Gateway API "
+                                "Inference Extension CRDs)", blocking=False))
     if config.pod_monitor == "false":
         notes.append("PodMonitor disabled in the operator's settings")
         if POD_MONITORS in served:

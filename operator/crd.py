@@ -299,6 +299,41 @@ def get_pod_template_schema() -> dict[str, Any]:
     }
 
 
+def get_routing_schema() -> dict[str, Any]:
+    return {
+        "type": "object",
+        "description": "How a Gateway routes to the pods.",
+        "properties": {
+            "inferencePool": {
+                "type": "object",
+                "description": "Make an InferencePool of the pods (Gateway API Inference "
+                "Extension: inference.networking.k8s.io/v1, else "
+                "inference.networking.x-k8s.io/v1alpha2, whichever the cluster serves; "
+                "Degraded, InferencePoolUnavailable, without either). Its target port is the "
+                "server's 8080, where /metrics is too.",
+                "required": ["endpointPicker"],
+                "properties": {
+                    "endpointPicker": {
+                        "type": "object",
+                        "description": "The endpoint picker (EPP) Service the Gateway asks; "
+                        "it must read kvpark's metric names (README).",
+                        "required": ["name"],
+                        "properties": {
+                            "name": _str("Service name, in the PreemptServer's namespace.",
+                                         minLength=1, maxLength=253),
+                            "port": _int("The EPP's gRPC (ext-proc) port.", 1, 65535,
+                                         default=9002),
+                            "failureMode": _str(
+                                "What the Gateway does while the EPP does not answer.",
+                                enum=["FailOpen", "FailClose"], default="FailClose"),
+                        },
+                    },
+                },
+            },
+        },
+    }
+
+
 def get_server_schema() -> dict[str, Any]:
     return {
         "type": "object",
@@ -423,6 +458,7 @@ def get_spec_schema() -> dict[str, Any]:
                 },
             },
             "server": get_server_schema(),
+            "routing": get_routing_schema(),
             "nodeSelector": {
                 "type": "object",
                 "description": "Pod nodeSelector.",

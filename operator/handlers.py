@@ -31,7 +31,7 @@ from kvpark.operator.status import Problem
 
 CONFIG = OperatorConfig.from_env()
 MANAGED_BY = f"app.kubernetes.io/managed-by={MANAGER}"
-OPTIONAL_APIS = (builders.POD_MONITORS, builders.SCALED_OBJECTS)
+OPTIONAL_APIS = (builders.POD_MONITORS, builders.SCALED_OBJECTS, *builders.INFERENCE_POOLS)
 # kopf runs the CR's handlers, the resync loop and the Deployment watch concurrently
 LOCKS: defaultdict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
 logger = logging.getLogger(__name__)
@@ -204,16 +204,19 @@ def sync_children(body: Mapping[str, Any], children: builders.Children,
     wanted = [o["kind"] for o in children.apply]
     unwanted = [k for _, k, _ in children.delete if (uid, k) not in MEMORY.absent]
     MEMORY.absent.difference_update((uid, kind) for kind in wanted)
+    versions = {k: v for v, k, _ in children.delete} | {o["kind"]: o["apiVersion"]
+                                                         for o in children.apply}
     for kind in wanted + unwanted:
         try:
-            existing[kind] = kube.get(kind, namespace, name)
+            existing[kind] = kube.get(kind, namespace, name, api_version=versions[kind])
         except kube.ApiError as e:
             problems.append(Problem("ApiError", f"reading {kind} {name}: {e}", blocking=False))
     plan = plan_.get_plan(children.apply, children.delete, existing, uid)
     for write in plan.writes:
         try:
             if write.verb == "delete":
-                kube.delete(write.kind, namespace, write.name, write.uid)
+                kube.delete(write.kind, namespace, write.name, write.uid,
+                            api_version=write.api_version)
                 existing[write.kind] = None
             else:
                 existing[write.kind] = kube.apply(write.obj)

@@ -52,6 +52,10 @@ CORE_RESOURCES = [
 ]
 POD_MONITORS = ("monitoring.coreos.com/v1/podmonitors", "PodMonitor", True, set())
 SCALED_OBJECTS = ("keda.sh/v1alpha1/scaledobjects", "ScaledObject", True, {"status"})
+INFERENCE_POOLS = ("inference.networking.k8s.io/v1/inferencepools", "InferencePool", True,
+                   {"status"})
+ALPHA_INFERENCE_POOLS = ("inference.networking.x-k8s.io/v1alpha2/inferencepools",
+                         "InferencePool", True, {"status"})
 CLUSTER_PEERINGS = ("kopf.dev/v1/clusterkopfpeerings", "ClusterKopfPeering", False, set())
 _versions = itertools.count(1)
 
@@ -252,6 +256,9 @@ PATHS = {
     "HorizontalPodAutoscaler": "/apis/autoscaling/v2/namespaces/{ns}/horizontalpodautoscalers",
     "ScaledObject": "/apis/keda.sh/v1alpha1/namespaces/{ns}/scaledobjects",
     "PodMonitor": "/apis/monitoring.coreos.com/v1/namespaces/{ns}/podmonitors",
+    "InferencePool": "/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools",
+    "InferencePool/v1alpha2":
+        "/apis/inference.networking.x-k8s.io/v1alpha2/namespaces/{ns}/inferencepools",
 }
 
 

@@ -80,7 +80,8 @@ class FakeKube:
         self.objects[(obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])] = obj
         return obj
 
-    def delete(self, kind: str, namespace: str, name: str, uid: str) -> bool:
+    def delete(self, kind: str, namespace: str, name: str, uid: str,
+               api_version: str = "") -> bool:
         self.writes.append(("delete", kind, name))
         assert self.objects[(kind, namespace, name)]["metadata"]["uid"] == uid
         return self.objects.pop((kind, namespace, name), None) is not None
@@ -93,7 +94,7 @@ class FakeKube:
     def post_event(self, body: dict, type_: str, reason: str, message: str) -> None:
         self.events.append((type_, reason, message))
 
-    def get(self, kind: str, namespace: str, name: str) -> dict | None:
+    def get(self, kind: str, namespace: str, name: str, api_version: str = "") -> dict | None:
         return copy.deepcopy(self.objects.get((kind, namespace, name)))
 
     def patch_status(self, namespace: str, name: str, status: dict) -> None:

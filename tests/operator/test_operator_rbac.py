@@ -17,8 +17,10 @@ from collections.abc import Iterable
 import pytest
 import yaml
 from kmock_harness import (
+    ALPHA_INFERENCE_POOLS,
     CLUSTER_PEERINGS,
     CORE_RESOURCES,
+    INFERENCE_POOLS,
     POD_MONITORS,
     REPO,
     SCALED_OBJECTS,
@@ -60,7 +62,8 @@ def called(requests: Iterable, agent: str) -> set[Triple]:
 @pytest.fixture(scope="module")
 def calls(tmp_path_factory: pytest.TempPathFactory) -> dict[str, set[Triple]]:
     """Run the scenario once; the calls kube.py and kopf made, by agent."""
-    resources = [*CORE_RESOURCES, POD_MONITORS, SCALED_OBJECTS, CLUSTER_PEERINGS]
+    resources = [*CORE_RESOURCES, POD_MONITORS, SCALED_OBJECTS, CLUSTER_PEERINGS,
+                 INFERENCE_POOLS]
     with running_operator(resources, tmp_path_factory.mktemp("kmock"),
                           peering="kvpark-operator") as cluster:
         run_scenario(cluster)
@@ -68,7 +71,27 @@ def calls(tmp_path_factory: pytest.TempPathFactory) -> dict[str, set[Triple]]:
         wait_for("a peering GET", lambda: ("kopf.dev", "clusterkopfpeerings", "get") in called(
             cluster.server.requests(), "kvpark-operator/"))
         requests = cluster.server.requests()
+    # a cluster with only the alpha InferencePool group: the same calls there
+    with running_operator([*CORE_RESOURCES, ALPHA_INFERENCE_POOLS],
+                          tmp_path_factory.mktemp("kmock-alpha")) as cluster:
+        run_pool_scenario(cluster, "InferencePool/v1alpha2")
+        requests += cluster.server.requests()
     return {"kube.py": called(requests, "kvpark-operator/"), "kopf": called(requests, "kopf/")}
+
+
+ROUTING = {"inferencePool": {"endpointPicker": {"name": "epp", "port": 9002,
+                                                "failureMode": "FailClose"}}}
+
+
+def run_pool_scenario(cluster: Cluster, kind: str) -> None:
+    ns = "pool"
+    cluster.create_server(ns, "p", {"routing": ROUTING})
+    cluster.wait_child(kind, ns, "p")
+    cluster.patch_spec(ns, "p", {"routing": {"inferencePool": {"endpointPicker": {
+        "name": "epp2"}}}})
+    cluster.wait_child(kind, ns, "p", lambda pool: "epp2" in str(pool["spec"]))
+    cluster.patch_spec(ns, "p", {"routing": None})
+    cluster.wait_gone(kind, ns, "p")
 
 
 def run_scenario(cluster: Cluster) -> None:
@@ -83,6 +106,7 @@ def run_scenario(cluster: Cluster) -> None:
         cluster.wait_child(kind, ns, "s")
     cluster.patch_spec(ns, "s", {"model": {"cache": None}})
     cluster.wait_gone("PersistentVolumeClaim", ns, "s")
+    run_pool_scenario(cluster, "InferencePool")
     cluster.patch_spec(ns, "s", {"replicas": 1, "autoscaling": {"engine": "hpa"}})
     cluster.wait_child("HorizontalPodAutoscaler", ns, "s")
     cluster.wait_gone("ScaledObject", ns, "s")
