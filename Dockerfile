@@ -1,6 +1,7 @@
 # syntax=docker/dockerfile:1
-# One image for the server (kvpark-server, the default command) and the operator (kvpark-operator),
-# with the default model, SmolLM2-135M-Instruct (builtin://smollm2-135m), baked in.
+# The server image (kvpark-server, the default command), with the default model,
+# SmolLM2-135M-Instruct (builtin://smollm2-135m), baked in. It can run kvpark-operator too, but the
+# chart and manifests run the operator from its own slim image: Dockerfile.operator.
 #
 #   docker build -t REGISTRY/kvpark:0.1.0 .                 # torch as published (CUDA on x86_64)
 #   docker build --build-arg TORCH="torch==2.13.0" --build-arg TORCH_INDEX_URL=URL -t ... .

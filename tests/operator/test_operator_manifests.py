@@ -172,6 +172,9 @@ def test_helm_lint_strict(helm: str) -> None:
     namespaced = helm_run(helm, "lint", "--strict", str(CHART), "--set",
                           "watchNamespaces={a,b}", check=False)
     assert namespaced.returncode == 0, namespaced.stdout + namespaced.stderr
+    dashboards = helm_run(helm, "lint", "--strict", str(CHART), "--set", "dashboards.enabled=true",
+                          "--set", "dashboards.namespace=monitoring", check=False)
+    assert dashboards.returncode == 0, dashboards.stdout + dashboards.stderr
 
 
 @pytest.mark.parametrize("value, env", [("false", "false"), ("true", "auto"),
@@ -192,7 +195,10 @@ def test_pod_monitor_can_be_turned_off_with_set(helm: str, value: str, env: str)
     ["--set", "image.pullPolicy=Sometimes"],
     ["--set", "unknownKey=1"],
     ["--set", "reconcileSeconds=0"],
-], ids=["podMonitor", "namespace", "pullPolicy", "unknown", "reconcile"])
+    ["--set", "replicas=0"],
+    ["--set", "dashboards.unknown=1"],
+], ids=["podMonitor", "namespace", "pullPolicy", "unknown", "reconcile", "replicas",
+        "dashboards"])
 def test_values_schema_rejects_bad_values(helm: str, values: list[str]) -> None:
     result = helm_run(helm, "lint", "--strict", str(CHART), *values, check=False)
     assert result.returncode != 0
@@ -202,8 +208,11 @@ def test_values_schema_rejects_bad_values(helm: str, values: list[str]) -> None:
 @pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("values", [[], ["--set", "watchNamespaces={team-a,team-b}"],
                                     ["--set", "serviceAccount.create=false", "--set",
-                                     "rbac.create=false", "--set", "verbose=true"]],
-                         ids=["default", "namespaced", "bring-your-own-rbac"])
+                                     "rbac.create=false", "--set", "verbose=true"],
+                                    ["--set", "dashboards.enabled=true"],
+                                    ["--set", "replicas=1", "--set", "peering=false"]],
+                         ids=["default", "namespaced", "bring-your-own-rbac", "dashboards",
+                              "standalone"])
 def test_rendered_chart_validates(helm: str, values: list[str], version: str) -> None:
     validate_all(render(helm, *values), version)
 

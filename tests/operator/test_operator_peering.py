@@ -109,3 +109,38 @@ def test_resync_runs_on_the_working_replica_only(monkeypatch: pytest.MonkeyPatch
     assert not handlers.is_working(9)  # unsure: pause rather than write beside another
     monkeypatch.setattr(handlers, "CONFIG", dataclasses.replace(config, peering=""))
     assert handlers.is_working(0)  # standalone asks nothing
+
+
+def test_a_paused_replica_forgets_what_it_saw(monkeypatch: pytest.MonkeyPatch) -> None:
+    """kopf stops feeding a paused replica's watch: its bodies go stale, so the resync loop drops
+    them and reconciles nothing until kopf lists the PreemptServers again."""
+    import asyncio
+
+    memory = handlers.Memory()
+    memory.servers[("ns", "s")] = {"metadata": {"namespace": "ns", "name": "s"}}
+    monkeypatch.setattr(handlers, "MEMORY", memory)
+    reconciled: list[dict] = []
+    monkeypatch.setattr(handlers, "reconcile", reconciled.append)
+    rounds: list[int] = []
+
+    def is_working(priority: int) -> bool:
+        rounds.append(priority)
+        return len(rounds) > 1  # paused for the first round, working after
+
+    monkeypatch.setattr(handlers, "is_working", is_working)
+
+    async def run() -> None:
+        task = asyncio.create_task(handlers.resync_forever(0.01, 5))
+        while memory.servers:  # the paused round drops what it saw
+            await asyncio.sleep(0.005)
+        assert reconciled == []
+        memory.servers[("ns", "t")] = {"metadata": {"namespace": "ns", "name": "t"}}
+        while not reconciled:  # kopf listed again: the working rounds reconcile that
+            await asyncio.sleep(0.005)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(asyncio.wait_for(run(), 10))
+    assert reconciled[0]["metadata"]["name"] == "t"
+    assert all(b["metadata"]["name"] != "s" for b in reconciled)
+    assert set(rounds) == {5}  # asked with this replica's priority
