@@ -1,6 +1,7 @@
 # syntax=docker/dockerfile:1
-# One image for the server (kvpark-server, the default command) and the operator (kvpark-operator),
-# with the default model, SmolLM2-135M-Instruct (builtin://smollm2-135m), baked in.
+# The server image (kvpark-server, the default command), with the default model,
+# SmolLM2-135M-Instruct (builtin://smollm2-135m), baked in. It can run kvpark-operator too, but the
+# chart and manifests run the operator from its own slim image: Dockerfile.operator.
 #
 #   docker build -t REGISTRY/kvpark:0.1.0 .                 # torch as published (CUDA on x86_64)
 #   docker build --build-arg TORCH="torch==2.13.0" --build-arg TORCH_INDEX_URL=URL -t ... .
@@ -40,6 +41,8 @@ RUN if [ -n "$TORCH_INDEX_URL" ]; then pip install --index-url "$TORCH_INDEX_URL
  && rm -rf /wheels \
  && python -c "from kvpark.pod.model.loader import builtin_gguf_path; print(builtin_gguf_path())" \
  && kvpark-operator crd > /dev/null \
+ # the shared model cache's download takes a lock with flock (util-linux, in Debian's base)
+ && command -v flock \
  && useradd --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin kvpark
 USER 10001:10001
 WORKDIR /tmp

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import secrets
 import sys
 
-from kvpark.operator import crd
+from kvpark.operator import crd, peering
 from kvpark.operator.config import OperatorConfig
 
 
-def get_kopf_args(config: OperatorConfig) -> list[str]:
-    """`kopf run` arguments: one replica (standalone, no peering), watched namespaces or all."""
-    args = ["run", "--standalone", "-m", "kvpark.operator.handlers"]
+def get_kopf_args(config: OperatorConfig, priority: int = 0) -> list[str]:
+    """`kopf run` arguments: peering under `priority` (the highest live replica works, see
+    peering.py), or one replica standalone; watched namespaces or all."""
+    args = ["run", "-m", "kvpark.operator.handlers"]
+    if config.peering:
+        args += [f"--peering={config.peering}", f"--priority={priority}"]
+    else:
+        args += ["--standalone"]
     args += [f"--namespace={n}" for n in config.namespaces] or ["--all-namespaces"]
     if config.liveness:
         args.append(f"--liveness={config.liveness}")
@@ -24,7 +30,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from kopf import cli  # imported here: `crd` works without kopf installed
 
-    cli.main(args=get_kopf_args(OperatorConfig.from_env()) + argv, prog_name="kvpark-operator")
+    priority = 1 + secrets.randbelow(peering.MAX_PRIORITY)  # a new draw at every start
+    cli.main(args=get_kopf_args(OperatorConfig.from_env(), priority) + argv,
+             prog_name="kvpark-operator")
     return 0
 
 

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 from kubernetes.utils.quantity import parse_quantity
 
-from kvpark.operator import crd
+from kvpark.operator import crd, podtemplate
 from kvpark.operator.config import MANAGER, OperatorConfig
 from kvpark.operator.sizing import Sizing
 from kvpark.operator.status import Problem
@@ -30,6 +30,10 @@ TMP_SIZE = "2Gi"  # the /tmp emptyDir (caches: HF, Triton, FlashInfer JIT)
 GPU = "nvidia.com/gpu"
 POD_MONITORS = "monitoring.coreos.com/v1/podmonitors"
 SCALED_OBJECTS = "keda.sh/v1alpha1/scaledobjects"
+# the Gateway API Inference Extension, GA group first: the operator makes its pool in the first
+# one the cluster serves
+INFERENCE_POOLS = ("inference.networking.k8s.io/v1/inferencepools",
+                   "inference.networking.x-k8s.io/v1alpha2/inferencepools")
 
 # ServerArgs fields the operator sets from the spec: server.args may not set them by any
 # spelling, nor server.env by KVPARK_<FIELD> or the llama.cpp aliases.
@@ -110,7 +114,7 @@ def get_container_security() -> dict[str, Any]:
             "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}}
 
 
-def get_model_source(spec: Mapping[str, Any], image: str) -> ModelSource:
+def get_model_source(name: str, spec: Mapping[str, Any], image: str) -> ModelSource:
     model = spec["model"]
     uri: str = model["uri"]
     if uri.startswith("file://"):
@@ -128,13 +132,50 @@ def get_model_source(spec: Mapping[str, Any], image: str) -> ModelSource:
         org, repo, *rest = uri.removeprefix("hf://").split("/")
         mount = f"{MODELS_DIR}/hf"
         path = "/".join(rest)
+        claim = get_cache_claim(name, model)
+        if claim is None:
+            return ModelSource(
+                f"{mount}/{path}".rstrip("/"),
+                [{"name": "model", "emptyDir": {"sizeLimit": get_download_size(model)}}],
+                [{"name": "model", "mountPath": mount, "readOnly": True}],
+                [get_fetch_container(model, f"{org}/{repo}", path, mount, image, spec)],
+            )
+        # one folder per repository and revision: PreemptServers may share a claim
+        folder = f"{mount}/{org}/{repo}/{model.get('revision', DEFAULT_BRANCH_FOLDER)}"
         return ModelSource(
-            f"{mount}/{path}".rstrip("/"),
-            [{"name": "model", "emptyDir": {"sizeLimit": get_download_size(model)}}],
+            f"{folder}/{path}".rstrip("/"),
+            [{"name": "model", "persistentVolumeClaim": {"claimName": claim}}],
             [{"name": "model", "mountPath": mount, "readOnly": True}],
-            [get_fetch_container(model, f"{org}/{repo}", path, mount, image, spec)],
+            [get_fetch_container(model, f"{org}/{repo}", path, folder, image, spec,
+                                 cached=True, mount=mount)],
         )
     return ModelSource(uri, [], [], [])  # builtin://
+
+
+def get_cache_claim(name: str, model: Mapping[str, Any]) -> str | None:
+    """The PVC of an hf:// model's shared cache: the user's claim, or the one the operator makes
+    (named like the PreemptServer); None: an emptyDir per pod."""
+    pvc = (model.get("cache") or {}).get("pvc")
+    if pvc is None:
+        return None
+    return str(pvc.get("claimName") or name)
+
+
+def get_cache_pvc(body: Mapping[str, Any], spec: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The cache PVC the operator makes (cache.pvc.size given), owned by the PreemptServer: it
+    goes with it (name an existing claimName to keep the cache)."""
+    pvc = (spec["model"].get("cache") or {}).get("pvc") or {}
+    if not spec["model"]["uri"].startswith("hf://") or "size" not in pvc:
+        return None
+    claim: dict[str, Any] = {
+        "accessModes": [pvc["accessMode"]],
+        "volumeMode": "Filesystem",
+        "resources": {"requests": {"storage": str(pvc["size"])}},
+    }
+    if "storageClassName" in pvc:
+        claim["storageClassName"] = pvc["storageClassName"]
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": get_metadata(body),
+            "spec": claim}
 
 
 def get_download_size(model: Mapping[str, Any]) -> str:
@@ -146,11 +187,33 @@ def get_download_size(model: Mapping[str, Any]) -> str:
     return crd.DEFAULT_DOWNLOAD_SIZE
 
 
-def get_fetch_container(model: Mapping[str, Any], repo: str, path: str, mount: str, image: str,
-                        spec: Mapping[str, Any]) -> dict[str, Any]:
-    command = ["hf", "download", repo, *([path] if path else []), "--local-dir", mount]
-    if "revision" in model:
-        command += ["--revision", model["revision"]]
+# The shared cache's download: one pod at a time per folder (flock on a file in it, which NFS
+# and CephFS honour across nodes), skipped once a complete download left its marker. A pod
+# killed mid-download leaves no marker; the next one resumes where it stopped.
+CACHED_FETCH = """set -eu
+folder="$1"; shift
+mkdir -p "$folder"
+exec 9>>"$folder/.kvpark-lock"
+flock 9
+if [ -f "$folder/.kvpark-complete" ]; then
+  echo "kvpark: $folder is complete in the cache"; exit 0
+fi
+"$@" --local-dir "$folder"
+date -u +%Y-%m-%dT%H:%M:%SZ > "$folder/.kvpark-complete"
+"""
+CACHE_MARKER = ".kvpark-complete"
+DEFAULT_BRANCH_FOLDER = "default-branch"  # defaultBranch: true: the first download stays
+
+
+def get_fetch_container(model: Mapping[str, Any], repo: str, path: str, folder: str, image: str,
+                        spec: Mapping[str, Any], cached: bool = False,
+                        mount: str = "") -> dict[str, Any]:
+    download = ["hf", "download", repo, *([path] if path else [])]
+    revision = ["--revision", model["revision"]] if "revision" in model else []
+    if cached:
+        command = ["sh", "-c", CACHED_FETCH, "fetch-model", folder, *download, *revision]
+    else:
+        command = [*download, "--local-dir", folder, *revision]
     env = [{"name": "HOME", "value": "/tmp"}, {"name": "HF_HOME", "value": "/tmp/hf"},
            {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"}]
     if "hfTokenSecretRef" in model:
@@ -165,7 +228,7 @@ def get_fetch_container(model: Mapping[str, Any], repo: str, path: str, mount: s
         "resources": {"requests": {"cpu": "100m", "memory": "256Mi"},
                       "limits": {"memory": "1Gi"}},
         "securityContext": get_container_security(),
-        "volumeMounts": [{"name": "model", "mountPath": mount},
+        "volumeMounts": [{"name": "model", "mountPath": mount or folder},
                          {"name": "tmp", "mountPath": "/tmp"}],
     }
     if "imagePullPolicy" in spec:
@@ -221,7 +284,7 @@ def get_resources(spec: Mapping[str, Any], sizing: Sizing) -> dict[str, Any]:
         requests["cpu"] = str(res["cpu"])
     if res["gpus"]:
         limits[GPU] = str(res["gpus"])
-    if spec["model"]["uri"].startswith("hf://"):
+    if spec["model"]["uri"].startswith("hf://") and "cache" not in spec["model"]:
         # the download lies on the node's disk: schedule where it fits
         disk = parse_quantity(get_download_size(spec["model"])) + parse_quantity(TMP_SIZE)
         requests["ephemeral-storage"] = f"{math.ceil(disk / (1 << 20))}Mi"
@@ -259,9 +322,10 @@ def get_container(spec: Mapping[str, Any], sizing: Sizing, source: ModelSource,
     return container
 
 
-def get_pod_spec(spec: Mapping[str, Any], sizing: Sizing, config: OperatorConfig) -> dict[str, Any]:
+def get_pod_spec(name: str, spec: Mapping[str, Any], sizing: Sizing,
+                 config: OperatorConfig) -> dict[str, Any]:
     image = spec.get("image") or config.image
-    source = get_model_source(spec, image)
+    source = get_model_source(name, spec, image)
     tolerations = [dict(t) for t in spec.get("tolerations", [])]
     if spec["resources"]["gpus"]:
         tolerations.append({"key": GPU, "operator": "Exists", "effect": "NoSchedule"})
@@ -301,12 +365,17 @@ def get_deployment(body: Mapping[str, Any], spec: Mapping[str, Any], sizing: Siz
             "strategy": get_strategy(spec),
             "revisionHistoryLimit": 3,
             "progressDeadlineSeconds": 1800,
-            "template": {
-                "metadata": {"labels": get_labels(name)},
-                "spec": get_pod_spec(spec, sizing, config),
-            },
+            "template": get_pod_template(name, spec, sizing, config),
         },
     }
+
+
+def get_pod_template(name: str, spec: Mapping[str, Any], sizing: Sizing,
+                     config: OperatorConfig) -> dict[str, Any]:
+    """The pod template, with spec.podTemplate merged over it (podtemplate.py)."""
+    template = {"metadata": {"labels": get_labels(name)},
+                "spec": get_pod_spec(name, spec, sizing, config)}
+    return podtemplate.merge(template, spec.get("podTemplate") or {})
 
 
 def get_strategy(spec: Mapping[str, Any]) -> dict[str, Any]:
@@ -427,6 +496,28 @@ def get_pod_monitor(body: Mapping[str, Any], spec: Mapping[str, Any],
     }
 
 
+def get_inference_pool(body: Mapping[str, Any], spec: Mapping[str, Any],
+                       api: str) -> dict[str, Any]:
+    """An InferencePool of the server's pods, for a Gateway and its endpoint picker (EPP), which
+    scrapes the pods' /metrics on the target port (README: the flags that name kvpark's
+    metrics). `api` is one of INFERENCE_POOLS; the two versions spell the same fields apart."""
+    picker = spec["routing"]["inferencePool"]["endpointPicker"]
+    selector = get_selector_labels(body["metadata"]["name"])
+    api_version = api.rpartition("/")[0]
+    if api_version == "inference.networking.k8s.io/v1":
+        pool = {"selector": {"matchLabels": selector}, "targetPorts": [{"number": PORT}],
+                "endpointPickerRef": {"name": picker["name"], "kind": "Service",
+                                      "port": {"number": picker["port"]},
+                                      "failureMode": picker["failureMode"]}}
+    else:
+        pool = {"selector": selector, "targetPortNumber": PORT,
+                "extensionRef": {"name": picker["name"], "kind": "Service",
+                                 "portNumber": picker["port"],
+                                 "failureMode": picker["failureMode"]}}
+    return {"apiVersion": api_version, "kind": "InferencePool", "metadata": get_metadata(body),
+            "spec": pool}
+
+
 class ArgsError(Exception):
     """server.args that kvpark-server would refuse."""
 
@@ -467,8 +558,10 @@ def get_args_problems(args: Sequence[str]) -> list[Problem]:
     return problems
 
 
-def get_spec_problems(spec: Mapping[str, Any]) -> list[Problem]:
+def get_spec_problems(spec: Mapping[str, Any], name: str) -> list[Problem]:
     problems = get_args_problems(spec["server"].get("args", []))
+    problems += podtemplate.get_template_problems(
+        spec.get("podTemplate") or {}, get_selector_labels(name), CONTAINER, RESERVED_ENV)
     if spec["resources"]["gpus"] > crd.MAX_GPUS:  # a CRD from before the cap let it through
         problems.append(Problem("TooManyGPUs", f"resources.gpus is {spec['resources']['gpus']} "
                                 f"but kvpark-server uses one device: set at most {crd.MAX_GPUS}"))
@@ -483,10 +576,15 @@ def get_children(body: Mapping[str, Any], spec: Mapping[str, Any], sizing: Sizin
                  config: OperatorConfig, served: Set[str]) -> Children:
     """What to apply and what to delete; `served` holds the optional APIs the cluster serves."""
     name = body["metadata"]["name"]
-    problems = get_spec_problems(spec) + ([sizing.problem] if sizing.problem else [])
+    problems = get_spec_problems(spec, name) + ([sizing.problem] if sizing.problem else [])
     apply = [get_deployment(body, spec, sizing, config), get_service(body)]
     delete: list[tuple[str, str, str]] = []
     notes: list[str] = []
+    cache = get_cache_pvc(body, spec)
+    if cache is not None:
+        apply.insert(0, cache)  # before the pods that mount it
+    else:
+        delete.append(("v1", "PersistentVolumeClaim", name))
     if spec["replicas"] > 1:
         apply.append(get_pdb(body))
     else:
@@ -510,6 +608,16 @@ def get_children(body: Mapping[str, Any], spec: Mapping[str, Any], sizing: Sizin
             problems.append(Problem("AutoscalerUnavailable", "autoscaling.engine is keda but "
                                     "the cluster does not serve keda.sh/v1alpha1 ScaledObjects",
                                     blocking=False))
+    pool_api = next((api for api in INFERENCE_POOLS if api in served), None)
+    if "inferencePool" not in spec.get("routing", {}):
+        if pool_api is not None:
+            delete.append((pool_api.rpartition("/")[0], "InferencePool", name))
+    elif pool_api is not None:
+        apply.append(get_inference_pool(body, spec, pool_api))
+    else:
+        problems.append(Problem("InferencePoolUnavailable", "routing.inferencePool is set but "
+                                "the cluster serves no InferencePool (install the Gateway API "
+                                "Inference Extension CRDs)", blocking=False))
     if config.pod_monitor == "false":
         notes.append("PodMonitor disabled in the operator's settings")
         if POD_MONITORS in served:

@@ -20,6 +20,8 @@ class OperatorConfig:
     scrape_interval: str = "15s"
     prometheus_address: str = "http://prometheus-operated.monitoring.svc:9090"
     liveness: str = "http://0.0.0.0:8080/healthz"  # kopf's liveness endpoint; "" disables it
+    # kopf's peering object (replicas pause but one, peering.py); "": one replica, --standalone
+    peering: str = ""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> OperatorConfig:
@@ -34,6 +36,7 @@ class OperatorConfig:
             scrape_interval=env.get("KVPARK_SCRAPE_INTERVAL", default.scrape_interval),
             prometheus_address=env.get("KVPARK_PROMETHEUS_ADDRESS", default.prometheus_address),
             liveness=env.get("KVPARK_LIVENESS", default.liveness),
+            peering=env.get("KVPARK_PEERING", default.peering),
         )
 
 

@@ -117,6 +117,7 @@ def get_model_schema() -> dict[str, Any]:
                 "2Gi for /tmp, the pod's ephemeral-storage request). Default: sizeMiB plus 10% "
                 f"and 1Gi, or {DEFAULT_DOWNLOAD_SIZE} without sizeMiB."
             ),
+            "cache": get_cache_schema(),
         },
         "x-kubernetes-validations": [
             _rule(
@@ -131,11 +132,53 @@ def get_model_schema() -> dict[str, Any]:
             ),
             _rule(
                 "self.uri.startsWith('hf://') || (!has(self.revision) && !has(self.defaultBranch)"
-                " && !has(self.hfTokenSecretRef) && !has(self.downloadSize))",
-                "revision, defaultBranch, hfTokenSecretRef and downloadSize apply to hf:// "
-                "models only",
+                " && !has(self.hfTokenSecretRef) && !has(self.downloadSize) && !has(self.cache))",
+                "revision, defaultBranch, hfTokenSecretRef, downloadSize and cache apply to "
+                "hf:// models only",
+            ),
+            _rule(
+                "!(has(self.cache) && has(self.downloadSize))",
+                "downloadSize sizes the per-pod emptyDir; with a cache, cache.pvc.size sizes the "
+                "claim",
             ),
         ],
+    }
+
+
+def get_cache_schema() -> dict[str, Any]:
+    return {
+        "type": "object",
+        "description": "hf:// only: a shared model cache instead of a download per pod. The "
+        "first pod downloads into the claim (one folder per repository and revision) while the "
+        "others wait on a lock, then find it complete and skip the download.",
+        "required": ["pvc"],
+        "properties": {
+            "pvc": {
+                "type": "object",
+                "description": "claimName: an existing claim (kept when the PreemptServer "
+                "goes); or size (and storageClassName): a claim the operator makes, named like "
+                "the PreemptServer and deleted with it. The claim must be writable by gid "
+                "10001 (fsGroup) and, for pods on several nodes, ReadWriteMany.",
+                "properties": {
+                    "claimName": _str("An existing PersistentVolumeClaim in the namespace.",
+                                      minLength=1, maxLength=253),
+                    "size": _quantity("Storage to request for the claim the operator makes."),
+                    "storageClassName": _str("Storage class of that claim; default: the "
+                                             "cluster's default class.", minLength=1),
+                    "accessMode": _str("Access mode of that claim: ReadWriteMany for pods on "
+                                       "several nodes; ReadWriteOnce when they share one.",
+                                       enum=["ReadWriteMany", "ReadWriteOnce",
+                                             "ReadWriteOncePod"],
+                                       default="ReadWriteMany"),
+                },
+                "x-kubernetes-validations": [
+                    _rule("has(self.claimName) != has(self.size)",
+                          "set either claimName or size", "FieldValueRequired"),
+                    _rule("has(self.size) || !has(self.storageClassName)",
+                          "storageClassName applies with size only"),
+                ],
+            },
+        },
     }
 
 
@@ -217,6 +260,77 @@ def get_strategy_schema() -> dict[str, Any]:
             " && string(self.maxUnavailable) in ['0', '0%'])",
             "maxSurge and maxUnavailable may not both be 0",
         )],
+    }
+
+
+def _string_map(description: str) -> dict[str, Any]:
+    return {"type": "object", "description": description,
+            "additionalProperties": {"type": "string"}}
+
+
+def get_pod_template_schema() -> dict[str, Any]:
+    return {
+        "type": "object",
+        "description": "A strategic-merge-style patch over the pod template the operator builds "
+        "(affinity, topologySpreadConstraints, priorityClassName, runtimeClassName, "
+        "nodeSelector, tolerations, annotations and labels, extra volumes, sidecars, extra env "
+        "and volumeMounts on the server container by its name, server). Maps merge, null "
+        "removes a key; containers, initContainers, env, volumes and imagePullSecrets merge by "
+        "name, volumeMounts by mountPath ($patch: delete removes an item); other lists are "
+        "replaced (tolerations here replace the operator's, spec.tolerations add to them). "
+        "The patch wins over the operator's fields except the server container's image, "
+        "command, args, resources and reserved env, and the selector labels: setting those is "
+        "refused (Degraded, reason OwnedField).",
+        "properties": {
+            "metadata": {
+                "type": "object",
+                "properties": {
+                    "labels": _string_map("Extra pod labels."),
+                    "annotations": _string_map("Extra pod annotations."),
+                },
+            },
+            "spec": {
+                "type": "object",
+                "description": "Fields of a core/v1 PodSpec; checked by the API server when "
+                "the Deployment is applied (a refusal shows as Degraded, ChildRejected).",
+                "x-kubernetes-preserve-unknown-fields": True,
+            },
+        },
+    }
+
+
+def get_routing_schema() -> dict[str, Any]:
+    return {
+        "type": "object",
+        "description": "How a Gateway routes to the pods.",
+        "properties": {
+            "inferencePool": {
+                "type": "object",
+                "description": "Make an InferencePool of the pods (Gateway API Inference "
+                "Extension: inference.networking.k8s.io/v1, else "
+                "inference.networking.x-k8s.io/v1alpha2, whichever the cluster serves; "
+                "Degraded, InferencePoolUnavailable, without either). Its target port is the "
+                "server's 8080, where /metrics is too.",
+                "required": ["endpointPicker"],
+                "properties": {
+                    "endpointPicker": {
+                        "type": "object",
+                        "description": "The endpoint picker (EPP) Service the Gateway asks; "
+                        "it must read kvpark's metric names (README).",
+                        "required": ["name"],
+                        "properties": {
+                            "name": _str("Service name, in the PreemptServer's namespace.",
+                                         minLength=1, maxLength=253),
+                            "port": _int("The EPP's gRPC (ext-proc) port.", 1, 65535,
+                                         default=9002),
+                            "failureMode": _str(
+                                "What the Gateway does while the EPP does not answer.",
+                                enum=["FailOpen", "FailClose"], default="FailClose"),
+                        },
+                    },
+                },
+            },
+        },
     }
 
 
@@ -326,6 +440,7 @@ def get_spec_schema() -> dict[str, Any]:
                 },
             },
             "strategy": get_strategy_schema(),
+            "podTemplate": get_pod_template_schema(),
             "autoscaling": get_autoscaling_schema(),
             "monitoring": {
                 "type": "object",
@@ -343,6 +458,7 @@ def get_spec_schema() -> dict[str, Any]:
                 },
             },
             "server": get_server_schema(),
+            "routing": get_routing_schema(),
             "nodeSelector": {
                 "type": "object",
                 "description": "Pod nodeSelector.",

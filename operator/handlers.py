@@ -22,7 +22,7 @@ from typing import Any
 
 import kopf
 
-from kvpark.operator import builders, crd, kube
+from kvpark.operator import builders, crd, kube, peering
 from kvpark.operator import plan as plan_
 from kvpark.operator import sizing as sizing_
 from kvpark.operator import status as status_
@@ -31,7 +31,7 @@ from kvpark.operator.status import Problem
 
 CONFIG = OperatorConfig.from_env()
 MANAGED_BY = f"app.kubernetes.io/managed-by={MANAGER}"
-OPTIONAL_APIS = (builders.POD_MONITORS, builders.SCALED_OBJECTS)
+OPTIONAL_APIS = (builders.POD_MONITORS, builders.SCALED_OBJECTS, *builders.INFERENCE_POOLS)
 # kopf runs the CR's handlers, the resync loop and the Deployment watch concurrently
 LOCKS: defaultdict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
 logger = logging.getLogger(__name__)
@@ -101,8 +101,9 @@ def server_event(type: str | None, body: kopf.Body, **_: Any) -> None:
 
 
 @kopf.on.startup()
-async def start_resync(memo: kopf.Memo, **_: Any) -> None:
-    memo.resync = asyncio.create_task(resync_forever(CONFIG.reconcile_seconds))
+async def start_resync(memo: kopf.Memo, settings: kopf.OperatorSettings, **_: Any) -> None:
+    memo.resync = asyncio.create_task(
+        resync_forever(CONFIG.reconcile_seconds, settings.peering.priority))
 
 
 @kopf.on.cleanup()
@@ -113,17 +114,35 @@ async def stop_resync(memo: kopf.Memo, **_: Any) -> None:
         await asyncio.gather(task, return_exceptions=True)
 
 
-async def resync_forever(interval: float) -> None:
+async def resync_forever(interval: float, priority: int) -> None:
     """Every `interval`: reconcile each PreemptServer (brings back children deleted by hand,
-    follows pods into the status, retries what failed)."""
+    follows pods into the status, retries what failed), on the working replica only."""
     while True:
         await asyncio.sleep(interval)
+        if not await asyncio.to_thread(is_working, priority):
+            # kopf paused this replica's watches: what it saw goes stale. When it resumes,
+            # kopf lists the PreemptServers again and server_event fills this anew.
+            MEMORY.servers.clear()
+            continue
         for body in list(MEMORY.servers.values()):
             try:
                 await asyncio.to_thread(reconcile, body)
             except Exception:  # the next round retries; one server never stops the others
                 logger.exception("reconciling %s/%s failed", body["metadata"]["namespace"],
                                  body["metadata"]["name"])
+
+
+def is_working(priority: int) -> bool:
+    """Whether this replica is the one kopf's peering lets work (always, standalone)."""
+    if not CONFIG.peering:
+        return True
+    try:
+        objects = [kube.call("GET", path)
+                   for path in peering.get_paths(CONFIG.peering, CONFIG.namespaces)]
+    except kube.ApiError:
+        logger.exception("reading the peering objects failed: pausing this round")
+        return False
+    return peering.is_leader(objects, priority, datetime.datetime.now(datetime.timezone.utc))
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={"app.kubernetes.io/managed-by": MANAGER})
@@ -185,16 +204,19 @@ def sync_children(body: Mapping[str, Any], children: builders.Children,
     wanted = [o["kind"] for o in children.apply]
     unwanted = [k for _, k, _ in children.delete if (uid, k) not in MEMORY.absent]
     MEMORY.absent.difference_update((uid, kind) for kind in wanted)
+    versions = {k: v for v, k, _ in children.delete} | {o["kind"]: o["apiVersion"]
+                                                         for o in children.apply}
     for kind in wanted + unwanted:
         try:
-            existing[kind] = kube.get(kind, namespace, name)
+            existing[kind] = kube.get(kind, namespace, name, api_version=versions[kind])
         except kube.ApiError as e:
             problems.append(Problem("ApiError", f"reading {kind} {name}: {e}", blocking=False))
     plan = plan_.get_plan(children.apply, children.delete, existing, uid)
     for write in plan.writes:
         try:
             if write.verb == "delete":
-                kube.delete(write.kind, namespace, write.name, write.uid)
+                kube.delete(write.kind, namespace, write.name, write.uid,
+                            api_version=write.api_version)
                 existing[write.kind] = None
             else:
                 existing[write.kind] = kube.apply(write.obj)

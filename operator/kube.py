@@ -49,7 +49,10 @@ KINDS = {
     "HorizontalPodAutoscaler": Kind("autoscaling/v2", "horizontalpodautoscalers"),
     "ScaledObject": Kind("keda.sh/v1alpha1", "scaledobjects"),
     "PodMonitor": Kind("monitoring.coreos.com/v1", "podmonitors"),
+    "PersistentVolumeClaim": Kind("v1", "persistentvolumeclaims"),
     "Pod": Kind("v1", "pods"),
+    # the Gateway API Inference Extension's GA group; its alpha group serves the same plural
+    "InferencePool": Kind("inference.networking.k8s.io/v1", "inferencepools"),
     "Event": Kind("v1", "events"),
 }
 SERVED_TTL_SECONDS = 300.0  # how long discovery answers are trusted (CRDs come and go rarely)
@@ -120,13 +123,19 @@ def get_message(error: client.ApiException) -> str:
         return str(error.reason)
 
 
-def get(kind: str, namespace: str, name: str) -> dict[str, Any] | None:
-    return call("GET", KINDS[kind].path(namespace, name))
+def get_kind(kind: str, api_version: str = "") -> Kind:
+    """`kind` at `api_version` (a kind some clusters serve in another group), else its own."""
+    known = KINDS[kind]
+    return Kind(api_version, known.plural) if api_version else known
+
+
+def get(kind: str, namespace: str, name: str, api_version: str = "") -> dict[str, Any] | None:
+    return call("GET", get_kind(kind, api_version).path(namespace, name))
 
 
 def apply(obj: Mapping[str, Any]) -> dict[str, Any]:
     """Create or update `obj` in place to what it says."""
-    kind = KINDS[obj["kind"]]
+    kind = get_kind(obj["kind"], obj["apiVersion"])
     meta = obj["metadata"]
     query = [("fieldManager", MANAGER), ("force", "true")]
     for _ in range(3):
@@ -145,10 +154,11 @@ def apply(obj: Mapping[str, Any]) -> dict[str, Any]:
     raise Conflict(409, f"{obj['kind']} {meta['name']} kept changing while being applied")
 
 
-def delete(kind: str, namespace: str, name: str, uid: str) -> bool:
+def delete(kind: str, namespace: str, name: str, uid: str, api_version: str = "") -> bool:
     """Delete the object if it still is the one with `uid`; True when something was deleted."""
     body = {"propagationPolicy": "Background", "preconditions": {"uid": uid}}
-    return call("DELETE", KINDS[kind].path(namespace, name), body=body) is not None
+    path = get_kind(kind, api_version).path(namespace, name)
+    return call("DELETE", path, body=body) is not None
 
 
 def list_objects(kind: str, namespace: str, selector: str) -> list[dict[str, Any]]:

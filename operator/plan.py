@@ -34,6 +34,7 @@ class Write(NamedTuple):
     name: str
     obj: dict[str, Any] | None = None  # apply: the object, with its hash annotation
     uid: str = ""  # delete: the uid it was decided for (a precondition of the DELETE)
+    api_version: str = ""  # delete: the group/version it lives at
 
 
 class Plan(NamedTuple):
@@ -104,10 +105,11 @@ def get_plan(apply: list[dict[str, Any]], delete: list[tuple[str, str, str]],
     a GET found by kind (None: absent). Kinds missing from `existing` could not be read and are
     left for the next reconcile."""
     deletes, applies, problems = [], [], []
-    for _, kind, name in delete:
+    for api_version, kind, name in delete:
         have = existing.get(kind)
         if have is not None and is_owned(have, owner_uid):
-            deletes.append(Write("delete", kind, name, uid=have["metadata"]["uid"]))
+            deletes.append(Write("delete", kind, name, uid=have["metadata"]["uid"],
+                                 api_version=api_version))
     for obj in apply:
         kind = obj["kind"]
         if kind not in existing:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import dataclasses
 import datetime
 import itertools
 import json
@@ -45,11 +46,17 @@ CORE_RESOURCES = [
     ("policy/v1/poddisruptionbudgets", "PodDisruptionBudget", True, {"status"}),
     ("autoscaling/v2/horizontalpodautoscalers", "HorizontalPodAutoscaler", True, {"status"}),
     ("v1/pods", "Pod", True, {"status"}),
+    ("v1/persistentvolumeclaims", "PersistentVolumeClaim", True, {"status"}),
     ("v1/namespaces", "Namespace", False, {"status"}),
     ("v1/events", "Event", True, set()),
 ]
 POD_MONITORS = ("monitoring.coreos.com/v1/podmonitors", "PodMonitor", True, set())
 SCALED_OBJECTS = ("keda.sh/v1alpha1/scaledobjects", "ScaledObject", True, {"status"})
+INFERENCE_POOLS = ("inference.networking.k8s.io/v1/inferencepools", "InferencePool", True,
+                   {"status"})
+ALPHA_INFERENCE_POOLS = ("inference.networking.x-k8s.io/v1alpha2/inferencepools",
+                         "InferencePool", True, {"status"})
+CLUSTER_PEERINGS = ("kopf.dev/v1/clusterkopfpeerings", "ClusterKopfPeering", False, set())
 _versions = itertools.count(1)
 
 
@@ -244,10 +251,14 @@ PATHS = {
     "PreemptServer": "/apis/kvpark.io/v1alpha1/namespaces/{ns}/preemptservers",
     "Deployment": "/apis/apps/v1/namespaces/{ns}/deployments",
     "Service": "/api/v1/namespaces/{ns}/services",
+    "PersistentVolumeClaim": "/api/v1/namespaces/{ns}/persistentvolumeclaims",
     "PodDisruptionBudget": "/apis/policy/v1/namespaces/{ns}/poddisruptionbudgets",
     "HorizontalPodAutoscaler": "/apis/autoscaling/v2/namespaces/{ns}/horizontalpodautoscalers",
     "ScaledObject": "/apis/keda.sh/v1alpha1/namespaces/{ns}/scaledobjects",
     "PodMonitor": "/apis/monitoring.coreos.com/v1/namespaces/{ns}/podmonitors",
+    "InferencePool": "/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools",
+    "InferencePool/v1alpha2":
+        "/apis/inference.networking.x-k8s.io/v1alpha2/namespaces/{ns}/inferencepools",
 }
 
 
@@ -315,12 +326,13 @@ def find_helm() -> str | None:
 
 
 @contextlib.contextmanager
-def running_operator(resources: list, workdir: Path) -> Iterator[Cluster]:
-    """kmock with `resources` declared, and the real operator (kopf, -A) running against it."""
+def running_operator(resources: list, workdir: Path, peering: str = "") -> Iterator[Cluster]:
+    """kmock with `resources` declared, and the real operator (kopf, -A) running against it;
+    with `peering`, as one of the chart's replicas (its ClusterKopfPeering made first)."""
     from kopf.testing import KopfRunner
     from kubernetes import config as kconfig
 
-    from kvpark.operator import kube
+    from kvpark.operator import handlers, kube
     from kvpark.operator.__main__ import get_kopf_args
     from kvpark.operator.config import OperatorConfig
 
@@ -330,11 +342,18 @@ def running_operator(resources: list, workdir: Path) -> Iterator[Cluster]:
         os.environ["KUBECONFIG"] = str(kubeconfig)
         kube.reset()
         cluster = Cluster(Api(kconfig.new_client_from_config(str(kubeconfig))), server)
+        config, saved_config = OperatorConfig(liveness="", peering=peering), handlers.CONFIG
+        if peering:
+            cluster.api.create("/apis/kopf.dev/v1/clusterkopfpeerings", {
+                "apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering",
+                "metadata": {"name": peering}})
+            handlers.CONFIG = dataclasses.replace(handlers.CONFIG, peering=peering)
         try:
-            with KopfRunner(get_kopf_args(OperatorConfig(liveness="")), timeout=30) as runner:
+            with KopfRunner(get_kopf_args(config, priority=7), timeout=30) as runner:
                 yield cluster
             assert runner.exit_code == 0, runner.output[-4000:]
         finally:
+            handlers.CONFIG = saved_config
             if saved is None:
                 os.environ.pop("KUBECONFIG", None)
             else:

@@ -146,11 +146,31 @@ BAD = [
     ("hf with both", {"model": {"uri": "hf://org/repo", "revision": "v1", "defaultBranch": True}},
      "spec.model: revision and defaultBranch: true exclude each other"),
     ("revision off hf", {"model": {"uri": "pvc://c/m.gguf", "revision": "v1"}},
-     "spec.model: revision, defaultBranch, hfTokenSecretRef and downloadSize apply to hf:// "
-     "models only"),
+     "spec.model: revision, defaultBranch, hfTokenSecretRef, downloadSize and cache apply to "
+     "hf:// models only"),
     ("download size off hf", {"model": {"uri": "pvc://c/m.gguf", "downloadSize": "1Gi"}},
-     "spec.model: revision, defaultBranch, hfTokenSecretRef and downloadSize apply to hf:// "
-     "models only"),
+     "spec.model: revision, defaultBranch, hfTokenSecretRef, downloadSize and cache apply to "
+     "hf:// models only"),
+    ("cache off hf", {"model": {"uri": "pvc://c/m.gguf", "cache": {"pvc": {"claimName": "c"}}}},
+     "spec.model: revision, defaultBranch, hfTokenSecretRef, downloadSize and cache apply to "
+     "hf:// models only"),
+    ("cache and download size", {"model": {"uri": "hf://O/R", "revision": "main",
+                                           "downloadSize": "1Gi",
+                                           "cache": {"pvc": {"claimName": "c"}}}},
+     "spec.model: downloadSize sizes the per-pod emptyDir; with a cache, cache.pvc.size sizes "
+     "the claim"),
+    ("cache claim and size", {"model": {"uri": "hf://O/R", "revision": "main",
+                                        "cache": {"pvc": {"claimName": "c", "size": "1Gi"}}}},
+     "spec.model.cache.pvc: set either claimName or size"),
+    ("cache neither", {"model": {"uri": "hf://O/R", "revision": "main",
+                                 "cache": {"pvc": {"accessMode": "ReadWriteOnce"}}}},
+     "spec.model.cache.pvc: set either claimName or size"),
+    ("cache class with claim", {"model": {"uri": "hf://O/R", "revision": "main", "cache": {
+        "pvc": {"claimName": "c", "storageClassName": "nfs"}}}},
+     "spec.model.cache.pvc: storageClassName applies with size only"),
+    ("cache access mode", {"model": {"uri": "hf://O/R", "revision": "main", "cache": {
+        "pvc": {"size": "1Gi", "accessMode": "ReadOnlyMany"}}}},
+     "spec.model.cache.pvc.accessMode: enum"),
     ("no rollout can move", {"strategy": {"maxSurge": 0, "maxUnavailable": "0%"}},
      "spec.strategy: maxSurge and maxUnavailable may not both be 0"),
     ("negative surge", {"strategy": {"maxSurge": -1}},

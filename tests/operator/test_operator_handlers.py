@@ -16,8 +16,11 @@ from kvpark.operator.config import OperatorConfig
 
 def test_kopf_args() -> None:
     assert get_kopf_args(OperatorConfig()) == [
-        "run", "--standalone", "-m", "kvpark.operator.handlers", "--all-namespaces",
+        "run", "-m", "kvpark.operator.handlers", "--standalone", "--all-namespaces",
         "--liveness=http://0.0.0.0:8080/healthz"]
+    peered = get_kopf_args(OperatorConfig(peering="kvpark-operator"), priority=77)
+    assert peered[3:5] == ["--peering=kvpark-operator", "--priority=77"]
+    assert "--standalone" not in peered
     args = get_kopf_args(OperatorConfig(namespaces=("a", "b"), liveness=""))
     assert args[-2:] == ["--namespace=a", "--namespace=b"]
     assert "--all-namespaces" not in args and not any(a.startswith("--liveness") for a in args)
@@ -77,7 +80,8 @@ class FakeKube:
         self.objects[(obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])] = obj
         return obj
 
-    def delete(self, kind: str, namespace: str, name: str, uid: str) -> bool:
+    def delete(self, kind: str, namespace: str, name: str, uid: str,
+               api_version: str = "") -> bool:
         self.writes.append(("delete", kind, name))
         assert self.objects[(kind, namespace, name)]["metadata"]["uid"] == uid
         return self.objects.pop((kind, namespace, name), None) is not None
@@ -90,7 +94,7 @@ class FakeKube:
     def post_event(self, body: dict, type_: str, reason: str, message: str) -> None:
         self.events.append((type_, reason, message))
 
-    def get(self, kind: str, namespace: str, name: str) -> dict | None:
+    def get(self, kind: str, namespace: str, name: str, api_version: str = "") -> dict | None:
         return copy.deepcopy(self.objects.get((kind, namespace, name)))
 
     def patch_status(self, namespace: str, name: str, status: dict) -> None:

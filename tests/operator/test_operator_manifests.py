@@ -19,7 +19,9 @@ from kvpark.operator import builders, crd
 
 VERSIONS = ["1.29", "1.33"]
 CHART = REPO / "charts" / "kvpark"
-MANIFESTS = [REPO / "manifests" / "crd.yaml", REPO / "manifests" / "operator.yaml"]
+MANIFESTS = [REPO / "manifests" / "crd.yaml", REPO / "manifests" / "kopf-peering.yaml",
+             REPO / "manifests" / "operator.yaml"]
+PEERING_KINDS = {"ClusterKopfPeering", "KopfPeering"}
 
 
 def load(path: Path) -> list[dict]:
@@ -29,7 +31,17 @@ def load(path: Path) -> list[dict]:
 def validate_all(docs: list[dict], version: str) -> None:
     assert docs
     for doc in docs:
+        if doc["kind"] in PEERING_KINDS:
+            check_peering(doc)  # kopf's kinds: the official schemas do not have them
+            continue
         kv.validate(doc, version, strict=True)  # raises with the path of the first error
+
+
+def check_peering(doc: dict) -> None:
+    """A peering object as kopf's CRD (kopf-peering.yaml) takes it: no spec to speak of."""
+    assert doc["apiVersion"] == "kopf.dev/v1"
+    assert set(doc) == {"apiVersion", "kind", "metadata"}
+    assert doc["metadata"]["name"].startswith("kvpark")
 
 
 def test_both_kubernetes_versions_are_shipped() -> None:
@@ -48,9 +60,13 @@ def operator_deployment(docs: list[dict]) -> dict:
 
 
 def check_operator_deployment(deployment: dict) -> None:
-    assert deployment["spec"]["replicas"] == 1
-    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    """Two replicas with kopf peering: one works, the other waits (peering.py)."""
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["strategy"] == {
+        "type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
     pod = deployment["spec"]["template"]["spec"]
+    anti = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert anti[0]["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
     assert pod["securityContext"]["runAsNonRoot"] is True
     (container,) = pod["containers"]
     assert container["command"] == ["kvpark-operator"]
@@ -60,6 +76,9 @@ def check_operator_deployment(deployment: dict) -> None:
     env = {e["name"]: e.get("value") for e in container["env"]}
     # kopf's liveness endpoint is what the probe asks
     assert env["KVPARK_LIVENESS"] == "http://0.0.0.0:8080/healthz"
+    assert env["KVPARK_PEERING"].startswith("kvpark")
+    pod_id = next(e for e in container["env"] if e["name"] == "POD_ID")
+    assert pod_id["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
     assert container["ports"] == [{"name": "health", "containerPort": 8080, "protocol": "TCP"}]
 
@@ -67,8 +86,38 @@ def check_operator_deployment(deployment: dict) -> None:
 def test_operator_manifest() -> None:
     docs = load(REPO / "manifests" / "operator.yaml")
     assert [d["kind"] for d in docs] == ["Namespace", "ServiceAccount", "ClusterRole",
-                                         "ClusterRoleBinding", "Deployment"]
-    check_operator_deployment(operator_deployment(docs))
+                                         "ClusterRoleBinding", "Deployment",
+                                         "PodDisruptionBudget", "ClusterKopfPeering"]
+    deployment = operator_deployment(docs)
+    check_operator_deployment(deployment)
+    check_operator_pdb(docs, deployment)
+    (peering,) = [d for d in docs if d["kind"] == "ClusterKopfPeering"]
+    env = {e["name"]: e.get("value") for e in
+           deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert peering["metadata"]["name"] == env["KVPARK_PEERING"]
+    assert deployment["spec"]["template"]["spec"]["containers"][0]["image"] == \
+        "kvpark/kvpark-operator:0.1.0"
+    assert env["KVPARK_SERVER_IMAGE"] == "kvpark/kvpark:0.1.0"
+
+
+def check_operator_pdb(docs: list[dict], deployment: dict) -> None:
+    (pdb,) = [d for d in docs if d["kind"] == "PodDisruptionBudget"]
+    assert pdb["spec"]["minAvailable"] == 1
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+
+
+def test_kopf_peering_crds_are_kopfs() -> None:
+    """The group and plural kopf looks the peering objects up by, in the manifests and chart."""
+    from kopf._cogs.structs import references
+
+    docs = load(REPO / "manifests" / "kopf-peering.yaml")
+    assert load(CHART / "crds" / "kopf-peerings.yaml") == docs
+    served = {(d["spec"]["group"], d["spec"]["versions"][0]["name"], d["spec"]["names"]["plural"],
+               d["spec"]["scope"]) for d in docs}
+    for selector, scope in [(references.CLUSTER_PEERINGS_K, "Cluster"),
+                            (references.NAMESPACED_PEERINGS_K, "Namespaced")]:
+        assert (selector.group, selector.version, selector.any_name, scope) in served
 
 
 def adapter_rules() -> list[dict]:
@@ -99,6 +148,8 @@ def test_no_manifest_takes_another_components_object() -> None:
             if {"prometheus", "rules"} <= set(doc):
                 continue  # Helm values for prometheus-adapter
             name = doc["metadata"]["name"]
+            if path.name == "kopf-peering.yaml":
+                continue  # kopf's own definitions, shared with other kopf operators as they are
             assert name.startswith("kvpark") or name.endswith(".kvpark.io"), (path, name)
     readme = (REPO / "manifests" / "autoscaling" / "README.md").read_text()
     assert "kubectl get apiservice v1beta1.custom.metrics.k8s.io" in readme
@@ -121,6 +172,9 @@ def test_helm_lint_strict(helm: str) -> None:
     namespaced = helm_run(helm, "lint", "--strict", str(CHART), "--set",
                           "watchNamespaces={a,b}", check=False)
     assert namespaced.returncode == 0, namespaced.stdout + namespaced.stderr
+    dashboards = helm_run(helm, "lint", "--strict", str(CHART), "--set", "dashboards.enabled=true",
+                          "--set", "dashboards.namespace=monitoring", check=False)
+    assert dashboards.returncode == 0, dashboards.stdout + dashboards.stderr
 
 
 @pytest.mark.parametrize("value, env", [("false", "false"), ("true", "auto"),
@@ -141,7 +195,10 @@ def test_pod_monitor_can_be_turned_off_with_set(helm: str, value: str, env: str)
     ["--set", "image.pullPolicy=Sometimes"],
     ["--set", "unknownKey=1"],
     ["--set", "reconcileSeconds=0"],
-], ids=["podMonitor", "namespace", "pullPolicy", "unknown", "reconcile"])
+    ["--set", "replicas=0"],
+    ["--set", "dashboards.unknown=1"],
+], ids=["podMonitor", "namespace", "pullPolicy", "unknown", "reconcile", "replicas",
+        "dashboards"])
 def test_values_schema_rejects_bad_values(helm: str, values: list[str]) -> None:
     result = helm_run(helm, "lint", "--strict", str(CHART), *values, check=False)
     assert result.returncode != 0
@@ -151,27 +208,39 @@ def test_values_schema_rejects_bad_values(helm: str, values: list[str]) -> None:
 @pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("values", [[], ["--set", "watchNamespaces={team-a,team-b}"],
                                     ["--set", "serviceAccount.create=false", "--set",
-                                     "rbac.create=false", "--set", "verbose=true"]],
-                         ids=["default", "namespaced", "bring-your-own-rbac"])
+                                     "rbac.create=false", "--set", "verbose=true"],
+                                    ["--set", "dashboards.enabled=true"],
+                                    ["--set", "replicas=1", "--set", "peering=false"]],
+                         ids=["default", "namespaced", "bring-your-own-rbac", "dashboards",
+                              "standalone"])
 def test_rendered_chart_validates(helm: str, values: list[str], version: str) -> None:
     validate_all(render(helm, *values), version)
 
 
 def test_rendered_chart(helm: str) -> None:
     docs = render(helm, "--set", "image.tag=9.9.9", "--set", "serverImage=example/server:1")
-    (rendered_crd,) = [d for d in docs if d["kind"] == "CustomResourceDefinition"]
+    (rendered_crd,) = [d for d in docs if d["kind"] == "CustomResourceDefinition"
+                       and d["metadata"]["name"].endswith(".kvpark.io")]
     assert rendered_crd == crd.get_crd()
     deployment = operator_deployment(docs)
     check_operator_deployment(deployment)
+    check_operator_pdb(docs, deployment)
+    (peering,) = [d for d in docs if d["kind"] == "ClusterKopfPeering"]
     container = deployment["spec"]["template"]["spec"]["containers"][0]
-    assert container["image"] == "kvpark/kvpark:9.9.9"
+    assert container["image"] == "kvpark/kvpark-operator:9.9.9"
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["KVPARK_SERVER_IMAGE"] == "example/server:1"
+    assert env["KVPARK_PEERING"] == peering["metadata"]["name"] == "kvpark-operator"
+    crds = {d["metadata"]["name"] for d in docs if d["kind"] == "CustomResourceDefinition"}
+    assert crds == {"preemptservers.kvpark.io", "clusterkopfpeerings.kopf.dev",
+                    "kopfpeerings.kopf.dev"}
     assert env["KVPARK_WATCH_NAMESPACES"] == ""
     assert env["KVPARK_POD_MONITOR_LABELS"] == ""
     default = operator_deployment(render(helm))["spec"]["template"]["spec"]["containers"][0]
     app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
-    assert default["image"] == f"kvpark/kvpark:{app_version}"
+    assert default["image"] == f"kvpark/kvpark-operator:{app_version}"
+    assert {e["name"]: e.get("value") for e in default["env"]}["KVPARK_SERVER_IMAGE"] == \
+        f"kvpark/kvpark:{app_version}"
     notes = helm_run(helm, "install", "kvpark", str(CHART), "--dry-run=client",
                      "--namespace", "kvpark-system").stdout
     assert "kubectl get ps" in notes
@@ -203,3 +272,21 @@ def test_dockerfile_builds_one_unprivileged_image_with_the_model() -> None:
     for needed in ("!pyproject.toml", "!README.md", "!kvpark_pkg/", "!pod/", "!kernels/",
                    "!operator/"):
         assert needed in ignored
+
+
+def test_chart_standalone_and_namespaced_peering(helm: str) -> None:
+    one = render(helm, "--set", "replicas=1", "--set", "peering=false")
+    deployment = operator_deployment(one)
+    assert (deployment["spec"]["replicas"], deployment["spec"]["strategy"]) == \
+        (1, {"type": "Recreate"})
+    env = {e["name"]: e.get("value") for e in
+           deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["KVPARK_PEERING"] == ""  # --standalone
+    assert not [d for d in one if d["kind"] in PEERING_KINDS | {"PodDisruptionBudget"}]
+    refused = helm_run(helm, "template", "kvpark", str(CHART), "--set", "peering=false",
+                       check=False)
+    assert refused.returncode != 0 and "needs peering" in refused.stderr
+    namespaced = render(helm, "--set", "watchNamespaces={team-a,team-b}")
+    peerings = [d for d in namespaced if d["kind"] in PEERING_KINDS]
+    assert sorted((d["kind"], d["metadata"]["namespace"]) for d in peerings) == [
+        ("KopfPeering", "team-a"), ("KopfPeering", "team-b")]

@@ -17,12 +17,16 @@ from collections.abc import Iterable
 import pytest
 import yaml
 from kmock_harness import (
+    ALPHA_INFERENCE_POOLS,
+    CLUSTER_PEERINGS,
     CORE_RESOURCES,
+    INFERENCE_POOLS,
     POD_MONITORS,
     REPO,
     SCALED_OBJECTS,
     Cluster,
     running_operator,
+    wait_for,
 )
 
 from kvpark.operator import handlers
@@ -58,20 +62,51 @@ def called(requests: Iterable, agent: str) -> set[Triple]:
 @pytest.fixture(scope="module")
 def calls(tmp_path_factory: pytest.TempPathFactory) -> dict[str, set[Triple]]:
     """Run the scenario once; the calls kube.py and kopf made, by agent."""
-    resources = [*CORE_RESOURCES, POD_MONITORS, SCALED_OBJECTS]
-    with running_operator(resources, tmp_path_factory.mktemp("kmock")) as cluster:
+    resources = [*CORE_RESOURCES, POD_MONITORS, SCALED_OBJECTS, CLUSTER_PEERINGS,
+                 INFERENCE_POOLS]
+    with running_operator(resources, tmp_path_factory.mktemp("kmock"),
+                          peering="kvpark-operator") as cluster:
         run_scenario(cluster)
+        # the resync loop asked the peering object whether this replica works
+        wait_for("a peering GET", lambda: ("kopf.dev", "clusterkopfpeerings", "get") in called(
+            cluster.server.requests(), "kvpark-operator/"))
         requests = cluster.server.requests()
+    # a cluster with only the alpha InferencePool group: the same calls there
+    with running_operator([*CORE_RESOURCES, ALPHA_INFERENCE_POOLS],
+                          tmp_path_factory.mktemp("kmock-alpha")) as cluster:
+        run_pool_scenario(cluster, "InferencePool/v1alpha2")
+        requests += cluster.server.requests()
     return {"kube.py": called(requests, "kvpark-operator/"), "kopf": called(requests, "kopf/")}
+
+
+ROUTING = {"inferencePool": {"endpointPicker": {"name": "epp", "port": 9002,
+                                                "failureMode": "FailClose"}}}
+
+
+def run_pool_scenario(cluster: Cluster, kind: str) -> None:
+    ns = "pool"
+    cluster.create_server(ns, "p", {"routing": ROUTING})
+    cluster.wait_child(kind, ns, "p")
+    cluster.patch_spec(ns, "p", {"routing": {"inferencePool": {"endpointPicker": {
+        "name": "epp2"}}}})
+    cluster.wait_child(kind, ns, "p", lambda pool: "epp2" in str(pool["spec"]))
+    cluster.patch_spec(ns, "p", {"routing": None})
+    cluster.wait_gone(kind, ns, "p")
 
 
 def run_scenario(cluster: Cluster) -> None:
     ns = "rbac"
     cluster.server.emulator.fail_once.append(("PATCH", cluster.path("Service", ns, "s")))
     cluster.create_server(ns, "s", {"replicas": 2, "autoscaling": {"engine": "keda",
-                                                                     "maxReplicas": 3}})
-    for kind in ["Deployment", "Service", "PodDisruptionBudget", "ScaledObject", "PodMonitor"]:
+                                                                     "maxReplicas": 3},
+                                    "model": {"uri": "hf://O/R", "revision": "main", "sizeMiB": 100,
+                                              "cache": {"pvc": {"size": "10Gi"}}}})
+    for kind in ["Deployment", "Service", "PodDisruptionBudget", "ScaledObject", "PodMonitor",
+                 "PersistentVolumeClaim"]:
         cluster.wait_child(kind, ns, "s")
+    cluster.patch_spec(ns, "s", {"model": {"cache": None}})
+    cluster.wait_gone("PersistentVolumeClaim", ns, "s")
+    run_pool_scenario(cluster, "InferencePool")
     cluster.patch_spec(ns, "s", {"replicas": 1, "autoscaling": {"engine": "hpa"}})
     cluster.wait_child("HorizontalPodAutoscaler", ns, "s")
     cluster.wait_gone("ScaledObject", ns, "s")
@@ -128,7 +163,10 @@ def test_chart_with_watched_namespaces_grants_nothing_cluster_wide(helm: str) ->
     assert find(docs, "ClusterRole") == [] and find(docs, "ClusterRoleBinding") == []
     roles = find(docs, "Role")
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
-    assert all(expand(r["rules"]) == manifest_rules() for r in roles)
+    # the same, with kopf's namespaced peering objects for the cluster-wide ones
+    peering = {"clusterkopfpeerings": "kopfpeerings"}
+    wanted = {(g, peering.get(r, r), v) for g, r, v in manifest_rules()}
+    assert all(expand(r["rules"]) == wanted for r in roles)
     assert sorted(b["metadata"]["namespace"] for b in find(docs, "RoleBinding")) == \
         ["team-a", "team-b"]
     (deployment,) = find(docs, "Deployment")

@@ -56,6 +56,9 @@ Least privilege: exactly the calls operator/kube.py and kopf make
 - apiGroups: [""]
   resources: [services]
   verbs: [get, create, patch]
+- apiGroups: [""]
+  resources: [persistentvolumeclaims]
+  verbs: [get, create, patch, delete]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [get, create, patch, delete]
@@ -68,10 +71,20 @@ Least privilege: exactly the calls operator/kube.py and kopf make
 - apiGroups: [monitoring.coreos.com]
   resources: [podmonitors]
   verbs: [get, create, patch, delete]
+- apiGroups: [inference.networking.k8s.io, inference.networking.x-k8s.io]
+  resources: [inferencepools]
+  verbs: [get, create, patch, delete]
 - apiGroups: [""]
   resources: [pods]
   verbs: [list]
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
+{{- end -}}
+
+{{/* kopf's peering (kopf: list, watch, patch; kube.py: get), of the kind the mode uses */}}
+{{- define "kvpark.peeringRules" -}}
+- apiGroups: [kopf.dev]
+  resources: [{{ . }}]
+  verbs: [get, list, watch, patch]
 {{- end -}}

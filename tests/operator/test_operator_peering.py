@@ -1,0 +1,146 @@
+"""Two operator replicas with kopf peering: which one works (operator/peering.py), the random
+priority each draws, and the resync loop that only the working one runs. kopf's own pausing is
+kopf's; here only our half of it is checked, against the status kopf writes."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+
+import pytest
+
+from kvpark.operator import handlers, kube, peering
+from kvpark.operator.__main__ import get_kopf_args
+from kvpark.operator.config import OperatorConfig
+
+NOW = datetime.datetime(2026, 12, 1, 12, 0, 0, tzinfo=datetime.timezone.utc)
+
+
+def peer(priority: int, seconds_ago: int, lifetime: int = 60) -> dict:
+    seen = (NOW - datetime.timedelta(seconds=seconds_ago)).isoformat()
+    return {"priority": priority, "lifetime": lifetime, "lastseen": seen}
+
+
+def peering_object(*peers: dict) -> dict:
+    return {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering",
+            "metadata": {"name": "kvpark-operator"},
+            "status": {f"pod-{i}@host": p for i, p in enumerate(peers)}}
+
+
+def test_the_highest_live_priority_works() -> None:
+    both = peering_object(peer(10, 5), peer(20, 5))
+    assert peering.is_leader([both], 20, NOW)
+    assert not peering.is_leader([both], 10, NOW)
+
+
+def test_a_dead_peer_hands_over() -> None:
+    """kopf's keep-alive stopped 61 s ago with a 60 s lifetime: the other replica takes over."""
+    stale = peering_object(peer(10, 5), peer(20, 61))
+    assert peering.is_leader([stale], 10, NOW)
+
+
+def test_a_tie_pauses_both_as_kopf_does() -> None:
+    tie = peering_object(peer(10, 5), peer(10, 5))
+    assert not peering.is_leader([tie], 10, NOW)
+
+
+def test_alone_or_before_the_first_keepalive() -> None:
+    assert peering.is_leader([peering_object(peer(10, 1))], 10, NOW)
+    assert peering.is_leader([peering_object()], 10, NOW)
+
+
+def test_a_missing_peering_object_pauses() -> None:
+    assert not peering.is_leader([None], 10, NOW)
+
+
+def test_every_watched_namespace_must_agree() -> None:
+    mine, theirs = peering_object(peer(30, 1)), peering_object(peer(30, 1), peer(40, 1))
+    assert not peering.is_leader([mine, theirs], 30, NOW)
+    assert peering.get_paths("p", ["a", "b"]) == [
+        "/apis/kopf.dev/v1/namespaces/a/kopfpeerings/p",
+        "/apis/kopf.dev/v1/namespaces/b/kopfpeerings/p"]
+    assert peering.get_paths("p", []) == ["/apis/kopf.dev/v1/clusterkopfpeerings/p"]
+
+
+def test_kopf_timestamps_parse() -> None:
+    # kopf writes datetime.isoformat() of an aware UTC time; other writers may use Z
+    assert peering.parse_time("2026-12-01T12:00:00+00:00") == NOW
+    assert peering.parse_time("2026-12-01T12:00:00Z") == NOW
+    assert peering.parse_time("2026-12-01T12:00:00") == NOW
+
+
+def test_each_start_draws_a_priority(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kopf import cli
+
+    from kvpark.operator import __main__
+
+    seen: list[list[str]] = []
+    monkeypatch.setattr(cli, "main", lambda args, prog_name: seen.append(args))
+    monkeypatch.setenv("KVPARK_PEERING", "kvpark-operator")
+    for _ in range(3):
+        __main__.main([])
+    priorities = {next(a for a in args if a.startswith("--priority=")) for args in seen}
+    assert len(priorities) == 3
+    config = OperatorConfig.from_env({"KVPARK_PEERING": "kvpark-operator"})
+    args = get_kopf_args(config, 5)
+    assert "--peering=kvpark-operator" in args and "--standalone" not in args
+
+
+def test_resync_runs_on_the_working_replica_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    config = dataclasses.replace(handlers.CONFIG, peering="kvpark-operator", namespaces=())
+    monkeypatch.setattr(handlers, "CONFIG", config)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    status = {"a@x": {"priority": 5, "lifetime": 60, "lastseen": now.isoformat()},
+              "b@y": {"priority": 9, "lifetime": 60, "lastseen": now.isoformat()}}
+    asked: list[str] = []
+
+    def call(method: str, path: str, **_: object) -> dict:
+        asked.append(f"{method} {path}")
+        return {"status": status}
+
+    monkeypatch.setattr(kube, "call", call)
+    assert handlers.is_working(9) and not handlers.is_working(5)
+    assert asked[0] == "GET /apis/kopf.dev/v1/clusterkopfpeerings/kvpark-operator"
+
+    def refuse(method: str, path: str, **_: object) -> dict:
+        raise kube.ApiError(403, "forbidden")
+
+    monkeypatch.setattr(kube, "call", refuse)
+    assert not handlers.is_working(9)  # unsure: pause rather than write beside another
+    monkeypatch.setattr(handlers, "CONFIG", dataclasses.replace(config, peering=""))
+    assert handlers.is_working(0)  # standalone asks nothing
+
+
+def test_a_paused_replica_forgets_what_it_saw(monkeypatch: pytest.MonkeyPatch) -> None:
+    """kopf stops feeding a paused replica's watch: its bodies go stale, so the resync loop drops
+    them and reconciles nothing until kopf lists the PreemptServers again."""
+    import asyncio
+
+    memory = handlers.Memory()
+    memory.servers[("ns", "s")] = {"metadata": {"namespace": "ns", "name": "s"}}
+    monkeypatch.setattr(handlers, "MEMORY", memory)
+    reconciled: list[dict] = []
+    monkeypatch.setattr(handlers, "reconcile", reconciled.append)
+    rounds: list[int] = []
+
+    def is_working(priority: int) -> bool:
+        rounds.append(priority)
+        return len(rounds) > 1  # paused for the first round, working after
+
+    monkeypatch.setattr(handlers, "is_working", is_working)
+
+    async def run() -> None:
+        task = asyncio.create_task(handlers.resync_forever(0.01, 5))
+        while memory.servers:  # the paused round drops what it saw
+            await asyncio.sleep(0.005)
+        assert reconciled == []
+        memory.servers[("ns", "t")] = {"metadata": {"namespace": "ns", "name": "t"}}
+        while not reconciled:  # kopf listed again: the working rounds reconcile that
+            await asyncio.sleep(0.005)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(asyncio.wait_for(run(), 10))
+    assert reconciled[0]["metadata"]["name"] == "t"
+    assert all(b["metadata"]["name"] != "s" for b in reconciled)
+    assert set(rounds) == {5}  # asked with this replica's priority

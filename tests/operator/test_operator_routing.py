@@ -1,0 +1,201 @@
+"""Routing and dashboards: the InferencePool for a Gateway's endpoint picker, the metric names the
+picker and the Grafana dashboard read, checked against what pod/metrics.py exports.
+
+InferencePool belongs to CRDs that kubernetes-validate's official schemas lack: its fields are
+checked against a transcription of the upstream CRDs' required fields (v1alpha2 from
+config/crd/bases/inference.networking.x-k8s.io_inferencepools.yaml; v1 from the API reference),
+not against the CRDs themselves. The kmock RBAC scenario (test_operator_rbac.py) creates,
+changes and deletes a pool in each group."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import subprocess
+
+import jsonschema
+import kubernetes_validate.utils as kv
+import pytest
+import yaml
+from kmock_harness import REPO
+from test_operator_builders import build
+from test_operator_crd import all_errors, resource
+
+from kvpark.operator import builders
+
+V1, ALPHA = builders.INFERENCE_POOLS
+ROUTING = {"inferencePool": {"endpointPicker": {"name": "epp"}}}
+SELECTOR = {"app.kubernetes.io/name": "kvpark-server", "app.kubernetes.io/instance": "llm"}
+NAME = {"type": "string", "minLength": 1, "maxLength": 253}
+PORT = {"type": "integer", "minimum": 1, "maximum": 65535}
+FAILURE = {"enum": ["FailOpen", "FailClose"]}
+POOL_SPECS = {
+    "inference.networking.k8s.io/v1": {
+        "type": "object", "additionalProperties": False,
+        "required": ["selector", "targetPorts", "endpointPickerRef"],
+        "properties": {
+            "selector": {"type": "object", "additionalProperties": False,
+                         "required": ["matchLabels"],
+                         "properties": {"matchLabels": {"type": "object"}}},
+            "targetPorts": {"type": "array", "minItems": 1, "maxItems": 8, "items": {
+                "type": "object", "additionalProperties": False, "required": ["number"],
+                "properties": {"number": PORT}}},
+            "endpointPickerRef": {
+                "type": "object", "additionalProperties": False, "required": ["name"],
+                "properties": {"name": NAME, "kind": {"type": "string"}, "group": {},
+                               "failureMode": FAILURE, "port": {
+                                   "type": "object", "required": ["number"],
+                                   "properties": {"number": PORT}}}},
+        },
+    },
+    "inference.networking.x-k8s.io/v1alpha2": {
+        "type": "object", "additionalProperties": False,
+        "required": ["extensionRef", "selector", "targetPortNumber"],
+        "properties": {
+            "selector": {"type": "object", "additionalProperties": {"type": "string"}},
+            "targetPortNumber": PORT,
+            "extensionRef": {
+                "type": "object", "additionalProperties": False, "required": ["name"],
+                "properties": {"name": NAME, "kind": {"type": "string"}, "group": {},
+                               "failureMode": FAILURE, "portNumber": PORT}},
+        },
+    },
+}
+
+
+def pool_of(spec: dict, served: set[str]) -> tuple[dict | None, object]:
+    children = build(spec, served=served)[3]
+    pools = [c for c in children.apply if c["kind"] == "InferencePool"]
+    return (pools[0] if pools else None), children
+
+
+@pytest.mark.parametrize("served, api_version", [
+    ({V1, ALPHA}, "inference.networking.k8s.io/v1"),
+    ({ALPHA}, "inference.networking.x-k8s.io/v1alpha2"),
+])
+def test_pool_selects_the_servers_pods(served: set[str], api_version: str) -> None:
+    pool, children = pool_of({"routing": ROUTING}, served)
+    assert pool["apiVersion"] == api_version
+    assert pool["metadata"]["ownerReferences"][0]["kind"] == "PreemptServer"
+    jsonschema.validate(pool["spec"], POOL_SPECS[api_version])
+    spec = pool["spec"]
+    if api_version.endswith("/v1"):
+        assert spec["selector"] == {"matchLabels": SELECTOR}
+        assert spec["targetPorts"] == [{"number": builders.PORT}]
+        assert spec["endpointPickerRef"] == {"name": "epp", "kind": "Service",
+                                             "port": {"number": 9002},
+                                             "failureMode": "FailClose"}
+    else:
+        assert (spec["selector"], spec["targetPortNumber"]) == (SELECTOR, builders.PORT)
+        assert spec["extensionRef"] == {"name": "epp", "kind": "Service", "portNumber": 9002,
+                                        "failureMode": "FailClose"}
+    assert children.problems == []
+    # the Service selects the same pods
+    service = next(c for c in children.apply if c["kind"] == "Service")
+    assert service["spec"]["selector"] == SELECTOR
+
+
+def test_no_pool_without_routing_or_without_the_crds() -> None:
+    pool, children = pool_of({}, {V1, ALPHA})
+    assert pool is None
+    assert ("inference.networking.k8s.io/v1", "InferencePool", "llm") in children.delete
+    pool, children = pool_of({"routing": ROUTING}, set())
+    assert pool is None
+    (problem,) = children.problems
+    assert (problem.reason, problem.blocking) == ("InferencePoolUnavailable", False)
+    assert not any(kind == "InferencePool" for _, kind, _ in children.delete)
+
+
+def test_routing_schema() -> None:
+    assert all_errors(resource({"routing": ROUTING})) == set()
+    assert all_errors(resource({"routing": {"inferencePool": {"endpointPicker": {
+        "name": "epp", "port": 9003, "failureMode": "FailOpen"}}}})) == set()
+    assert all_errors(resource({"routing": {"inferencePool": {}}})) == {
+        "spec.routing.inferencePool: required"}
+    assert all_errors(resource({"routing": {"inferencePool": {"endpointPicker": {
+        "name": "epp", "failureMode": "Maybe"}}}})) == {
+        "spec.routing.inferencePool.endpointPicker.failureMode: enum"}
+
+
+def exported_metrics() -> set[str]:
+    """Every series name pod/metrics.py exposes, as Prometheus scrapes them."""
+    tree = ast.parse((REPO / "pod" / "metrics.py").read_text())
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and node.args
+                and isinstance(node.args[0], ast.Constant)):
+            continue
+        func = node.func.id if isinstance(node.func, ast.Name) else ""
+        name = str(node.args[0].value)
+        if func == "_gauge":
+            names.add(f"kvpark:{name}")
+        elif func == "_counter":
+            names.add(f"kvpark:{name}_total")
+        elif func == "Counter":
+            names |= {f"{name}_total", f"{name}_created"}
+        elif func == "Histogram":
+            names |= {f"{name}_bucket", f"{name}_sum", f"{name}_count", f"{name}_created"}
+    return names
+
+
+def test_metric_names_are_read_from_the_server() -> None:
+    names = exported_metrics()
+    assert {"kvpark:requests_deferred", "kvpark:kv_cache_usage_ratio",
+            "kvpark:n_preempt_total", "kvpark:preempt_park_seconds_bucket"} <= names
+    assert all(s.promql.split("(")[-1].split("{")[0] in names
+               for s in builders.SIGNALS.values())
+
+
+DASHBOARD = REPO / "charts" / "kvpark" / "dashboards" / "kvpark-preemption.json"
+
+
+def dashboard_exprs(dashboard: dict) -> list[str]:
+    return [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])] + [
+        v["definition"] for v in dashboard["templating"]["list"] if "definition" in v]
+
+
+def test_dashboard_names_only_exported_metrics() -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = dashboard_exprs(dashboard)
+    assert len(exprs) >= 10
+    names = exported_metrics()
+    used = {m for e in exprs for m in re.findall(r"kvpark:[a-z_]+", e)}
+    assert used - names == set(), "the dashboard asks for series the server does not export"
+    # what the issue asks to see
+    for wanted in ("kvpark:n_preempt_swap_total", "kvpark:n_preempt_recompute_total",
+                   "kvpark:requests_preempted", "kvpark:preempt_ram_bytes",
+                   "kvpark:preempt_ram_budget_bytes", "kvpark:kv_cache_usage_ratio",
+                   "kvpark:requests_deferred"):
+        assert wanted in used
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+    # one server by the PodMonitor's podTargetLabels
+    assert all('app_kubernetes_io_instance=~"$instance"' in t["expr"]
+               for p in dashboard["panels"] for t in p["targets"])
+
+
+def test_dashboard_promql_is_balanced() -> None:
+    """No PromQL parser here: at least brackets and quotes pair up."""
+    for expr in dashboard_exprs(json.loads(DASHBOARD.read_text())):
+        for open_, close in ("()", "{}", "[]"):
+            assert expr.count(open_) == expr.count(close), expr
+        assert expr.count('"') % 2 == 0, expr
+
+
+def test_chart_ships_the_dashboard(helm: str) -> None:
+    def render(*args: str) -> list[dict]:
+        out = subprocess.run([helm, "template", "kvpark", str(REPO / "charts" / "kvpark"),
+                              "--namespace", "kvpark-system", *args],
+                             check=True, capture_output=True, text=True).stdout
+        return [d for d in yaml.safe_load_all(out) if d and d["kind"] == "ConfigMap"]
+
+    assert render() == []
+    (config_map,) = render("--set", "dashboards.enabled=true",
+                           "--set", "dashboards.namespace=monitoring")
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert config_map["metadata"]["namespace"] == "monitoring"
+    assert json.loads(config_map["data"]["kvpark-preemption.json"]) == \
+        json.loads(DASHBOARD.read_text())
+    for version in ("1.29", "1.33"):
+        kv.validate(config_map, version, strict=True)
