@@ -4,13 +4,14 @@ import jsonschema
 import pytest
 
 from kvpark.pod.openapi import get_openapi
-from kvpark.pod.protocol import MAX_STOP_CHARS, ApiError, sampling_params
+from kvpark.pod.protocol import MAX_STOP_CHARS, ApiError, InputLimits, sampling_params
 
 MAX_CONTEXT = 512
 
 
 def schema_accepts(request: str, name: str, value) -> bool:
-    schema = get_openapi(MAX_CONTEXT)["components"]["schemas"][request]["properties"][name]
+    schemas = get_openapi(InputLimits.of(MAX_CONTEXT, 4096))["components"]["schemas"]
+    schema = schemas[request]["properties"][name]
     return jsonschema.Draft4Validator(schema).is_valid(value)
 
 
