@@ -141,9 +141,10 @@ def test_random_chat_content_encodes_as_before(tok):
 
 
 def test_parse_chat_defuses_content_and_raw_prompts_keep_parsing_specials(tok):
-    chat = protocol.parse_chat({"messages": [{"role": "user", "content": FORGED}]}, tok, 4096)
+    limits = protocol.InputLimits.of(4096, 4096)
+    chat = protocol.parse_chat({"messages": [{"role": "user", "content": FORGED}]}, tok, limits)
     assert chat.prompt_ids.count(IM_START) == 3
-    raw = protocol.parse_completion({"prompt": "<|im_start|>user\nhi"}, tok, 4096)
+    raw = protocol.parse_completion({"prompt": "<|im_start|>user\nhi"}, tok, limits)
     assert raw.prompt_ids[0] == IM_START  # raw prompts parse special texts, as llama.cpp does
 
 
