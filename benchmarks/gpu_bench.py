@@ -370,7 +370,7 @@ class ChatRecorder:
         self.resumed_at: dict[int, tuple[str, float]] = {}
         self.resume_latency: dict[str, list[float]] = {"swap": [], "recompute": []}
 
-    def on_event(self, seq: Sequence, kind: str, token: int | None) -> bool:
+    def on_event(self, seq: Sequence, kind: str, text: str) -> None:
         now = time.perf_counter()
         if kind == "resumed":
             self.resumed_at[seq.seq_id] = (seq.parking.mode.value, now)
@@ -381,7 +381,6 @@ class ChatRecorder:
             self.remaining -= 1
             if self.remaining == 0:
                 self.done.set()
-        return False
 
 
 def chat_budgets(pool: KVPool, cfg: BenchConfig) -> list[tuple[str, int]]:

@@ -1,7 +1,8 @@
 """Starlette routes: OpenAI chat/completions, llama.cpp /completion, /health, /slots, /metrics.
 
-The engine runs on its own thread; each request gets a `RequestStream` that carries its
-sequences' events from that thread into asyncio.
+Routes, admission and the server's lifecycle. The engine runs on its own thread and is reached
+through its facade only (`engine.py`); `bridge.py` carries a request's events from that thread
+into asyncio, `formats.py` shapes them for each API, `protocol.py` reads requests.
 """
 
 from __future__ import annotations
@@ -13,134 +14,34 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import Message
 
 from . import protocol
 from .args import ServerArgs
-from .model.tokenizer import Tokenizer
+from .bridge import RequestStream, SSEResponse, StreamEvent, wait_disconnect
+from .formats import failure, get_format
 from .openapi import get_openapi
 from .protocol import ApiError, GenerationRequest, InputLimits
-from .sampling import make_generator
 from .scheduler import CONTEXT_EXCEEDED
 from .server import ServingStack, build_stack
-from .slot import Sequence
-from .text_output import TextOutput
+from .slot import FinishReason, SlotView
 
 log = logging.getLogger("kvpark.api")
 
 OPEN_PATHS = {"/health", "/metrics", "/openapi.json"}
 DRAIN_GRACE_SECONDS = 5.0  # after the shutdown timeout: for the final error events to go out
 SHUT_DOWN = "the server shut down before this request finished"
-NOTICES = {"parked": "preempted", "resumed": "resumed", "recomputed": "recomputed",
-           "keepalive": "keepalive"}
-
-
-@dataclass
-class Event:
-    kind: str  # "text", "parked", "resumed", "finished"
-    index: int
-    text: str = ""
-
-
-@dataclass
-class RequestStream:
-    """One request's sequences, seen from asyncio."""
-
-    loop: asyncio.AbstractEventLoop
-    tokenizer: Tokenizer
-    request: GenerationRequest
-    request_id: str
-    seqs: list[Sequence] = field(default_factory=list)
-    queue: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
-    outputs: list[TextOutput] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        params = self.request.params
-        self.outputs = [TextOutput(self.tokenizer, params.stop) for _ in range(params.n)]
-        for index in range(params.n):
-            seed = None if params.seed is None else params.seed + index
-            self.seqs.append(Sequence(
-                request_id=self.request_id if params.n == 1 else f"{self.request_id}/{index}",
-                prompt_ids=list(self.request.prompt_ids),
-                params=params,
-                generator=make_generator(seed),
-                on_event=self.on_event,
-                index=index,
-                family_size=params.n,
-                priority=self.request.priority,
-            ))
-
-    # engine thread
-    def on_event(self, seq: Sequence, kind: str, token: int | None) -> bool | None:
-        output = self.outputs[seq.index]
-        if kind == "token":
-            assert token is not None
-            self._put(Event("text", seq.index, output.push(token)))
-            return output.stopped
-        if kind == "finished" and seq.error is None:
-            self._put(Event("text", seq.index, output.finish()))
-        self._put(Event(kind, seq.index))
-        return None
-
-    def _put(self, event: Event) -> None:
-        if event.kind != "text" or event.text:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
-
-    # asyncio side
-    async def events(self, keepalive: float | None = None) -> AsyncIterator[Event]:
-        """The sequences' events until all finished; a "keepalive" event every `keepalive`
-        seconds of silence while one of them is parked."""
-        remaining = len(self.seqs)
-        while remaining:
-            parked = keepalive and any(s.is_parked for s in self.seqs)
-            try:
-                event = await asyncio.wait_for(self.queue.get(), keepalive if parked else None)
-            except asyncio.TimeoutError:  # noqa: UP041 (a distinct class before Python 3.11)
-                yield Event("keepalive", -1)
-                continue
-            if event.kind == "finished":
-                remaining -= 1
-            yield event
-
-    def preempt_summary(self) -> dict[str, int]:
-        return {"parks": sum(s.parking.n_preempt for s in self.seqs),
-                "recomputes": sum(s.parking.n_recompute for s in self.seqs)}
-
-    def text(self, index: int) -> str:
-        return self.outputs[index].text
-
-
-class SSEResponse(StreamingResponse):
-    """Always listens for the client going away, even while nothing is being sent (a parked
-    stream sends nothing for a while, and a disconnect must still free its slot). `on_close`
-    runs when the response has ended, however it ended."""
-
-    on_close: Callable[[], None] = staticmethod(lambda: None)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        stream = asyncio.ensure_future(self.stream_response(send))
-        watcher = asyncio.ensure_future(self.listen_for_disconnect(receive))
-        try:
-            await asyncio.wait({stream, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (stream, watcher):
-                task.cancel()
-            try:
-                with contextlib.suppress(asyncio.CancelledError, OSError):
-                    await stream
-                    await watcher
-            finally:
-                self.on_close()
+NOTICES = {StreamEvent.PARKED: "preempted", StreamEvent.RESUMED: "resumed",
+           StreamEvent.RECOMPUTED: "recomputed", StreamEvent.KEEPALIVE: "keepalive"}
 
 
 def has_key(request: Request, key: str) -> bool:
@@ -156,39 +57,6 @@ def error_response(exc: ApiError) -> JSONResponse:
 def sse(payload: dict[str, Any] | str) -> str:
     data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
     return f"data: {data}\n\n"
-
-
-def usage(seqs: list[Sequence]) -> dict[str, Any]:
-    completion = sum(s.num_generated for s in seqs)
-    prompt = seqs[0].num_prompt
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": seqs[0].num_cached}}
-
-
-def timings(seq: Sequence) -> dict[str, float]:
-    """llama.cpp's timings: the prompt as sent (recompute replays are not in here); cache_n of
-    its tokens came from the prefix cache (prompt_n still counts them, unlike llama.cpp)."""
-    prompt_ms = seq.prompt_seconds * 1e3
-    end = seq.finished_at or time.monotonic()
-    predicted_ms = (end - seq.first_token_at) * 1e3 if seq.first_token_at else 0.0
-    n = seq.num_generated
-    return {
-        "cache_n": seq.num_cached,
-        "prompt_n": seq.num_prompt,
-        "prompt_ms": prompt_ms,
-        "prompt_per_token_ms": prompt_ms / max(1, seq.num_prompt),
-        "prompt_per_second": seq.num_prompt / (prompt_ms / 1e3) if prompt_ms else 0.0,
-        "predicted_n": n,
-        "predicted_ms": predicted_ms,
-        "predicted_per_token_ms": predicted_ms / max(1, n),
-        "predicted_per_second": n / (predicted_ms / 1e3) if predicted_ms else 0.0,
-    }
-
-
-def seq_error(seq: Sequence) -> ApiError:
-    kind = "invalid_request_error" if seq.error_status < 500 else "server_error"
-    return ApiError(seq.error_status, seq.error or "unknown error", error_type=kind)
 
 
 class Server:
@@ -288,7 +156,7 @@ class Server:
         self.aborting = True  # read on the loop before a submit: none slips past abort_all
         if self.loop is not None:
             self.loop.call_soon_threadsafe(self.aborted.set)
-        self.stack.engine.call_soon(lambda: self.stack.scheduler.abort_all(SHUT_DOWN, status=503))
+        self.stack.engine.abort_all(FinishReason.SHUTDOWN, SHUT_DOWN)
         grace = time.monotonic() + DRAIN_GRACE_SECONDS
         while self.busy and time.monotonic() < grace:
             time.sleep(poll)
@@ -315,49 +183,31 @@ class Server:
     async def slots(self, request: Request) -> Response:
         self.check_auth(request)
         stack = self.ready_stack()
-        scheduler = stack.scheduler
-        share = scheduler.pool.capacity_tokens // len(scheduler.slots)
-        return JSONResponse([slot_entry(i, seq, share) for i, seq in enumerate(scheduler.slots)])
+        share = slot_share(stack)
+        return JSONResponse([slot_entry(i, view, share)
+                             for i, view in enumerate(stack.engine.snapshot())])
 
     async def slot_action(self, request: Request) -> Response:
         """POST /slots/{id}?action=park|unpark: park by the normal mode decision, or resume."""
         self.check_admin(request)
         stack = self.ready_stack()
-        slots = stack.scheduler.slots
+        num_slots = stack.engine.capacity.num_slots
         try:
             slot_id = int(request.path_params["slot_id"])
         except ValueError:
             raise ApiError(404, "no such slot", param="id") from None
-        if not 0 <= slot_id < len(slots):
+        if not 0 <= slot_id < num_slots:
             raise ApiError(404, f"no slot {protocol.clip(str(slot_id))}: there are "
-                           f"{len(slots)}", param="id")
+                           f"{num_slots}", param="id")
         action = request.query_params.get("action")
         if action not in ("park", "unpark"):
             raise ApiError(400, "'action': expected park or unpark", param="action")
-        done: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
-        loop = asyncio.get_running_loop()
-
-        def act() -> None:  # on the engine thread
-            seq = slots[slot_id]
-            problem = None
-            if seq is None:
-                problem = f"slot {slot_id} is idle"
-            elif action == "park" and seq.is_parked and seq.parking.manual:
-                problem = f"slot {slot_id} is already parked"
-            elif action == "unpark" and not seq.parking.manual:
-                problem = f"slot {slot_id} was not parked by hand"
-            elif action == "park":
-                stack.scheduler.park_manually(seq)
-            else:
-                stack.scheduler.unpark(seq)
-            loop.call_soon_threadsafe(done.set_result, problem)
-
-        stack.engine.call_soon(act)
-        problem = await done
+        act = stack.engine.park_slot if action == "park" else stack.engine.unpark_slot
+        problem = await asyncio.wrap_future(act(slot_id))
         if problem:
             raise ApiError(409, problem, param="id", error_type="conflict")
-        share = stack.scheduler.pool.capacity_tokens // len(slots)
-        return JSONResponse(slot_entry(slot_id, slots[slot_id], share))
+        return JSONResponse(slot_entry(slot_id, stack.engine.snapshot()[slot_id],
+                                       slot_share(stack)))
 
     async def generate(self, request: Request) -> Response:
         kind = request.scope["route_kind"]
@@ -411,7 +261,8 @@ class Server:
 
     def check_fits(self, stack: ServingStack, gen: GenerationRequest) -> None:
         """Refuse up front what could never finish, even alone in the pool (as vLLM does)."""
-        capacity = stack.scheduler.pool.capacity_tokens
+        room = stack.engine.capacity
+        capacity = room.tokens
         limit = min(capacity, stack.max_context)
         prompt = len(gen.prompt_ids)
         if prompt + 1 > limit:
@@ -426,10 +277,9 @@ class Server:
                            param=name[gen.kind])
         # the n sequences are never parked, so as many as get a slot at once must fit the pool
         # together (an upper bound: with the prefix cache they share the prompt's full pages)
-        pool = stack.scheduler.pool
-        together = min(gen.params.n, len(stack.scheduler.slots))
+        together = min(gen.params.n, room.num_slots)
         each = prompt + (max_tokens or 1)
-        if together > 1 and together * pool.pages_for(each) > pool.num_pages:
+        if together > 1 and together * room.pages_for(each) > room.num_pages:
             raise ApiError(400, f"'n': {together} sequences run side by side here, each up to "
                            f"{each} tokens ({prompt} prompt + {max_tokens or 1} to generate); "
                            f"together they exceed the {capacity}-token pool",
@@ -437,7 +287,7 @@ class Server:
 
     async def complete(self, request: Request, stack: ServingStack,
                        stream: RequestStream) -> Response:
-        done = asyncio.ensure_future(_drain(stream))
+        done = asyncio.ensure_future(stream.wait_finished())
         gone = asyncio.ensure_future(wait_disconnect(request))
         await asyncio.wait({done, gone}, return_when=asyncio.FIRST_COMPLETED)
         if not done.done():
@@ -446,14 +296,14 @@ class Server:
                 stack.engine.cancel(seq)
             return Response(status_code=499)
         gone.cancel()
-        errors = [seq for seq in stream.seqs if seq.error]
-        if errors:
-            return error_response(seq_error(errors[0]))
-        return JSONResponse(final_body(stack, stream))
+        failed = [seq for seq in stream.seqs if seq.failed]
+        if failed:
+            return error_response(failure(failed[0]))
+        return JSONResponse(get_format(stack.model_name, stream).body())
 
     async def stream_events(self, stack: ServingStack, stream: RequestStream
                             ) -> AsyncIterator[str]:
-        fmt = ChunkFormatter(stack.model_name, stream)
+        fmt = get_format(stack.model_name, stream)
         finished = 0
         opened = False
         try:
@@ -465,17 +315,17 @@ class Server:
                     opened = True
                     yield from_lines(fmt.opening())
                 seq = stream.seqs[event.index]
-                if event.kind == "text":
+                if event.kind is StreamEvent.TEXT:
                     yield sse(fmt.text(event.index, event.text))
-                elif event.kind == "finished":
+                elif event.kind is StreamEvent.FINISHED:
                     finished += 1
-                    if seq.error:
-                        yield sse(seq_error(seq).body())
+                    if seq.failed:
+                        yield sse(failure(seq).body())
                     else:
                         yield sse(fmt.finish(seq))
             if fmt.include_usage:
                 yield sse(fmt.usage())
-            if stream.request.kind != "llama":
+            if fmt.ends_with_done:
                 yield sse("[DONE]")
         finally:
             if finished < len(stream.seqs):  # the client went away: free slot, pages, host RAM
@@ -485,18 +335,6 @@ class Server:
 
 def from_lines(payloads: list[dict[str, Any]]) -> str:
     return "".join(sse(p) for p in payloads)
-
-
-async def _drain(stream: RequestStream) -> None:
-    async for _ in stream.events():
-        pass
-
-
-async def wait_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
 async def read_body(request: Request, limit: int, timeout: float,
@@ -540,117 +378,24 @@ async def next_message(request: Request, timeout: float, aborted: asyncio.Event)
                    param="body", error_type="timeout", headers=close)
 
 
-def slot_entry(slot_id: int, seq: Sequence | None, share: int) -> dict[str, Any]:
-    entry: dict[str, Any] = {"id": slot_id, "n_ctx": share, "is_processing": seq is not None,
+def slot_share(stack: ServingStack) -> int:
+    capacity = stack.engine.capacity
+    return capacity.tokens // capacity.num_slots
+
+
+def slot_entry(slot_id: int, view: SlotView | None, share: int) -> dict[str, Any]:
+    entry: dict[str, Any] = {"id": slot_id, "n_ctx": share, "is_processing": view is not None,
                              "is_preempted": False, "n_preempt": 0, "n_recompute": 0,
                              "preempt_mode": None, "task": None, "n_tokens": 0,
                              "n_prompt_tokens": 0, "n_generated": 0, "priority": 0,
                              "preempt_manual": False}
-    if seq is not None:
+    if view is not None:
         entry.update(
-            is_preempted=seq.is_parked,
-            n_preempt=seq.parking.n_preempt,
-            n_recompute=seq.parking.n_recompute,
-            preempt_mode=seq.parking.mode.value if seq.parking.mode else None,
-            task=seq.request_id,
-            n_tokens=seq.num_computed,
-            n_prompt_tokens=seq.num_prompt,
-            n_generated=seq.num_generated,
-            priority=seq.priority,
-            preempt_manual=seq.parking.manual,
-            phase=("parked" if seq.is_parked else "replay" if seq.is_replaying
-                   else "prompt" if seq.in_prompt else "generating"),
-        )
+            is_preempted=view.parked, n_preempt=view.n_preempt, n_recompute=view.n_recompute,
+            preempt_mode=view.preempt_mode, task=view.request_id, n_tokens=view.num_computed,
+            n_prompt_tokens=view.num_prompt, n_generated=view.num_generated,
+            priority=view.priority, preempt_manual=view.manual, phase=view.phase)
     return entry
-
-
-def final_body(stack: ServingStack, stream: RequestStream) -> dict[str, Any]:
-    gen, seqs = stream.request, stream.seqs
-    created = int(time.time())
-    if gen.kind == "llama":
-        seq = seqs[0]
-        body = {"content": stream.text(0), "model": stack.model_name, "stop": True,
-                "stop_type": llama_stop_type(seq, stream.outputs[0].stopped),
-                "tokens_predicted": seq.num_generated,
-                "tokens_evaluated": seq.num_prompt, "timings": timings(seq),
-                "id_slot": seq.slot_id}
-        if gen.return_tokens:
-            body["tokens"] = seq.generated_ids
-        body["preempt"] = stream.preempt_summary()
-        return body
-    if gen.kind == "chat":
-        choices = [{"index": s.index, "message": {"role": "assistant",
-                                                  "content": stream.text(s.index)},
-                    "logprobs": None, "finish_reason": s.finish_reason} for s in seqs]
-        obj = "chat.completion"
-    else:
-        choices = [{"index": s.index, "text": stream.text(s.index), "logprobs": None,
-                    "finish_reason": s.finish_reason} for s in seqs]
-        obj = "text_completion"
-    return {"id": stream.request_id, "object": obj, "created": created,
-            "model": stack.model_name, "choices": choices, "usage": usage(seqs),
-            "timings": timings(seqs[0]), "preempt": stream.preempt_summary()}
-
-
-def llama_stop_type(seq: Sequence, stopped_on_word: bool) -> str:
-    """llama.cpp's stop_type: a stop string matched ("word"), the length limit, or EOS."""
-    if seq.finish_reason == "length":
-        return "limit"
-    return "word" if stopped_on_word else "eos"
-
-
-@dataclass
-class ChunkFormatter:
-    model: str
-    stream: RequestStream
-
-    @property
-    def include_usage(self) -> bool:
-        return self.stream.request.include_usage
-
-    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        kind = self.stream.request.kind
-        chunk = {"id": self.stream.request_id,
-                 "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
-                 "created": int(time.time()), "model": self.model, "choices": choices}
-        if self.include_usage:
-            chunk["usage"] = None
-        return chunk
-
-    def opening(self) -> list[dict[str, Any]]:
-        if self.stream.request.kind != "chat":
-            return []
-        return [self._chunk([{"index": s.index, "delta": {"role": "assistant", "content": ""},
-                              "logprobs": None, "finish_reason": None}
-                             for s in self.stream.seqs])]
-
-    def text(self, index: int, text: str) -> dict[str, Any]:
-        kind = self.stream.request.kind
-        if kind == "llama":
-            return {"content": text, "stop": False, "index": index}
-        if kind == "chat":
-            return self._chunk([{"index": index, "delta": {"content": text}, "logprobs": None,
-                                 "finish_reason": None}])
-        return self._chunk([{"index": index, "text": text, "logprobs": None,
-                             "finish_reason": None}])
-
-    def finish(self, seq: Sequence) -> dict[str, Any]:
-        kind = self.stream.request.kind
-        if kind == "llama":
-            return {"content": "", "stop": True, "index": seq.index, "model": self.model,
-                    "stop_type": llama_stop_type(seq, self.stream.outputs[seq.index].stopped),
-                    "tokens_predicted": seq.num_generated,
-                    "tokens_evaluated": seq.num_prompt, "timings": timings(seq)}
-        if kind == "chat":
-            return self._chunk([{"index": seq.index, "delta": {}, "logprobs": None,
-                                 "finish_reason": seq.finish_reason}])
-        return self._chunk([{"index": seq.index, "text": "", "logprobs": None,
-                             "finish_reason": seq.finish_reason}])
-
-    def usage(self) -> dict[str, Any]:
-        chunk = self._chunk([])
-        chunk["usage"] = usage(self.stream.seqs)
-        return chunk
 
 
 def create_app(args: ServerArgs, stack: ServingStack | None = None) -> Starlette:

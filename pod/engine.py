@@ -1,34 +1,57 @@
 """The step loop, in its own thread: schedule -> run -> postprocess, and nothing else.
 
-The HTTP side submits and cancels sequences through thread-safe calls; everything that touches
-the pool, the scheduler or the model happens on this thread.
+The HTTP side talks to this facade only: `submit`, `cancel`, `park_slot`, `unpark_slot`,
+`abort_all`, `snapshot`. Everything that changes the pool, the scheduler or the model happens
+on the engine thread, holding `lock` except while the model runs; other threads read scheduler
+state only under `lock` (`snapshot`, `busy`, the metrics collector).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from .runner import ModelRunner
 from .scheduler import ScheduledSeq, Scheduler
-from .slot import Sequence
+from .slot import FinishReason, Phase, SeqEvent, Sequence, SlotView
 
 log = logging.getLogger("kvpark.engine")
 
 IDLE_POLL_SECONDS = 0.05  # parked work waiting on nothing new is re-checked this often
 
 
+@dataclass(frozen=True)
+class Capacity:
+    """What the pool and the slots can hold (fixed at start)."""
+
+    num_slots: int
+    num_pages: int
+    page_size: int
+
+    @property
+    def tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+
 class Engine:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, eos_token_ids: frozenset[int],
-                 on_step: Callable[[list[ScheduledSeq], float], None] = lambda plan, s: None
-                 ) -> None:
+                 on_step: Callable[[list[ScheduledSeq], float], None] = lambda plan, s: None,
+                 lock: threading.RLock | None = None) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.eos_token_ids = eos_token_ids
         self.on_step = on_step
-        self._cond = threading.Condition()
+        pool = scheduler.pool
+        self.capacity = Capacity(scheduler.config.num_slots, pool.num_pages, pool.page_size)
+        self.lock = lock or threading.RLock()
+        self._cond = threading.Condition(self.lock)
         self._incoming: list[Sequence] = []
         self._cancels: list[Sequence] = []
         self._calls: list[Callable[[], None]] = []
@@ -39,15 +62,23 @@ class Engine:
     @property
     def num_queued(self) -> int:
         """Sequences waiting for a slot (submitted but not yet admitted)."""
-        return len(self._incoming) + len(self.scheduler.waiting)
+        with self.lock:
+            return len(self._incoming) + len(self.scheduler.waiting)
 
     @property
     def num_unfinished(self) -> int:
-        return self.num_queued + len(self.scheduler.active)
+        with self.lock:
+            return self.num_queued + len(self.scheduler.active)
 
     @property
     def busy(self) -> bool:
-        return self.num_unfinished > 0 or self._has_input()
+        with self.lock:
+            return self.num_unfinished > 0 or self._has_input()
+
+    def snapshot(self) -> list[SlotView | None]:
+        """Each slot's state, read in one piece."""
+        with self.lock:
+            return [None if seq is None else SlotView.of(seq) for seq in self.scheduler.slots]
 
     def start(self) -> None:
         self._thread.start()
@@ -70,10 +101,44 @@ class Engine:
             self._cond.notify()
 
     def call_soon(self, fn: Callable[[], None]) -> None:
-        """Run `fn` on the engine thread before the next step (for /slots actions)."""
+        """Run `fn` on the engine thread before the next step."""
         with self._cond:
             self._calls.append(fn)
             self._cond.notify()
+
+    def abort_all(self, reason: FinishReason, error: str) -> None:
+        """End every queued, running and parked sequence (shutdown)."""
+        self.call_soon(lambda: self.scheduler.abort_all(reason, error))
+
+    def park_slot(self, slot_id: int) -> concurrent.futures.Future[str | None]:
+        """POST /slots/{id}?action=park; the future holds why not, or None."""
+        return self._on_slot(slot_id, self._park_slot)
+
+    def unpark_slot(self, slot_id: int) -> concurrent.futures.Future[str | None]:
+        return self._on_slot(slot_id, self._unpark_slot)
+
+    def _on_slot(self, slot_id: int, action: Callable[[int, Sequence], str | None]
+                 ) -> concurrent.futures.Future[str | None]:
+        done: concurrent.futures.Future[str | None] = concurrent.futures.Future()
+
+        def act() -> None:  # on the engine thread
+            seq = self.scheduler.slots[slot_id]
+            done.set_result(f"slot {slot_id} is idle" if seq is None else action(slot_id, seq))
+
+        self.call_soon(act)
+        return done
+
+    def _park_slot(self, slot_id: int, seq: Sequence) -> str | None:
+        if seq.phase is Phase.PARKED and seq.parking.manual:
+            return f"slot {slot_id} is already parked"
+        self.scheduler.park_manually(seq)
+        return None
+
+    def _unpark_slot(self, slot_id: int, seq: Sequence) -> str | None:
+        if not seq.parking.manual:
+            return f"slot {slot_id} was not parked by hand"
+        self.scheduler.unpark(seq)
+        return None
 
     # ---- the engine thread --------------------------------------------------------------------
     def _loop(self) -> None:
@@ -85,20 +150,17 @@ class Engine:
                     self._cond.wait()
                 if self._stopping:
                     return
-                incoming, self._incoming = self._incoming, []
-                cancels, self._cancels = self._cancels, []
-                calls, self._calls = self._calls, []
-            for seq in incoming:
-                self.scheduler.add(seq)
-            for seq in cancels:
-                self.scheduler.finish(seq, reason="cancelled")
+                calls = self._take_input()
             try:
                 for fn in calls:
-                    fn()
+                    with self.lock:
+                        fn()
                 stepped = self.step()
             except Exception:  # a scheduler bug must not leave every client hanging
                 log.exception("engine step failed; ending the requests it held")
-                self.scheduler.abort_all("internal error in the engine", status=500)
+                with self.lock:
+                    self.scheduler.abort_all(FinishReason.ENGINE_ERROR,
+                                             "internal error in the engine")
                 stepped = True
             if not stepped:
                 with self._cond:
@@ -108,13 +170,27 @@ class Engine:
     def _has_input(self) -> bool:
         return bool(self._incoming or self._cancels or self._calls)
 
+    def _take_input(self) -> list[Callable[[], None]]:
+        """Hand submissions and cancels to the scheduler (under the lock: a sequence is never
+        in neither place, so `busy` cannot read False in between); return the calls."""
+        incoming, self._incoming = self._incoming, []
+        cancels, self._cancels = self._cancels, []
+        calls, self._calls = self._calls, []
+        for seq in incoming:
+            self.scheduler.add(seq)
+        for seq in cancels:
+            self.scheduler.finish(seq, FinishReason.CANCELLED)
+        return calls
+
     def step(self) -> bool:
-        """One schedule -> run -> postprocess round; False when there was nothing to run."""
-        plan = self.scheduler.schedule()
-        if not plan:
-            if self.scheduler.swapper.num_in_flight:  # only copies in flight: wait for them
+        """One schedule -> run -> postprocess round; False when there was nothing to run.
+        The model runs without the lock: it only reads the plan's pages."""
+        with self.lock:
+            plan = self.scheduler.schedule()
+            if not plan and self.scheduler.swapper.num_in_flight:  # only copies in flight
                 self.scheduler.wait_for_copies()
                 return True
+        if not plan:
             return False
         started = time.perf_counter()
         try:
@@ -123,9 +199,10 @@ class Engine:
             log.exception("step of %d sequences failed; retrying them one by one", len(plan))
             plan, sampled = self._isolate_failure(plan)
         seconds = time.perf_counter() - started
-        for item, token in zip(plan, sampled):
-            self._postprocess(item, token, seconds)
-        self.on_step(plan, seconds)
+        with self.lock:
+            for item, token in zip(plan, sampled):
+                self._postprocess(item, token, seconds)
+            self.on_step(plan, seconds)
         return True
 
     def _isolate_failure(self, plan: list[ScheduledSeq]
@@ -142,7 +219,9 @@ class Engine:
                 sampled.extend(self.runner.run([item]))
             except Exception as exc:
                 log.exception("request %s failed", item.seq.request_id)
-                self.scheduler.finish(item.seq, error=f"internal error: {exc}")
+                with self.lock:
+                    self.scheduler.finish(item.seq, FinishReason.ENGINE_ERROR,
+                                          f"internal error: {exc}")
                 continue
             survivors.append(item)
         return survivors, sampled
@@ -158,12 +237,19 @@ class Engine:
             return
         if seq.first_token_at is None:
             seq.first_token_at = time.monotonic()
-        if token in self.eos_token_ids and not seq.params.ignore_eos:
-            self.scheduler.finish(seq, reason="stop")
-            return
-        if seq.on_event(seq, "token", token):
-            self.scheduler.finish(seq, reason="stop")
-        elif seq.params.max_tokens is not None and seq.num_generated >= seq.params.max_tokens:
-            self.scheduler.finish(seq, reason="length")
-        elif len(seq.tokens) >= self.scheduler.config.max_context:
-            self.scheduler.finish(seq, reason="length")
+        is_eos = token in self.eos_token_ids and not seq.params.ignore_eos
+        if not is_eos:  # EOS ends the text; it is not part of it
+            seq.on_event(seq, SeqEvent.TOKEN, seq.output.push(token) if seq.output else "")
+        reason = self.finish_reason(seq, is_eos)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+
+    def finish_reason(self, seq: Sequence, is_eos: bool) -> FinishReason | None:
+        """The one place that decides whether a sampled token ends its sequence."""
+        if is_eos or (seq.output is not None and seq.output.stopped):
+            return FinishReason.STOP
+        if seq.params.max_tokens is not None and seq.num_generated >= seq.params.max_tokens:
+            return FinishReason.LENGTH
+        if len(seq.tokens) >= self.scheduler.config.max_context:
+            return FinishReason.LENGTH
+        return None

@@ -6,6 +6,7 @@ scrape time by a collector; per-request and per-step facts are observed as they 
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 
@@ -23,10 +24,18 @@ PARKS_BUCKETS = (0, 1, 2, 3, 5, 8, 13, 21, 50)
 
 
 class SchedulerCollector(Collector):
-    def __init__(self, scheduler: Scheduler) -> None:
+    """Reads the scheduler's state at scrape time, on the engine's lock (one consistent read)."""
+
+    def __init__(self, scheduler: Scheduler, lock: threading.RLock) -> None:
         self.scheduler = scheduler
+        self.lock = lock
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        with self.lock:
+            families = list(self._families())
+        yield from families
+
+    def _families(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         s = self.scheduler
         stats = s.stats
         yield _gauge("requests_processing", "Sequences holding a slot and running",
@@ -83,10 +92,10 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
 
 
 class Metrics:
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: Scheduler, lock: threading.RLock | None = None) -> None:
         self.scheduler = scheduler
         self.registry = CollectorRegistry()
-        self.registry.register(SchedulerCollector(scheduler))
+        self.registry.register(SchedulerCollector(scheduler, lock or threading.RLock()))
         r = self.registry
         self.prompt_tokens = Counter("kvpark:prompt_tokens", "Prompt tokens received",
                                      registry=r)
@@ -135,7 +144,7 @@ class Metrics:
                 histogram.observe(observed.pop())
 
     def on_finish(self, seq: Sequence) -> None:
-        outcome = "error" if seq.error else (seq.finish_reason or "unknown")
+        outcome = "error" if seq.failed else seq.finish_reason.value
         self.requests.labels(outcome).inc()
         self.request_preemptions.observe(seq.parking.n_preempt)
         self.request_parked.observe(seq.parking.seconds)

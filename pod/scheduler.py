@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from . import preemption as policy
 from .kv_pool import KVPool
 from .preemption import PreemptStats
-from .slot import Phase, PreemptMode, Sequence
+from .slot import FinishReason, Phase, PreemptMode, SeqEvent, Sequence
 from .swap import Swapper
 
 log = logging.getLogger("kvpark.scheduler")
@@ -55,11 +55,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.slots: list[Sequence | None] = [None] * config.num_slots
 
-    def notify(self, seq: Sequence, kind: str) -> None:
-        """Tell the sequence's owner: "parked", "resumed" or "finished"."""
-        if kind == "finished":
+    def notify(self, seq: Sequence, event: SeqEvent) -> None:
+        if event is SeqEvent.FINISHED:
             self.on_finish(seq)
-        seq.on_event(seq, kind, None)
+        seq.on_event(seq, event, "")
 
     # ---- views -------------------------------------------------------------------------------
     @property
@@ -83,9 +82,10 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def finish(self, seq: Sequence, reason: str | None = None, error: str | None = None,
-               status: int = 500) -> None:
-        """End a sequence exactly once and give back everything it holds."""
+    def finish(self, seq: Sequence, reason: FinishReason | str,
+               error: str | None = None) -> None:
+        """End a sequence exactly once and give back everything it holds; `error` says what
+        went wrong for a failure (the API decides what a client is told)."""
         if seq.is_finished:
             return
         seq.parking.end(time.monotonic())
@@ -95,16 +95,15 @@ class Scheduler:
         if seq.slot_id is not None:
             self.slots[seq.slot_id] = None
         seq.phase = Phase.FINISHED
-        seq.finish_reason = reason
-        seq.error, seq.error_status = error, status
+        seq.finish_reason, seq.error = FinishReason(reason), error
         seq.finished_at = time.monotonic()
-        log.debug("seq %s finished: %s%s", seq.request_id, reason or "error",
+        log.debug("seq %s finished: %s%s", seq.request_id, seq.finish_reason.value,
                   f" ({error})" if error else "")
-        self.notify(seq, "finished")
+        self.notify(seq, SeqEvent.FINISHED)
 
-    def abort_all(self, error: str, status: int = 503) -> None:
+    def abort_all(self, reason: FinishReason, error: str) -> None:
         for seq in [*self.waiting, *self.active]:
-            self.finish(seq, error=error, status=status)
+            self.finish(seq, reason, error)
 
     def _admit(self) -> None:
         for slot_id, occupant in enumerate(self.slots):
@@ -117,7 +116,7 @@ class Scheduler:
             seq.slot_id, seq.phase = slot_id, Phase.RUNNING
             self.slots[slot_id] = seq
             if len(seq.tokens) + 1 > self.pool.capacity_tokens:
-                self.finish(seq, error=CONTEXT_EXCEEDED, status=400)
+                self.finish(seq, FinishReason.PROMPT_TOO_LONG, CONTEXT_EXCEEDED)
             else:
                 self.pool.take_cached_prefix(seq)
 
@@ -150,7 +149,7 @@ class Scheduler:
             # nobody can make room: the spec's (and llama.cpp's) failure, for one sequence at a
             # time, the latest arrival first; its pages may be what the others were missing
             latest = max(blocked, key=lambda s: (s.arrival, s.seq_id))
-            self.finish(latest, error=CONTEXT_EXCEEDED)
+            self.finish(latest, FinishReason.CONTEXT_EXCEEDED, CONTEXT_EXCEEDED)
         for item in plan:
             seq = item.seq
             missing = self.pool.pages_for(seq.num_computed + item.num_tokens) - len(seq.page_table)
@@ -208,7 +207,7 @@ class Scheduler:
         assert seq.phase is Phase.RUNNING, f"cannot park a {seq.phase.value} sequence"
         mode = self.swapper.park(seq, wait)
         seq.phase = Phase.PARKED
-        self.notify(seq, "parked")
+        self.notify(seq, SeqEvent.PARKED)
         return mode
 
     def park_manually(self, seq: Sequence) -> None:
@@ -247,7 +246,7 @@ class Scheduler:
         head_of_line = self.config.resume_order == "fair"
         for seq in policy.restore_order(parked, self.config.resume_order):
             if policy.can_never_fit(seq, self.pool.capacity_tokens):
-                self.finish(seq, error=CONTEXT_EXCEEDED)
+                self.finish(seq, FinishReason.CONTEXT_EXCEEDED, CONTEXT_EXCEEDED)
                 continue
             need = self.pool.pages_for(policy.restore_need_tokens(seq, self.config.batch_size))
             fits, below_low = policy.may_restore(need, available, projected, self.low_pages,
@@ -282,7 +281,7 @@ class Scheduler:
     def _mark_resumed(self, seq: Sequence) -> None:
         self.swapper.account_resume(seq)
         seq.phase = Phase.RUNNING
-        self.notify(seq, "resumed")
+        self.notify(seq, SeqEvent.RESUMED)
 
     # ---- after the step ----------------------------------------------------------------------
     def advance(self, item: ScheduledSeq, sampled: int | None) -> None:
@@ -292,7 +291,7 @@ class Scheduler:
         self.pool.register_filled(seq, item.num_tokens)
         if seq.parking.replay_until and seq.num_computed >= seq.parking.replay_until:
             seq.parking.replay_until = 0
-            self.notify(seq, "recomputed")
+            self.notify(seq, SeqEvent.RECOMPUTED)
         if sampled is not None:
             seq.tokens.append(sampled)
             seq.parking.tokens_since_forced += 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -199,10 +200,12 @@ def build_stack(args: ServerArgs) -> ServingStack:
         resume_order=args.preempt_resume,
     )
     scheduler = Scheduler(scheduler_config, Swapper(pool, host, make_copy_engine(pool)))
-    metrics = Metrics(scheduler)
+    lock = threading.RLock()  # the engine's: the metrics collector reads state under it
+    metrics = Metrics(scheduler, lock)
     scheduler.on_finish = metrics.on_finish
     runner = ModelRunner(model, pool, backend, graphs=graphs)
-    engine = Engine(scheduler, runner, loaded.tokenizer.eos_token_ids, on_step=metrics.on_step)
+    engine = Engine(scheduler, runner, loaded.tokenizer.eos_token_ids, on_step=metrics.on_step,
+                    lock=lock)
     log.info("model %s (%s): %d layers, %d/%d heads, %s on %s, linears %s%s", loaded.name,
              loaded.source, config.num_layers, config.num_heads, config.num_kv_heads, dtype,
              device, model.weight_format.value,

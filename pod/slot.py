@@ -12,10 +12,14 @@ import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from .sampling import SamplingParams
+
+if TYPE_CHECKING:  # the GPU check imports this module without the tokenizer's dependencies
+    from .text_output import TextOutput
 
 _seq_ids = itertools.count()
 
@@ -25,6 +29,33 @@ class Phase(enum.Enum):
     RUNNING = "running"  # holds a slot; prefill, replay or decode
     PARKED = "parked"  # holds a slot, no pages: swapped to host or dropped for recompute
     FINISHED = "finished"
+
+
+class SeqEvent(str, enum.Enum):
+    """What the engine tells a sequence's owner through `Sequence.on_event` (engine thread)."""
+
+    TOKEN = "token"  # a token was sampled; the text is what it adds to the visible output
+    PARKED = "parked"
+    RESUMED = "resumed"
+    RECOMPUTED = "recomputed"  # a recompute replay caught up with where it was parked
+    FINISHED = "finished"  # see finish_reason
+
+
+class FinishReason(str, enum.Enum):
+    """Why a sequence ended. The first three are normal endings; the rest are failures, which
+    the API maps to HTTP statuses."""
+
+    STOP = "stop"  # EOS or a stop string
+    LENGTH = "length"  # max_tokens, or the context the sequence may reach
+    CANCELLED = "cancelled"  # the client went away
+    PROMPT_TOO_LONG = "prompt_too_long"  # larger than the whole pool: it can never run
+    CONTEXT_EXCEEDED = "context_exceeded"  # the pool could not grow it and nobody could park
+    ENGINE_ERROR = "engine_error"  # a step failed for it
+    SHUTDOWN = "shutdown"  # the server stopped before it finished
+
+    @property
+    def is_error(self) -> bool:
+        return self not in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.CANCELLED)
 
 
 class PreemptMode(str, enum.Enum):
@@ -70,9 +101,8 @@ class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
     generator: torch.Generator
-    # called on the engine thread: (seq, "token" | "parked" | "resumed" | "finished", token id);
-    # for "token" it returns True when a stop string has been matched
-    on_event: Callable[[Sequence, str, int | None], bool | None]
+    # called on the engine thread: (seq, event, text); text is a TOKEN's visible output
+    on_event: Callable[[Sequence, SeqEvent, str], None]
     index: int = 0  # position within its family (the `n` choices)
     family_size: int = 1
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
@@ -86,10 +116,10 @@ class Sequence:
     arrival: float = field(default_factory=time.monotonic)
     priority: int = 0  # victims come from the lowest tier; restores go highest first
     parking: ParkState = field(default_factory=ParkState)
+    output: TextOutput | None = None  # detokenizer and stop strings (None: ids only)
     # outcome and timings
-    finish_reason: str | None = None
-    error: str | None = None
-    error_status: int = 500
+    finish_reason: FinishReason | None = None
+    error: str | None = None  # what went wrong, for a failure
     prompt_seconds: float = 0.0  # compute time of the prompt as sent (replays excluded)
     first_token_at: float | None = None
     finished_at: float | None = None
@@ -132,5 +162,35 @@ class Sequence:
         return self.phase is Phase.FINISHED
 
     @property
+    def failed(self) -> bool:
+        return self.finish_reason is not None and self.finish_reason.is_error
+
+    @property
     def in_family(self) -> bool:
         return self.family_size > 1
+
+
+@dataclass(frozen=True)
+class SlotView:
+    """A slot's occupant as /slots shows it, copied on the engine's lock."""
+
+    request_id: str
+    parked: bool
+    n_preempt: int
+    n_recompute: int
+    preempt_mode: str | None
+    manual: bool
+    num_computed: int
+    num_prompt: int
+    num_generated: int
+    priority: int
+    phase: str  # parked, replay, prompt or generating
+
+    @classmethod
+    def of(cls, seq: Sequence) -> SlotView:
+        phase = ("parked" if seq.is_parked else "replay" if seq.is_replaying
+                 else "prompt" if seq.in_prompt else "generating")
+        mode = seq.parking.mode
+        return cls(seq.request_id, seq.is_parked, seq.parking.n_preempt, seq.parking.n_recompute,
+                   mode.value if mode else None, seq.parking.manual, seq.num_computed,
+                   seq.num_prompt, seq.num_generated, seq.priority, phase)

@@ -1,0 +1,198 @@
+"""Wire formats: one formatter per API (OpenAI chat, OpenAI completions, llama.cpp /completion)
+for whole responses and stream chunks, and what a client is told when a sequence failed.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, ClassVar
+
+from .bridge import RequestStream
+from .protocol import ApiError
+from .slot import FinishReason, Sequence
+
+# the HTTP status of each failure (the scheduler says why a sequence ended, not how to say it)
+FAILURE_STATUS = {
+    FinishReason.PROMPT_TOO_LONG: 400,
+    FinishReason.CONTEXT_EXCEEDED: 500,
+    FinishReason.ENGINE_ERROR: 500,
+    FinishReason.SHUTDOWN: 503,
+}
+
+
+def failure(seq: Sequence) -> ApiError:
+    status = FAILURE_STATUS.get(seq.finish_reason, 500)
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return ApiError(status, seq.error or "unknown error", error_type=kind)
+
+
+def usage(seqs: list[Sequence]) -> dict[str, Any]:
+    completion = sum(s.num_generated for s in seqs)
+    prompt = seqs[0].num_prompt
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": seqs[0].num_cached}}
+
+
+def timings(seq: Sequence) -> dict[str, float]:
+    """llama.cpp's timings: the prompt as sent (recompute replays are not in here); cache_n of
+    its tokens came from the prefix cache (prompt_n still counts them, unlike llama.cpp)."""
+    prompt_ms = seq.prompt_seconds * 1e3
+    end = seq.finished_at or time.monotonic()
+    predicted_ms = (end - seq.first_token_at) * 1e3 if seq.first_token_at else 0.0
+    n = seq.num_generated
+    return {
+        "cache_n": seq.num_cached,
+        "prompt_n": seq.num_prompt,
+        "prompt_ms": prompt_ms,
+        "prompt_per_token_ms": prompt_ms / max(1, seq.num_prompt),
+        "prompt_per_second": seq.num_prompt / (prompt_ms / 1e3) if prompt_ms else 0.0,
+        "predicted_n": n,
+        "predicted_ms": predicted_ms,
+        "predicted_per_token_ms": predicted_ms / max(1, n),
+        "predicted_per_second": n / (predicted_ms / 1e3) if predicted_ms else 0.0,
+    }
+
+
+def finish_reason(seq: Sequence) -> str | None:
+    return seq.finish_reason.value if seq.finish_reason is not None else None
+
+
+class WireFormat:
+    """One API's shapes for a request: the whole response, or the chunks of a stream."""
+
+    ends_with_done: ClassVar[bool] = True  # `data: [DONE]` closes the stream
+
+    def __init__(self, model: str, stream: RequestStream) -> None:
+        self.model = model
+        self.stream = stream
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream.request.include_usage
+
+    def body(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def opening(self) -> list[dict[str, Any]]:
+        """Chunks sent before the first text (or notice)."""
+        return []
+
+    def text(self, index: int, text: str) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def finish(self, seq: Sequence) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def usage(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class OpenAIFormat(WireFormat):
+    object_name: ClassVar[str]
+    chunk_object_name: ClassVar[str]
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        chunk = {"id": self.stream.request_id, "object": self.chunk_object_name,
+                 "created": int(time.time()), "model": self.model, "choices": choices}
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def body(self) -> dict[str, Any]:
+        seqs = self.stream.seqs
+        return {"id": self.stream.request_id, "object": self.object_name,
+                "created": int(time.time()), "model": self.model,
+                "choices": [self.choice(s) for s in seqs], "usage": usage(seqs),
+                "timings": timings(seqs[0]), "preempt": self.stream.preempt_summary()}
+
+    def choice(self, seq: Sequence) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def usage(self) -> dict[str, Any]:
+        chunk = self._chunk([])
+        chunk["usage"] = usage(self.stream.seqs)
+        return chunk
+
+
+class ChatFormat(OpenAIFormat):
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+
+    def choice(self, seq: Sequence) -> dict[str, Any]:
+        return {"index": seq.index, "message": {"role": "assistant",
+                                                "content": self.stream.text(seq.index)},
+                "logprobs": None, "finish_reason": finish_reason(seq)}
+
+    def opening(self) -> list[dict[str, Any]]:
+        return [self._chunk([{"index": s.index, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}
+                             for s in self.stream.seqs])]
+
+    def text(self, index: int, text: str) -> dict[str, Any]:
+        return self._chunk([{"index": index, "delta": {"content": text}, "logprobs": None,
+                             "finish_reason": None}])
+
+    def finish(self, seq: Sequence) -> dict[str, Any]:
+        return self._chunk([{"index": seq.index, "delta": {}, "logprobs": None,
+                             "finish_reason": finish_reason(seq)}])
+
+
+class CompletionFormat(OpenAIFormat):
+    object_name = "text_completion"
+    chunk_object_name = "text_completion"
+
+    def choice(self, seq: Sequence) -> dict[str, Any]:
+        return {"index": seq.index, "text": self.stream.text(seq.index), "logprobs": None,
+                "finish_reason": finish_reason(seq)}
+
+    def text(self, index: int, text: str) -> dict[str, Any]:
+        return self._chunk([{"index": index, "text": text, "logprobs": None,
+                             "finish_reason": None}])
+
+    def finish(self, seq: Sequence) -> dict[str, Any]:
+        return self._chunk([{"index": seq.index, "text": "", "logprobs": None,
+                             "finish_reason": finish_reason(seq)}])
+
+
+class LlamaFormat(WireFormat):
+    """llama.cpp's /completion: one sequence, `timings`, no [DONE]."""
+
+    ends_with_done = False
+
+    def body(self) -> dict[str, Any]:
+        seq = self.stream.seqs[0]
+        body = {"content": self.stream.text(0), "model": self.model, "stop": True,
+                "stop_type": stop_type(seq), "tokens_predicted": seq.num_generated,
+                "tokens_evaluated": seq.num_prompt, "timings": timings(seq),
+                "id_slot": seq.slot_id}
+        if self.stream.request.return_tokens:
+            body["tokens"] = seq.generated_ids
+        body["preempt"] = self.stream.preempt_summary()
+        return body
+
+    def text(self, index: int, text: str) -> dict[str, Any]:
+        return {"content": text, "stop": False, "index": index}
+
+    def finish(self, seq: Sequence) -> dict[str, Any]:
+        return {"content": "", "stop": True, "index": seq.index, "model": self.model,
+                "stop_type": stop_type(seq), "tokens_predicted": seq.num_generated,
+                "tokens_evaluated": seq.num_prompt, "timings": timings(seq)}
+
+    def usage(self) -> dict[str, Any]:
+        return {"usage": usage(self.stream.seqs)}
+
+
+def stop_type(seq: Sequence) -> str:
+    """llama.cpp's stop_type: a stop string matched ("word"), the length limit, or EOS."""
+    if seq.finish_reason is FinishReason.LENGTH:
+        return "limit"
+    return "word" if seq.output is not None and seq.output.stopped else "eos"
+
+
+FORMATS: dict[str, type[WireFormat]] = {
+    "chat": ChatFormat, "completion": CompletionFormat, "llama": LlamaFormat}
+
+
+def get_format(model: str, stream: RequestStream) -> WireFormat:
+    return FORMATS[stream.request.kind](model, stream)

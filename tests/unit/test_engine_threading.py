@@ -1,0 +1,93 @@
+"""The engine's facade seen from other threads: `busy` never reads False while a submitted
+sequence is on its way into the scheduler (the SIGTERM drain relies on it), and `snapshot`
+reads the slots in one piece."""
+
+import threading
+
+import torch
+
+from kvpark.pod.engine import Engine
+from kvpark.pod.host_store import HostStore
+from kvpark.pod.kv_pool import KVPool
+from kvpark.pod.sampling import SamplingParams
+from kvpark.pod.scheduler import Scheduler, SchedulerConfig
+from kvpark.pod.slot import Sequence
+from kvpark.pod.swap import Swapper
+
+
+class HeldScheduler(Scheduler):
+    """`add` waits until the test lets it go: the moment a submission is in neither the
+    engine's queue nor the scheduler's."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.adding = threading.Event()
+        self.release = threading.Event()
+
+    def add(self, seq: Sequence) -> None:
+        self.adding.set()
+        assert self.release.wait(30), "the test never released add()"
+        super().add(seq)
+
+
+class GatedRunner:
+    """Samples token 7 once the test lets the step go (the model runs without the lock)."""
+
+    def __init__(self) -> None:
+        self.proceed = threading.Event()
+
+    def run(self, plan):
+        assert self.proceed.wait(30), "the test never let the step go"
+        return [7 if item.samples else None for item in plan]
+
+
+def make_engine(scheduler_class=Scheduler) -> Engine:
+    pool = KVPool(num_layers=1, num_pages=8, page_size=4, num_kv_heads=1, head_dim=2)
+    scheduler = scheduler_class(SchedulerConfig(num_slots=2), Swapper(pool, HostStore(-1)))
+    return Engine(scheduler, GatedRunner(), frozenset({3}))
+
+
+def make_seq(finished: threading.Event) -> Sequence:
+    def on_event(seq, event, text):
+        if event == "finished":
+            finished.set()
+
+    return Sequence(request_id="r", prompt_ids=[1, 2, 4], generator=torch.Generator(),
+                    params=SamplingParams(temperature=0, max_tokens=2), on_event=on_event)
+
+
+def test_busy_holds_while_a_submission_moves_into_the_scheduler():
+    engine = make_engine(HeldScheduler)
+    finished = threading.Event()
+    engine.start()
+    try:
+        engine.submit([make_seq(finished)])
+        assert engine.scheduler.adding.wait(30)
+        seen: list[bool] = []
+        reader = threading.Thread(target=lambda: seen.append(engine.busy))
+        reader.start()
+        # before the fix `busy` answered at once, False: the queue was already empty and the
+        # scheduler did not have the sequence yet; now it waits for the hand-over to finish
+        reader.join(timeout=1.0)
+        engine.scheduler.release.set()
+        reader.join(timeout=30)  # the step waits for the runner's gate: the sequence is held
+        assert seen == [True]
+        engine.runner.proceed.set()
+        assert finished.wait(30)
+    finally:
+        engine.scheduler.release.set()
+        engine.runner.proceed.set()
+        engine.stop()
+    assert not engine.busy
+
+
+def test_snapshot_shows_each_slot():
+    engine = make_engine()
+    assert engine.snapshot() == [None, None]
+    finished = threading.Event()
+    seq = make_seq(finished)
+    engine.scheduler.add(seq)
+    engine.scheduler.schedule()
+    view = engine.snapshot()[seq.slot_id]
+    assert view.request_id == "r" and view.num_prompt == 3 and view.phase == "prompt"
+    assert engine.capacity.tokens == 32 and engine.capacity.num_slots == 2
