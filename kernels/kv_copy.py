@@ -12,16 +12,12 @@ from __future__ import annotations
 
 import enum
 import itertools
-import os
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
-
-ASYNC_ENV = "KVPARK_PREEMPT_ASYNC"  # "0" forces the synchronous path on CUDA
 
 _ticket_ids = itertools.count()
 
@@ -153,10 +149,9 @@ class CudaAsyncCopyEngine(CopyEngine):
         return Ticket(kind, tuple(pages), host_buf, event=event)
 
 
-def make_copy_engine(pool: PagePool, env: Mapping[str, str] | None = None) -> CopyEngine:
-    """Async on CUDA unless KVPARK_PREEMPT_ASYNC=0; synchronous on the CPU."""
-    env = os.environ if env is None else env
-    if pool.device.type == "cuda" and env.get(ASYNC_ENV, "1") != "0":
+def make_copy_engine(pool: PagePool, async_copies: bool = True) -> CopyEngine:
+    """Async on CUDA unless `async_copies` is off (--no-preempt-async); synchronous on the CPU."""
+    if pool.device.type == "cuda" and async_copies:
         return CudaAsyncCopyEngine(pool)
     return SyncCopyEngine(pool)
 

@@ -60,6 +60,10 @@ class ServerArgs:
     cuda_graph: bool = True
     gpu_memory_fraction: float = 0.9
     log_level: str = "info"
+    preempt_async: bool = True  # CUDA: swap copies on their own stream (off: synchronous)
+    # test only (hidden from --help): faults injected on purpose
+    preempt_fail_swap: bool = False  # every host allocation is refused: swaps fall to recompute
+    inject_fault_token: int | None = None  # a step holding this prompt token id fails
 
     def __repr__(self) -> str:  # the keys never reach a log
         shown = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -203,6 +207,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-fraction", type=_fraction,
                    help="share of free GPU memory the KV pool may take when -c is not given")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--preempt-async", action=argparse.BooleanOptionalAction,
+                   help="CUDA: swap copies on their own stream while others decode (default on)")
+    p.add_argument("--preempt-fail-swap", action=argparse.BooleanOptionalAction,
+                   help=argparse.SUPPRESS)
+    p.add_argument("--inject-fault-token", type=_non_negative, help=argparse.SUPPRESS)
     return p
 
 

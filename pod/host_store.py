@@ -7,8 +7,6 @@ resume and a park happen in the same step. An allocation the machine refuses is 
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 UNLIMITED = -1
@@ -19,10 +17,12 @@ class HostAllocationError(RuntimeError):
 
 
 class HostStore:
-    def __init__(self, budget_bytes: int, pin_memory: bool = False) -> None:
+    def __init__(self, budget_bytes: int, pin_memory: bool = False,
+                 fail_allocations: bool = False) -> None:
         assert budget_bytes >= UNLIMITED, f"budget {budget_bytes} must be >= -1"
         self.budget_bytes = budget_bytes
         self.pin_memory = pin_memory
+        self.fail_allocations = fail_allocations  # --preempt-fail-swap (tests)
         self.held_bytes = 0
         self.peak_bytes = 0
 
@@ -37,8 +37,8 @@ class HostStore:
         """A host buffer charged to the budget; raises HostAllocationError when refused."""
         num_bytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         assert self.can_hold(num_bytes), "caller must check the budget before allocating"
-        if os.environ.get("KVPARK_PREEMPT_FAIL_SWAP", "0") == "1":
-            raise HostAllocationError("host allocation refused (KVPARK_PREEMPT_FAIL_SWAP=1)")
+        if self.fail_allocations:
+            raise HostAllocationError("host allocation refused (--preempt-fail-swap)")
         try:
             buffer = torch.empty(shape, dtype=dtype, pin_memory=self.pin_memory)
         except (RuntimeError, MemoryError) as exc:  # the allocator's own refusal

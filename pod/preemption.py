@@ -106,9 +106,6 @@ def may_restore(need_pages: int, available: int, projected: int, low_pages: int,
     return fits, below_low
 
 
-RESUME_ORDERS = ("fair", "spec")
-
-
 def restore_order(parked: Iterable[Sequence], order: str = "spec") -> list[Sequence]:
     """Priority first; then the spec's most-preempted, longest-parked, or "fair": park time."""
     if order == "fair":

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from kvpark.kernels.attention import AttentionBackend, StepLayout
@@ -19,21 +17,17 @@ class InjectedFault(RuntimeError):
     pass
 
 
-def fault_token() -> int | None:
-    """KVPARK_INJECT_FAULT_TOKEN=ID: a step fails while a sequence whose prompt holds token ID
-    is in it (tests of fault isolation)."""
-    value = os.environ.get("KVPARK_INJECT_FAULT_TOKEN")
-    return int(value) if value else None
-
-
 class ModelRunner:
     def __init__(self, model: LlamaModel, pool: KVPool, backend: AttentionBackend,
-                 graphs: DecodeGraphRunner | None = None) -> None:
+                 graphs: DecodeGraphRunner | None = None, fault_token: int | None = None
+                 ) -> None:
         self.model = model
         self.pool = pool
         self.backend = backend
         self.graphs = graphs  # CUDA graphs for decode-only steps
-        self.fault_token = fault_token()
+        # --inject-fault-token (tests of fault isolation): a step fails while a sequence whose
+        # prompt holds this token id is in it
+        self.fault_token = fault_token
 
     def get_layout(self, plan: list[ScheduledSeq]) -> StepLayout:
         return StepLayout(

@@ -186,7 +186,8 @@ def build_stack(args: ServerArgs) -> ServingStack:
         graphs = DecodeGraphRunner(model, pool, backend, max_batch=args.parallel)
         graphs.capture_all()  # before the scheduler hands out pages: it takes a scratch page
     budget = resolve_budget(args.preempt_ram)  # after the load: auto subtracts resident size
-    host = HostStore(budget.bytes, pin_memory=device.type == "cuda")
+    host = HostStore(budget.bytes, pin_memory=device.type == "cuda",
+                     fail_allocations=args.preempt_fail_swap)
     scheduler_config = SchedulerConfig(
         num_slots=args.parallel,
         batch_size=args.batch_size,
@@ -199,11 +200,13 @@ def build_stack(args: ServerArgs) -> ServingStack:
         preempt_low=args.preempt_low / 100,
         resume_order=args.preempt_resume,
     )
-    scheduler = Scheduler(scheduler_config, Swapper(pool, host, make_copy_engine(pool)))
+    swapper = Swapper(pool, host, make_copy_engine(pool, args.preempt_async))
+    scheduler = Scheduler(scheduler_config, swapper)
     lock = threading.RLock()  # the engine's: the metrics collector reads state under it
     metrics = Metrics(scheduler, lock)
     scheduler.on_finish = metrics.on_finish
-    runner = ModelRunner(model, pool, backend, graphs=graphs)
+    runner = ModelRunner(model, pool, backend, graphs=graphs,
+                         fault_token=args.inject_fault_token)
     engine = Engine(scheduler, runner, loaded.tokenizer.eos_token_ids, on_step=metrics.on_step,
                     lock=lock)
     log.info("model %s (%s): %d layers, %d/%d heads, %s on %s, linears %s%s", loaded.name,

@@ -77,8 +77,8 @@ def test_async_park_sees_writes_queued_before_it():
 
 def test_async_engine_is_the_cuda_default(monkeypatch):
     pool = filled_pool(num_pages=4)
-    assert isinstance(make_copy_engine(pool, env={}), CudaAsyncCopyEngine)
-    assert isinstance(make_copy_engine(pool, env={"KVPARK_PREEMPT_ASYNC": "0"}), SyncCopyEngine)
+    assert isinstance(make_copy_engine(pool), CudaAsyncCopyEngine)
+    assert isinstance(make_copy_engine(pool, async_copies=False), SyncCopyEngine)
 
 
 def make_seq(prompt_len: int, max_tokens: int) -> Sequence:

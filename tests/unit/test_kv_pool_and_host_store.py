@@ -57,9 +57,8 @@ def test_budget_is_checked_before_allocating():
     assert store.can_hold(1000)
 
 
-def test_injected_allocation_failure_is_reported(monkeypatch):
-    monkeypatch.setenv("KVPARK_PREEMPT_FAIL_SWAP", "1")
-    store = HostStore(budget_bytes=-1)
+def test_injected_allocation_failure_is_reported():
+    store = HostStore(budget_bytes=-1, fail_allocations=True)
     with pytest.raises(HostAllocationError):
         store.allocate((10,), torch.float32)
     assert store.held_bytes == 0

@@ -11,7 +11,6 @@ are shared, and no step writes into a shared page.
 
 from collections import Counter
 
-import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -125,8 +124,7 @@ event = st.one_of(
 @given(events=st.lists(event, max_size=60), budget_pages=st.sampled_from([-1, 0, 1, 3, 50]),
        preempt=st.booleans(), preempt_every=st.sampled_from([0, 0, 3]))
 def test_invariants_hold_under_random_events(events, budget_pages, preempt, preempt_every):
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        run_events(monkeypatch, events, budget_pages, preempt, preempt_every)
+    run_events(events, budget_pages, preempt, preempt_every)
 
 
 prefix_event = st.one_of(
@@ -140,11 +138,10 @@ prefix_event = st.one_of(
 def test_invariants_hold_with_the_prefix_cache(events, budget_pages, preempt, preempt_every):
     """The same events over a pool with a prefix cache: prompts of one repeated token share
     their pages with every earlier one, so sharing, eviction and cached resumes all happen."""
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        run_events(monkeypatch, events, budget_pages, preempt, preempt_every, prefix_cache=True)
+    run_events(events, budget_pages, preempt, preempt_every, prefix_cache=True)
 
 
-def run_events(monkeypatch, events, budget_pages, preempt, preempt_every, prefix_cache=False):
+def run_events(events, budget_pages, preempt, preempt_every, prefix_cache=False):
     engine = make_engine(budget_pages, preempt, preempt_every, prefix_cache=prefix_cache)
     s = engine.scheduler
     seqs: list[Sequence] = []
@@ -166,7 +163,7 @@ def run_events(monkeypatch, events, budget_pages, preempt, preempt_every, prefix
             if live:
                 s.finish(live[a % len(live)], reason="cancelled")
         elif kind == "fail_swap":
-            monkeypatch.setenv("KVPARK_PREEMPT_FAIL_SWAP", "1" if a else "0")
+            s.swapper.host.fail_allocations = bool(a)
         check_invariants(engine, seqs, finished)
     # no arrivals any more: everything must end, completed or with an explicit error
     bound = sum(len(q.prompt_ids) + (q.params.max_tokens or 0) for q in seqs) * 4 + 50
