@@ -31,9 +31,8 @@ from .bridge import RequestStream, SSEResponse, StreamEvent, wait_disconnect
 from .formats import failure, get_format
 from .openapi import get_openapi
 from .protocol import ApiError, GenerationRequest, InputLimits
-from .scheduler import CONTEXT_EXCEEDED
 from .server import ServingStack, build_stack
-from .slot import FinishReason, SlotView
+from .slot import CONTEXT_EXCEEDED, FinishReason, SlotView
 
 log = logging.getLogger("kvpark.api")
 

@@ -16,8 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .runner import ModelRunner
-from .scheduler import ScheduledSeq, Scheduler
+from .scheduler import Scheduler
 from .slot import FinishReason, Phase, SeqEvent, Sequence, SlotView
+from .step_plan import ScheduledSeq
 
 log = logging.getLogger("kvpark.engine")
 

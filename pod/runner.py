@@ -10,7 +10,7 @@ from .cuda_graphs import DecodeGraphRunner
 from .kv_pool import KVPool
 from .model.llama import BlockRows, LlamaModel
 from .sampling import sample
-from .scheduler import ScheduledSeq
+from .step_plan import ScheduledSeq
 
 
 class InjectedFault(RuntimeError):

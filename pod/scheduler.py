@@ -13,13 +13,11 @@ from dataclasses import dataclass
 from . import preemption as policy
 from .kv_pool import KVPool
 from .preemption import PreemptStats
-from .slot import FinishReason, Phase, PreemptMode, SeqEvent, Sequence
+from .slot import CONTEXT_EXCEEDED, FinishReason, Phase, PreemptMode, SeqEvent, Sequence
+from .step_plan import ScheduledSeq, grant_pages, step_order, step_pages
 from .swap import Swapper
 
 log = logging.getLogger("kvpark.scheduler")
-
-CONTEXT_EXCEEDED = "Context size has been exceeded."
-
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -33,16 +31,6 @@ class SchedulerConfig:
     resume_order: str = "spec"  # or "fair" (head-of-line by park time)
 
 
-@dataclass(frozen=True)
-class ScheduledSeq:
-    seq: Sequence
-    num_tokens: int  # fed this step: tokens[num_computed : num_computed + num_tokens]
-
-    @property
-    def samples(self) -> bool:
-        return self.seq.num_computed + self.num_tokens == len(self.seq.tokens)
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig, swapper: Swapper) -> None:
         self.config = config
@@ -54,6 +42,9 @@ class Scheduler:
         self.on_finish: Callable[[Sequence], None] = lambda seq: None  # metrics hook
         self.waiting: deque[Sequence] = deque()
         self.slots: list[Sequence | None] = [None] * config.num_slots
+        # the watermarks in pages: park before a step passes HIGH, restore only below LOW
+        self.high_pages = int(self.pool.num_pages * config.preempt_high)
+        self.low_pages = int(self.pool.num_pages * config.preempt_low)
 
     def notify(self, seq: Sequence, event: SeqEvent) -> None:
         if event is SeqEvent.FINISHED:
@@ -75,8 +66,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return (bool(self.waiting) or any(s is not None for s in self.slots)
-                or self.swapper.num_in_flight > 0)
+        return bool(self.waiting or self.active or self.swapper.num_in_flight)
 
     # ---- admission and endings ---------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -97,8 +87,7 @@ class Scheduler:
         seq.phase = Phase.FINISHED
         seq.finish_reason, seq.error = FinishReason(reason), error
         seq.finished_at = time.monotonic()
-        log.debug("seq %s finished: %s%s", seq.request_id, seq.finish_reason.value,
-                  f" ({error})" if error else "")
+        log.debug("seq %s finished: %s %s", seq.request_id, seq.finish_reason.value, error or "")
         self.notify(seq, SeqEvent.FINISHED)
 
     def abort_all(self, reason: FinishReason, error: str) -> None:
@@ -134,7 +123,8 @@ class Scheduler:
             self._restore_parked()
             self._force_parks()
         while True:
-            plan, blocked = self._grant_pages(self._ordered_running())
+            plan, blocked = grant_pages(step_order(self.running), self.config.batch_size,
+                                        self.pool.num_free_pages, self.pool.page_size)
             over_high = not blocked and self._passes_high(plan)
             if not blocked and not over_high:
                 break
@@ -151,55 +141,15 @@ class Scheduler:
             latest = max(blocked, key=lambda s: (s.arrival, s.seq_id))
             self.finish(latest, FinishReason.CONTEXT_EXCEEDED, CONTEXT_EXCEEDED)
         for item in plan:
-            seq = item.seq
-            missing = self.pool.pages_for(seq.num_computed + item.num_tokens) - len(seq.page_table)
-            seq.page_table.extend(self.pool.allocate(missing))
+            item.seq.page_table.extend(self.pool.allocate(item.new_pages(self.pool.page_size)))
         return plan
-
-    @property
-    def high_pages(self) -> int:
-        return int(self.pool.num_pages * self.config.preempt_high)
-
-    @property
-    def low_pages(self) -> int:
-        return int(self.pool.num_pages * self.config.preempt_low)
-
-    def _step_pages(self, plan: list[ScheduledSeq]) -> int:
-        return sum(self.pool.pages_for(i.seq.num_computed + i.num_tokens) - len(i.seq.page_table)
-                   for i in plan)
 
     def _passes_high(self, plan: list[ScheduledSeq]) -> bool:
         """Would this step push the pool past the high watermark? (park before the wall)"""
         if not self.config.preempt or self.config.preempt_high >= 1.0:
             return False
         return policy.passes_high(self.pool.num_used_pages, len(self.swapper.pages_in_flight),
-                                  self._step_pages(plan), self.high_pages)
-
-    def _ordered_running(self) -> list[Sequence]:
-        # decode rows first (cheap, latency-bound), then prefill and replay by arrival
-        return sorted(self.running, key=lambda s: (s.num_pending > 1, s.arrival, s.seq_id))
-
-    def _grant_pages(self, running: list[Sequence]) -> tuple[list[ScheduledSeq], list[Sequence]]:
-        """Give each sequence its next step within the token budget and the free pages.
-
-        A prefill chunk is shortened to the pages that are free; a sequence that cannot feed
-        even one token is blocked.
-        """
-        budget, free, ps = self.config.batch_size, self.pool.num_free_pages, self.pool.page_size
-        plan: list[ScheduledSeq] = []
-        blocked: list[Sequence] = []
-        for seq in running:
-            if budget == 0:
-                break
-            room = (len(seq.page_table) + free) * ps - seq.num_computed
-            num_tokens = min(seq.num_pending, budget, room)
-            if num_tokens <= 0:
-                blocked.append(seq)
-                continue
-            free -= self.pool.pages_for(seq.num_computed + num_tokens) - len(seq.page_table)
-            budget -= num_tokens
-            plan.append(ScheduledSeq(seq, num_tokens))
-        return plan, blocked
+                                  step_pages(plan, self.pool.page_size), self.high_pages)
 
     # ---- parking -----------------------------------------------------------------------------
     def park(self, seq: Sequence, wait: bool = True) -> PreemptMode:
@@ -251,8 +201,7 @@ class Scheduler:
             need = self.pool.pages_for(policy.restore_need_tokens(seq, self.config.batch_size))
             fits, below_low = policy.may_restore(need, available, projected, self.low_pages,
                                                  anyone_running=bool(running))
-            if fits and not below_low:
-                self.stats.n_restore_refused_watermark += 1
+            self.stats.n_restore_refused_watermark += fits and not below_low
             if fits and below_low:
                 available -= need
                 projected += need

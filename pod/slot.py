@@ -41,6 +41,9 @@ class SeqEvent(str, enum.Enum):
     FINISHED = "finished"  # see finish_reason
 
 
+CONTEXT_EXCEEDED = "Context size has been exceeded."  # the spec's (and llama.cpp's) words
+
+
 class FinishReason(str, enum.Enum):
     """Why a sequence ended. The first three are normal endings; the rest are failures, which
     the API maps to HTTP statuses."""
