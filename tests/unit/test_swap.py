@@ -4,6 +4,7 @@ swap while the budget allows, recompute otherwise or when the host refuses the b
 import pytest
 import torch
 from fake_copy import FakeCopyEngine
+from test_kv_copy import filled_pool
 
 from kvpark.kernels.kv_copy import CopyKind, SyncCopyEngine
 from kvpark.pod.host_store import HostStore
@@ -11,14 +12,6 @@ from kvpark.pod.kv_pool import KVPool
 from kvpark.pod.sampling import SamplingParams
 from kvpark.pod.slot import PreemptMode, Sequence
 from kvpark.pod.swap import Outcome, ParkTransfer, Swapper, TransferTracker
-
-
-def filled_pool(num_pages=8, seed=0) -> KVPool:
-    pool = KVPool(num_layers=2, num_pages=num_pages, page_size=4, num_kv_heads=2, head_dim=3)
-    gen = torch.Generator().manual_seed(seed)
-    for cache in pool.caches:
-        cache.copy_(torch.randn(cache.shape, generator=gen))
-    return pool
 
 
 def make_seq(pool: KVPool, num_pages: int) -> Sequence:
