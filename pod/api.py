@@ -177,14 +177,16 @@ class Server:
 
     async def metrics(self, request: Request) -> Response:
         stack = self.ready_stack()
-        return Response(stack.metrics.render(), media_type="text/plain; version=0.0.4")
+        # the collector reads under the engine's lock: wait for it off the event loop
+        body = await run_in_threadpool(stack.metrics.render)
+        return Response(body, media_type="text/plain; version=0.0.4")
 
     async def slots(self, request: Request) -> Response:
         self.check_auth(request)
         stack = self.ready_stack()
         share = slot_share(stack)
         return JSONResponse([slot_entry(i, view, share)
-                             for i, view in enumerate(stack.engine.snapshot())])
+                             for i, view in enumerate(await snapshot(stack))])
 
     async def slot_action(self, request: Request) -> Response:
         """POST /slots/{id}?action=park|unpark: park by the normal mode decision, or resume."""
@@ -205,7 +207,7 @@ class Server:
         problem = await asyncio.wrap_future(act(slot_id))
         if problem:
             raise ApiError(409, problem, param="id", error_type="conflict")
-        return JSONResponse(slot_entry(slot_id, stack.engine.snapshot()[slot_id],
+        return JSONResponse(slot_entry(slot_id, (await snapshot(stack))[slot_id],
                                        slot_share(stack)))
 
     async def generate(self, request: Request) -> Response:
@@ -375,6 +377,11 @@ async def next_message(request: Request, timeout: float, aborted: asyncio.Event)
         raise ApiError(503, SHUT_DOWN, error_type="unavailable", headers=close)
     raise ApiError(408, f"no part of the request body came for {timeout:g} s (--timeout-body)",
                    param="body", error_type="timeout", headers=close)
+
+
+async def snapshot(stack: ServingStack) -> list[SlotView | None]:
+    """The slots, read under the engine's lock off the event loop (a step may hold it)."""
+    return await run_in_threadpool(stack.engine.snapshot)
 
 
 def slot_share(stack: ServingStack) -> int:

@@ -51,8 +51,9 @@ class Engine:
         self.on_step = on_step
         pool = scheduler.pool
         self.capacity = Capacity(scheduler.config.num_slots, pool.num_pages, pool.page_size)
-        self.lock = lock or threading.RLock()
-        self._cond = threading.Condition(self.lock)
+        self.lock = lock or threading.RLock()  # scheduler state; taken before _cond's lock
+        # the hand-over queues: submit and cancel never wait for a step to end
+        self._cond = threading.Condition()
         self._incoming: list[Sequence] = []
         self._cancels: list[Sequence] = []
         self._calls: list[Callable[[], None]] = []
@@ -62,18 +63,20 @@ class Engine:
     # ---- called from other threads ------------------------------------------------------------
     @property
     def num_queued(self) -> int:
-        """Sequences waiting for a slot (submitted but not yet admitted)."""
-        with self.lock:
-            return len(self._incoming) + len(self.scheduler.waiting)
+        """Sequences waiting for a slot (submitted but not yet admitted). Read without the lock,
+        so admission on the event loop never waits for a step: a count, not a snapshot."""
+        return len(self._incoming) + len(self.scheduler.waiting)
 
     @property
     def num_unfinished(self) -> int:
-        with self.lock:
-            return self.num_queued + len(self.scheduler.active)
+        with self.lock, self._cond:
+            return len(self._incoming) + len(self.scheduler.waiting) + len(self.scheduler.active)
 
     @property
     def busy(self) -> bool:
-        with self.lock:
+        """Anything submitted and not finished (the drain waits on it): exact, under both locks,
+        which the hand-over into the scheduler also holds."""
+        with self.lock, self._cond:
             return self.num_unfinished > 0 or self._has_input()
 
     def snapshot(self) -> list[SlotView | None]:
@@ -151,6 +154,7 @@ class Engine:
                     self._cond.wait()
                 if self._stopping:
                     return
+            with self.lock, self._cond:  # state first, then the queues (busy's order)
                 calls = self._take_input()
             try:
                 for fn in calls:
