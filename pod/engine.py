@@ -242,6 +242,8 @@ class Engine:
             return
         if seq.first_token_at is None:
             seq.first_token_at = time.monotonic()
+        if seq.constraint is not None:
+            seq.constraint.accept(token)
         is_eos = token in self.eos_token_ids and not seq.params.ignore_eos
         if not is_eos:  # EOS ends the text; it is not part of it
             seq.on_event(seq, SeqEvent.TOKEN, seq.output.push(token) if seq.output else "")
@@ -252,6 +254,8 @@ class Engine:
     def finish_reason(self, seq: Sequence, is_eos: bool) -> FinishReason | None:
         """The one place that decides whether a sampled token ends its sequence."""
         if is_eos or (seq.output is not None and seq.output.stopped):
+            return FinishReason.STOP
+        if seq.constraint is not None and seq.constraint.is_done():
             return FinishReason.STOP
         if seq.params.max_tokens is not None and seq.num_generated >= seq.params.max_tokens:
             return FinishReason.LENGTH

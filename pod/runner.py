@@ -82,6 +82,9 @@ class ModelRunner:
                 [item.seq.num_computed + item.num_tokens - 1 >= item.seq.num_prompt
                  for item in sampling])
             logits = self.model.logits(hidden, head_rows).cpu()
+            for row, item in enumerate(sampling):
+                if item.seq.constraint is not None:
+                    item.seq.constraint.mask(logits[row])
             tokens = sample(logits, [i.seq.params for i in sampling],
                             [i.seq.generator for i in sampling])
             sampled = {id(item): token for item, token in zip(sampling, tokens)}

@@ -19,6 +19,7 @@ import torch
 from .sampling import SamplingParams
 
 if TYPE_CHECKING:  # the GPU check imports this module without the tokenizer's dependencies
+    from .constraint import TokenConstraint
     from .text_output import TextOutput
 
 _seq_ids = itertools.count()
@@ -120,6 +121,7 @@ class Sequence:
     priority: int = 0  # victims come from the lowest tier; restores go highest first
     parking: ParkState = field(default_factory=ParkState)
     output: TextOutput | None = None  # detokenizer and stop strings (None: ids only)
+    constraint: TokenConstraint | None = None  # masks what may be sampled next (grammars)
     # outcome and timings
     finish_reason: FinishReason | None = None
     error: str | None = None  # what went wrong, for a failure
