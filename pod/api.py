@@ -277,10 +277,10 @@ class Server:
                            f"generate exceed the {limit} tokens one request can hold here",
                            param=name[gen.kind])
         # the n sequences are never parked, so as many as get a slot at once must fit the pool
-        # together (an upper bound: with the prefix cache they share the prompt's full pages)
+        # together (with the prefix cache they share the prompt's full pages)
         together = min(gen.params.n, room.num_slots)
         each = prompt + (max_tokens or 1)
-        if together > 1 and together * room.pages_for(each) > room.num_pages:
+        if together > 1 and room.pages_for_family(together, prompt, each) > room.num_pages:
             raise ApiError(400, f"'n': {together} sequences run side by side here, each up to "
                            f"{each} tokens ({prompt} prompt + {max_tokens or 1} to generate); "
                            f"together they exceed the {capacity}-token pool",

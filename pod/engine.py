@@ -32,6 +32,7 @@ class Capacity:
     num_slots: int
     num_pages: int
     page_size: int
+    shares_prompts: bool = False  # a prefix cache: `n > 1` siblings share the prompt's pages
 
     @property
     def tokens(self) -> int:
@@ -39,6 +40,12 @@ class Capacity:
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
+
+    def pages_for_family(self, num_seqs: int, prompt: int, each: int) -> int:
+        """Pages `num_seqs` siblings of up to `each` tokens need side by side: the prompt's
+        full pages once when they are shared (all but its last token, which each computes)."""
+        shared = (prompt - 1) // self.page_size if self.shares_prompts else 0
+        return shared + num_seqs * (self.pages_for(each) - shared)
 
 
 class Engine:
@@ -50,7 +57,8 @@ class Engine:
         self.eos_token_ids = eos_token_ids
         self.on_step = on_step
         pool = scheduler.pool
-        self.capacity = Capacity(scheduler.config.num_slots, pool.num_pages, pool.page_size)
+        self.capacity = Capacity(scheduler.config.num_slots, pool.num_pages, pool.page_size,
+                                 shares_prompts=pool.cache is not None)
         self.lock = lock or threading.RLock()  # scheduler state; taken before _cond's lock
         # the hand-over queues: submit and cancel never wait for a step to end
         self._cond = threading.Condition()

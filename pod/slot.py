@@ -80,6 +80,8 @@ class ParkState:
     host_kv: torch.Tensor | None = None  # swap: the pages, [layers, pages, 2, ps, Hkv, D]
     host_bytes: int = 0
     swapped_tokens: int = 0  # num_computed at the moment of a swap park
+    # swap: leading pages left in the pool because others held them too (host_kv starts after)
+    resident_pages: int = 0
     # prefix cache: the full pages its park released into the cache, those a resume found
     # there again, and (while a resume copy is in flight) the ones it holds meanwhile
     cached_pages: list[int] = field(default_factory=list)

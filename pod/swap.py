@@ -8,9 +8,13 @@ return: until it lands the sequence is busy (neither scheduled nor chosen), its 
 stay allocated and its host buffer stays charged; a cancel mid-copy is honoured once it lands.
 
 With a prefix cache the victim's full pages also stay in the pool as cached pages when it lets
-go of them. A resume takes back whatever of them is still cached; a swapped sequence then copies
-back only the rest (its own pages only, so a swap stays exact on any device), and a recomputed
-one replays only from the first page the cache lost (often just its partial last page).
+go of them. A swap copies only the pages after its leading *resident* ones (shared with a running
+sequence, e.g. an `n > 1` sibling or a common system prompt, so they stay in the pool). A resume
+takes back whatever of its own pages is still cached; a swapped sequence then copies back only
+the rest (its own pages only, so a swap stays exact on any device), and a recomputed one
+replays only from the first page the cache lost (often just its partial last page). Should a
+resident page be lost while parked (its other holders finished and it was evicted), the host
+copy cannot fill the hole and the resume replays from there instead.
 """
 
 from __future__ import annotations
@@ -145,17 +149,23 @@ class Swapper:
         """
         started = time.perf_counter()
         self._offer_full_pages(seq)
-        pages = seq.page_table
-        num_bytes = self.pool.swap_bytes(len(pages))
+        resident = self._num_resident(seq)
+        pages, copied = seq.page_table, seq.page_table[resident:]
+        num_bytes = self.pool.swap_bytes(len(copied))
         mode = policy.choose_mode(num_bytes, self.host.budget_bytes, self.host.held_bytes)
-        ticket = self._start_park_copy(seq, num_bytes) if mode is PreemptMode.SWAP else None
+        ticket = None
+        if mode is PreemptMode.SWAP and copied:  # nothing to copy: parked by the cache alone
+            ticket = self._start_park_copy(seq, copied, num_bytes)
         if ticket is None:
             mode = PreemptMode.RECOMPUTE
             seq.parking.replay_until, seq.num_computed = seq.num_computed, 0
+        else:
+            seq.parking.resident_pages = resident
         if ticket is not None and wait:
             self.copy.wait(ticket)
         if ticket is not None and not self.copy.poll(ticket):
-            self.transfers.start(seq, ticket)  # the pages stay allocated until it lands
+            self.pool.free(pages[:resident])
+            self.transfers.start(seq, ticket)  # the copied pages stay allocated until it lands
         else:
             self.pool.free(pages)
             if ticket is not None:
@@ -205,23 +215,35 @@ class Swapper:
             cache.register(page, h)
         seq.parking.cached_pages = seq.page_table[:kept]
 
-    def _start_park_copy(self, seq: Sequence, num_bytes: int) -> Ticket | None:
+    def _num_resident(self, seq: Sequence) -> int:
+        """Leading cached pages someone else holds too: they stay in the pool, uncopied."""
+        num = 0
+        for page in seq.parking.cached_pages:
+            if self.pool.ref_count(page) < 2:
+                break
+            num += 1
+        return num
+
+    def _start_park_copy(self, seq: Sequence, pages: list[int], num_bytes: int
+                         ) -> Ticket | None:
         """The copy into a fresh host buffer, or None where the host refused the buffer."""
         try:
-            seq.parking.host_kv = self.host.allocate(self.pool.swap_shape(len(seq.page_table)),
+            seq.parking.host_kv = self.host.allocate(self.pool.swap_shape(len(pages)),
                                                      self.pool.dtype)
         except HostAllocationError as exc:
             log.warning("seq %s: %s; parking by recompute", seq.request_id, exc)
             self.stats.n_swap_fallbacks += 1
             return None
         seq.parking.host_bytes, seq.parking.swapped_tokens = num_bytes, seq.num_computed
-        return self.copy.start_park(seq.page_table, seq.parking.host_kv)
+        return self.copy.start_park(pages, seq.parking.host_kv)
 
     # ---- resume ------------------------------------------------------------------------------
     def resume(self, seq: Sequence) -> bool:
         """Give a parked sequence its pages back. False while its swap copy is still in flight
         (`reap` reports it once it lands); a recompute park gets its pages step by step."""
         found = self._take_back_cached(seq)
+        if seq.parking.host_kv is not None and len(found) < seq.parking.resident_pages:
+            self._drop_host_copy(seq)  # a resident page was lost: replay from the hole
         if seq.parking.host_kv is None:  # parked by recompute: replay what the cache lost
             seq.page_table, seq.num_computed = found, len(found) * self.pool.page_size
             if seq.parking.replay_until <= seq.num_computed:
@@ -229,7 +251,8 @@ class Swapper:
             return True
         started = time.perf_counter()
         num_pages = self.pool.pages_for(seq.parking.swapped_tokens) - len(found)
-        host_kv = seq.parking.host_kv[:, len(found):]  # the pages the cache lost, and the tail
+        # the pages the cache lost, and the tail (host_kv starts after the resident pages)
+        host_kv = seq.parking.host_kv[:, len(found) - seq.parking.resident_pages:]
         seq.parking.held_pages = found
         ticket = self.copy.start_resume(self.pool.allocate(num_pages), host_kv)
         if not self.copy.poll(ticket):
@@ -237,6 +260,13 @@ class Swapper:
             return False
         self._resume_landed(seq, ticket, started)
         return True
+
+    def _drop_host_copy(self, seq: Sequence) -> None:
+        log.info("seq %s: a page it shared was evicted while parked; replaying from there "
+                 "instead of copying back", seq.request_id)
+        self.host.release(seq.parking.host_kv)
+        seq.parking.host_kv, seq.parking.host_bytes = None, 0
+        seq.parking.replay_until, seq.parking.resident_pages = seq.parking.swapped_tokens, 0
 
     def _take_back_cached(self, seq: Sequence) -> list[int]:
         """The longest prefix of the pages its park released that is still cached, shared
@@ -260,6 +290,7 @@ class Swapper:
         seq.parking.held_pages = []
         self.host.release(seq.parking.host_kv)
         seq.parking.host_kv, seq.parking.host_bytes = None, 0
+        seq.parking.resident_pages = 0
         self.stats.resume_seconds.append(time.perf_counter() - started)
 
     # ---- copies in flight --------------------------------------------------------------------

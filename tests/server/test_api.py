@@ -163,13 +163,15 @@ def test_top_p_zero_at_temperature_one_gives_the_greedy_text(tiny_server):
 
 def test_n_beyond_the_slots_only_needs_the_slots_worth_of_pool(tiny_server):
     """6 sequences of 500 tokens on 4 slots and a 2048-token pool: 4 run side by side (2048
-    tokens), the other 2 take their turn, so the request is accepted and finishes."""
+    tokens, less with their prompt's pages shared), the other 2 take their turn, so the request
+    is accepted and finishes. Four of 740 tokens do not fit even sharing the 18 full prompt
+    pages (18 + 4 x 29 of 128 pages)."""
     body = {"prompt": list(range(100, 400)), "n": 6, "max_tokens": 200, "ignore_eos": True,
             "temperature": 0.8, "seed": 3}
     response = tiny_server.post("/v1/completions", body)
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] == 6 * 200
-    too_long = tiny_server.post("/v1/completions", {**body, "max_tokens": 240})
+    too_long = tiny_server.post("/v1/completions", {**body, "max_tokens": 440})
     assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "n"
 
 

@@ -58,7 +58,8 @@ JSON_CASES = [
     ("/v1/completions", {"prompt": "hi", "n": 4, "max_tokens": 600, "ignore_eos": True}, 400,
      "n"),
     (CHAT, {"messages": MSG, "n": 2, "max_tokens": 600}, 400, "n"),
-    ("/v1/completions", {"prompt": list(range(100, 700)), "n": 2}, 400, "n"),  # no max_tokens
+    # 600 prompt tokens (37 full pages shared by the siblings) + 300 each: 77 of 64 pages
+    ("/v1/completions", {"prompt": list(range(100, 700)), "n": 2, "max_tokens": 300}, 400, "n"),
     ("/completion", {"prompt": "hi", "n_predict": -5}, 400, "n_predict"),
     ("/completion", {"prompt": "hi", "n_predict": 0}, 400, "n_predict"),  # as /openapi.json says
     ("/completion", {"prompt": "hi", "n": 2}, 400, "n"),
@@ -267,3 +268,15 @@ def test_an_exception_in_one_request_spares_the_others():
         assert bad.status_code == 500 and "injected fault" in bad.json()["error"]["message"]
         assert good.status_code == 200 and good.json()["choices"][0]["text"] == alone
         assert s.post("/v1/completions", body).status_code == 200
+
+
+def test_n_siblings_that_fit_only_by_sharing_the_prompt_pages_are_accepted_and_finish(server):
+    """600 prompt tokens + 100 each, n=2, on 64 pages: 88 pages apart, 51 with the prompt's
+    37 full pages shared (the prefix cache is on), so it is admitted and both finish."""
+    body = {"prompt": list(range(100, 700)), "n": 2, "max_tokens": 100, "ignore_eos": True,
+            "temperature": 0.8, "seed": 5}
+    response = server.post("/v1/completions", body)
+    assert response.status_code == 200, response.text
+    data = response.json()
+    assert [c["finish_reason"] for c in data["choices"]] == ["length", "length"]
+    assert data["usage"]["completion_tokens"] == 200

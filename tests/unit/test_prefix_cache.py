@@ -212,3 +212,44 @@ def test_a_recompute_park_on_a_page_boundary_replays_nothing():
     scheduler.resume(seq)
     assert seq.num_computed == 12 and not seq.is_replaying
     assert seq.parking.mode is PreemptMode.CACHED and scheduler.stats.n_recompute_tokens == 0
+
+
+def shared_pair(budget=-1, num_pages=16):
+    """Two sequences whose prompts share two full pages, both run past their prompts."""
+    scheduler, pool, cache = make(num_pages=num_pages, budget=budget)
+    first = make_seq(list(range(1, 11)))
+    scheduler.add(first)
+    run_to(scheduler, first, 11)
+    second = make_seq([*range(1, 9), 50, 51], index=1)
+    scheduler.add(second)
+    run_to(scheduler, second, 14)
+    assert second.page_table[:2] == first.page_table[:2]
+    return scheduler, pool, first, second
+
+
+def test_a_swap_park_copies_only_the_pages_nobody_else_holds():
+    scheduler, pool, first, second = shared_pair()
+    before = kv_bytes(pool, second, 14)
+    assert scheduler.park(second) is PreemptMode.SWAP
+    host = scheduler.swapper.host
+    assert second.parking.resident_pages == 2
+    assert second.parking.host_kv.shape[1] == 2  # its third (full) and fourth (partial) page
+    assert host.held_bytes == pool.swap_bytes(2)
+    scheduler.resume(second)
+    assert second.page_table[:2] == first.page_table[:2] and second.num_computed == 14
+    assert kv_bytes(pool, second, 14) == before and not second.is_replaying
+    assert host.held_bytes == 0
+
+
+def test_a_resident_page_lost_while_parked_is_replayed_not_copied():
+    scheduler, pool, first, second = shared_pair(num_pages=8)
+    before = kv_bytes(pool, second, 14)
+    scheduler.park(second)
+    scheduler.finish(first, reason="stop")  # the shared pages are cached now, then evicted
+    taken = pool.allocate(pool.num_free_pages)
+    pool.free(taken)
+    scheduler.resume(second)
+    assert second.num_computed == 0 and second.parking.replay_until == 14
+    assert scheduler.swapper.host.held_bytes == 0 and second.parking.host_kv is None
+    run_to(scheduler, second, 14)
+    assert kv_bytes(pool, second, 14) == before
