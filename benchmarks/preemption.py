@@ -40,29 +40,40 @@ def first_divergence(a: str, b: str) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def results_cell(model: str, ctx: int, budget: str, args) -> dict:
-    runs = []
+def results_cells(model: str, ctx: int, budget: str, args) -> list[dict]:
+    """One cell per prefix-cache mode; the modes' runs alternate, so they share the machine."""
+    cells = {cache: {"ctx": ctx, "budget": budget, "cache": cache, "runs": []}
+             for cache in args.cache_modes}
     for _ in range(args.runs):
-        with ServerProcess(["-np", "4", "-c", str(ctx), "--preempt-ram", budget,
-                            "--threads", str(args.threads)], model=model) as server:
-            prompts = [long_prompt(i, args.prompt_tokens) for i in range(4)]
-            started = time.perf_counter()
-            with cf.ThreadPoolExecutor(4) as pool:
-                chats = list(pool.map(lambda p: stream_chat(server.url, p, args.max_tokens),
-                                      prompts))
-            wall = time.perf_counter() - started
-            m = server.metrics()
-        tokens = sum(c.completion_tokens for c in chats)
-        runs.append({
-            "completed": sum(c.ok and c.completion_tokens == args.max_tokens for c in chats),
-            "errors": [c.error for c in chats if c.error],
-            "swap": int(m["kvpark:n_preempt_swap_total"]),
-            "recompute": int(m["kvpark:n_preempt_recompute_total"]),
-            "recomputed_tokens": int(m["kvpark:n_recompute_tokens_total"]),
-            "tok_s": tokens / wall,
-        })
-        print(f"  -c {ctx} --preempt-ram {budget}: {runs[-1]}", flush=True)
-    return {"ctx": ctx, "budget": budget, "runs": runs}
+        for cache, cell in cells.items():
+            cell["runs"].append(results_run(model, ctx, budget, cache, args))
+    return list(cells.values())
+
+
+def results_run(model: str, ctx: int, budget: str, cache: str, args) -> dict:
+    flag = "--prefix-cache" if cache == "on" else "--no-prefix-cache"
+    with ServerProcess(["-np", "4", "-c", str(ctx), "--preempt-ram", budget, flag,
+                        "--threads", str(args.threads)], model=model) as server:
+        prompts = [long_prompt(i, args.prompt_tokens) for i in range(4)]
+        started = time.perf_counter()
+        with cf.ThreadPoolExecutor(4) as pool:
+            chats = list(pool.map(lambda p: stream_chat(server.url, p, args.max_tokens),
+                                  prompts))
+        wall = time.perf_counter() - started
+        m = server.metrics()
+    tokens = sum(c.completion_tokens for c in chats)
+    run = {
+        "completed": sum(c.ok and c.completion_tokens == args.max_tokens for c in chats),
+        "errors": [c.error for c in chats if c.error],
+        "swap": int(m["kvpark:n_preempt_swap_total"]),
+        "recompute": int(m["kvpark:n_preempt_recompute_total"]),
+        # of those parks, the ones whose resume found every full page in the prefix cache
+        "cached": int(m.get("kvpark:n_preempt_cached_total", 0)),
+        "recomputed_tokens": int(m["kvpark:n_recompute_tokens_total"]),
+        "tok_s": tokens / wall,
+    }
+    print(f"  -c {ctx} --preempt-ram {budget} cache {cache}: {run}", flush=True)
+    return run
 
 
 def exactness(model: str, args) -> list[dict]:
@@ -182,6 +193,8 @@ def main() -> None:
     p.add_argument("--pools", type=int, nargs=2, default=[3072, 4096])
     # SmolLM2 in fp32 parks 720 KiB per 16-token page: a ~1000-token chat is ~45 MiB
     p.add_argument("--budgets", nargs="+", default=["8192", "64", "16", "0"])
+    p.add_argument("--cache-modes", nargs="+", choices=["on", "off"], default=["on", "off"],
+                   help="run the results table with the prefix cache on, off, or both")
     p.add_argument("--every", type=int, default=50)
     p.add_argument("--exact-tokens", type=int, default=300)
     p.add_argument("--tables", nargs="+",
@@ -196,22 +209,23 @@ def main() -> None:
     report: dict = {"args": vars(args)}
 
     if "results" in args.tables:
-        cells = [results_cell(args.model, ctx, budget, args)
-                 for ctx in args.pools for budget in args.budgets]
+        cells = [cell for ctx in args.pools for budget in args.budgets
+                 for cell in results_cells(args.model, ctx, budget, args)]
         report["results"] = cells
         rows = []
         for cell in cells:
             runs = cell["runs"]
-            rows.append([cell["budget"] + " MiB", cell["ctx"],
+            rows.append([cell["budget"] + " MiB", cell["ctx"], cell["cache"],
                          f"{sum(r['completed'] for r in runs)} of {4 * len(runs)}",
-                         ", ".join(f"{r['swap'] + r['recompute']} ({r['swap']}/{r['recompute']})"
-                                   for r in runs),
+                         ", ".join(f"{r['swap'] + r['recompute']} ({r['swap']}/{r['recompute']}"
+                                   f"/{r['cached']})" for r in runs),
                          ", ".join(str(r["recomputed_tokens"]) for r in runs),
                          ", ".join(f"{r['tok_s']:.1f}" for r in runs),
                          f"{median([r['tok_s'] for r in runs]):.1f}"])
         print(f"\n4 concurrent streaming chats, ~{args.prompt_tokens}-token prompts, "
               f"{args.max_tokens} generated each, temperature 0")
-        print_table(["--preempt-ram", "-c", "completed", "parks (swap/recompute)",
+        print_table(["--preempt-ram", "-c", "prefix cache", "completed",
+                     "parks (swap/recompute/cached of them)",
                      "recomputed tokens", "aggregate tok/s", "median"], rows)
     if "exactness" in args.tables:
         report["exactness"] = exactness(args.model, args)
