@@ -438,6 +438,7 @@ def parse_llama_completion(body: dict, tokenizer: Tokenizer, limits: InputLimits
 
 
 MAX_BATCH_PROMPTS = 64  # prompts in one /v1/completions request (vLLM has no cap; a bound)
+MAX_BATCH_CHOICES = 256  # prompts x n: what one request may put in the queue
 
 
 def _batch_prompts(body: dict) -> list[Any] | None:
@@ -463,6 +464,10 @@ def parse_completions(body: dict, tokenizer: Tokenizer, limits: InputLimits
         raise _bad("prompt", f"{len(prompts)} prompts; at most {MAX_BATCH_PROMPTS} are accepted "
                    "in one request")
     check_fields(body, "completion")
+    n = _integer(body, "n", 1, 1, MAX_N) or 1
+    if len(prompts) * n > MAX_BATCH_CHOICES:
+        raise _bad("n", f"{len(prompts)} prompts x n={n} choices; at most {MAX_BATCH_CHOICES} "
+                   "in one request")
     common = dict(kind="completion",
                   params=sampling_params(body, limits.max_context, ("max_tokens",)),
                   stream=_boolean(body, "stream", False), include_usage=_include_usage(body),
