@@ -92,8 +92,8 @@ class Server:
                 self.on_load_failed()
                 return
         self.stack.engine.start()
-        log.info("serving %s on http://%s:%d", self.stack.model_name, self.args.host,
-                 self.args.port)
+        log.info("serving %s as %s on http://%s:%d", self.stack.model_name,
+                 ", ".join(self.served_names(self.stack)), self.args.host, self.args.port)
 
     def stop(self) -> None:
         if self.stack is not None:

@@ -185,8 +185,8 @@ def build_stack(args: ServerArgs) -> ServingStack:
     log.info("loading model %s on %s (%s); the server answers 503 until it is ready",
              args.model or "builtin://smollm2-135m", device, dtype)
     loaded: LoadedModel = load_model_files(args.model, device=device, dtype=dtype)
-    stages.done(f"read {loaded.source}: {len(loaded.weights)} tensors, "
-                f"{len(loaded.quantized)} kept as quantised blocks")
+    stages.done(f"weights read: {len(loaded.weights)} tensors, {len(loaded.quantized)} also "
+                "kept as quantised blocks")
     config = loaded.config
     blocks = pick_blocks(args, loaded, device, dtype)  # builds the C kernel on first use
     stages.done("quantised-linear kernel checked" if loaded.quantized else "weights checked")
@@ -205,7 +205,7 @@ def build_stack(args: ServerArgs) -> ServingStack:
     pool = KVPool(config.num_layers, pick_num_pages(args, config, dtype, device), args.page_size,
                   config.num_kv_heads, config.head_dim, dtype=dtype, device=device, cache=cache)
     backend = pick_backend(args, device, config, dtype)
-    stages.done(f"attention backend {backend.name} ready")
+    stages.done(f"attention kernel ready ({backend.name}; a C kernel is compiled on first use)")
     graphs = None
     if args.cuda_graph and device.type == "cuda" and hasattr(backend, "plan_graph"):
         from .cuda_graphs import DecodeGraphRunner
