@@ -130,7 +130,8 @@ class Metrics:
         self.registry = CollectorRegistry()
         self.registry.register(SchedulerCollector(scheduler, lock or threading.RLock(),
                                                   model_name))
-        self.last_token_at: dict[int, float] = {}  # seq_id -> when its latest token came
+        # seq_id -> (when its latest token came, tokens generated then)
+        self.last_token_at: dict[int, tuple[float, int]] = {}
         r = self.registry
         self.prompt_tokens = Counter("kvpark:prompt_tokens", "Prompt tokens received",
                                      registry=r)
@@ -184,21 +185,20 @@ class Metrics:
                 histogram.observe(observed.pop())
 
     def observe_tokens(self, plan: list[ScheduledSeq]) -> None:
-        """Inter-token latency: per sampled token, the time since the sequence's previous one.
-        Runs after the step's finishes: a finished sequence's entry goes here."""
+        """Inter-token latency: per new token, the time since the sequence's previous one.
+        Runs after the step's postprocessing (which may have finished a sequence): new tokens
+        are counted, not read from the plan."""
         now = time.monotonic()
         for item in plan:
             seq = item.seq
-            if not item.samples or seq.first_token_at is None:
-                continue
-            last = self.last_token_at.get(seq.seq_id)
-            if last is not None:
-                self.itl.observe(now - last)
-                self.vllm.itl.observe(now - last)
+            seen = self.last_token_at.get(seq.seq_id)
+            if seen is not None and seq.num_generated > seen[1]:
+                self.itl.observe(now - seen[0])
+                self.vllm.itl.observe(now - seen[0])
             if seq.is_finished:
                 self.last_token_at.pop(seq.seq_id, None)
-            else:
-                self.last_token_at[seq.seq_id] = now
+            elif seq.num_generated and (seen is None or seq.num_generated > seen[1]):
+                self.last_token_at[seq.seq_id] = (now, seq.num_generated)
 
     def on_finish(self, seq: Sequence) -> None:
         outcome = "error" if seq.failed else seq.finish_reason.value
