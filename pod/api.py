@@ -38,6 +38,7 @@ from .protocol import ApiError, GenerationRequest, InputLimits
 from .sampling import SamplingParams
 from .server import ServingStack, build_stack
 from .slot import CONTEXT_EXCEEDED, FinishReason, SlotView
+from .text_output import token_piece
 
 log = logging.getLogger("kvpark.api")
 
@@ -208,8 +209,7 @@ class Server:
         if len(content) > self.limits(stack).max_prompt_chars:
             raise ApiError(400, f"'content': more than {self.limits(stack).max_prompt_chars} "
                            "characters (--max-prompt-chars)", param="content")
-        add_special = protocol._boolean(body, "add_special", False)
-        with_pieces = protocol._boolean(body, "with_pieces", False)
+        add_special, with_pieces = flag(body, "add_special"), flag(body, "with_pieces")
         tokenizer = stack.tokenizer
         ids = await run_in_threadpool(tokenizer.encode, content, add_special)
         if not with_pieces:
@@ -447,28 +447,12 @@ def merge_streams(streams: list[RequestStream]) -> RequestStream:
     return first
 
 
-def token_piece(tokenizer: Tokenizer, token_id: int) -> str | list[int]:
-    """llama.cpp's piece: the token's text, or its bytes where they are not whole UTF-8."""
-    text = tokenizer.token_text(token_id)
-    if "\ufffd" not in text:
-        return text
-    raw = tokenizer.backend.id_to_token(token_id) or ""
-    if all(ch in BYTE_LEVEL for ch in raw):  # byte-level BPE spells bytes as characters
-        return [BYTE_LEVEL[ch] for ch in raw]
-    return list(text.encode("utf-8"))
-
-
-def byte_level_table() -> dict[str, int]:
-    """GPT-2's byte <-> character table, character -> byte."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-            *range(ord("®"), ord("ÿ") + 1)]
-    shifted = [b for b in range(256) if b not in keep]
-    table = {chr(b): b for b in keep}
-    table.update({chr(256 + i): b for i, b in enumerate(shifted)})
-    return table
-
-
-BYTE_LEVEL = byte_level_table()
+def flag(body: dict[str, Any], name: str) -> bool:
+    value = body.get(name, False)
+    if not isinstance(value, bool):
+        raise ApiError(400, f"'{name}': expected true or false, got {protocol.shown(value)}",
+                       param=name)
+    return value
 
 
 def special_text(tokenizer: Tokenizer, token_id: int | None) -> str:

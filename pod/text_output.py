@@ -158,3 +158,27 @@ class TextOutput:
         if delta:
             self._emitted.append(delta)
         return delta
+
+
+def token_piece(tokenizer: Tokenizer, token_id: int) -> str | list[int]:
+    """llama.cpp's piece: the token's text, or its bytes where they are not whole UTF-8."""
+    text = tokenizer.token_text(token_id)
+    if "\ufffd" not in text:
+        return text
+    raw = tokenizer.backend.id_to_token(token_id) or ""
+    if all(ch in BYTE_LEVEL for ch in raw):  # byte-level BPE spells bytes as characters
+        return [BYTE_LEVEL[ch] for ch in raw]
+    return list(text.encode("utf-8"))
+
+
+def byte_level_table() -> dict[str, int]:
+    """GPT-2's byte <-> character table, character -> byte."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in keep]
+    table = {chr(b): b for b in keep}
+    table.update({chr(256 + i): b for i, b in enumerate(shifted)})
+    return table
+
+
+BYTE_LEVEL = byte_level_table()
