@@ -22,7 +22,8 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
-from workload import ServerProcess, median, print_table, write_json
+from plotting import LATENCY_HEADERS, latency_cells, latency_summary, plot_latency
+from workload import ServerProcess, gaps, median, print_table, write_json
 
 WORDS = ("river stone lantern orchard harbor meadow copper violin thunder pebble garden "
          "compass window ladder candle forest marble bridge feather canyon island mirror "
@@ -47,6 +48,7 @@ def chat_turn(url: str, conv: Conversation, text: str, max_tokens: int) -> dict:
             "stream_options": {"include_usage": True}}
     started = time.perf_counter()
     ttft, parts, usage, error = None, [], {}, None
+    arrivals: list[float] = []  # of each chunk with text
     try:
         with httpx.stream("POST", f"{url}/v1/chat/completions", json=body,
                           timeout=1800) as response:
@@ -58,6 +60,8 @@ def chat_turn(url: str, conv: Conversation, text: str, max_tokens: int) -> dict:
                 chunk = json.loads(line[6:])
                 for choice in chunk.get("choices", []):
                     content = choice.get("delta", {}).get("content")
+                    if content:
+                        arrivals.append(time.perf_counter())
                     if content and ttft is None:
                         ttft = time.perf_counter() - started
                     parts.append(content or "")
@@ -66,7 +70,8 @@ def chat_turn(url: str, conv: Conversation, text: str, max_tokens: int) -> dict:
         error = f"{type(exc).__name__}: {exc}"
     conv.messages.append({"role": "assistant", "content": "".join(parts)})
     details = usage.get("prompt_tokens_details") or {}
-    turn = {"ttft": ttft, "seconds": time.perf_counter() - started, "error": error,
+    turn = {"ttft": ttft, "itl": gaps(arrivals), "seconds": time.perf_counter() - started,
+            "error": error,
             "prompt_tokens": usage.get("prompt_tokens", 0),
             "completion_tokens": usage.get("completion_tokens", 0),
             "cached_tokens": details.get("cached_tokens", 0)}
@@ -113,20 +118,25 @@ def main() -> None:
     finally:
         for server in servers.values():
             server.stop()
-    rows = []
+    rows, latency, series = [], {}, {}
     for name in targets:
         turns = [c.turns for c in convs[name]]
+        series[name] = ([d["ttft"] for ts in turns for d in ts if d["ttft"] is not None],
+                        [g for ts in turns for d in ts for g in d["itl"]])
+        latency[name] = latency_summary(*series[name])
         tokens = sum(d["completion_tokens"] for ts in turns for d in ts)
         errors = sum(d["error"] is not None for ts in turns for d in ts)
         ttfts = [median([ts[t]["ttft"] or 0 for ts in turns]) * 1e3 for t in range(args.turns)]
         rows.append([name, f"{walls[name]:.1f}", f"{tokens / walls[name]:.1f}", errors,
-                     *(f"{v:.0f}" for v in ttfts)])
+                     *(f"{v:.0f}" for v in ttfts), *latency_cells(latency[name])])
     print(f"\n{args.conversations} conversations x {args.turns} turns, ~{args.words} new words "
           f"per turn, 48-64 generated; kvpark {args.launch}, model {args.model}")
     print_table(["target", "wall s", "gen tok/s", "errors",
-                 *(f"ttft ms t{t + 1}" for t in range(args.turns))], rows)
-    write_json(args.out, {"args": vars(args), "wall_seconds": walls,
+                 *(f"ttft ms t{t + 1}" for t in range(args.turns)), *LATENCY_HEADERS], rows)
+    write_json(args.out, {"args": vars(args), "wall_seconds": walls, "latency": latency,
                           "turns": {n: [c.turns for c in convs[n]] for n in targets}})
+    plot_latency(args.out, series, f"multiturn: {args.conversations} conversations x "
+                 f"{args.turns} turns")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import re
 import statistics
 import time
 
+from plotting import LATENCY_HEADERS, latency_cells, latency_summary, plot_latency
 from workload import (
     ServerProcess,
     long_prompt,
@@ -65,6 +66,8 @@ def results_run(model: str, ctx: int, budget: str, cache: str, args) -> dict:
     run = {
         "completed": sum(c.ok and c.completion_tokens == args.max_tokens for c in chats),
         "errors": [c.error for c in chats if c.error],
+        "ttft": [c.ttft for c in chats if c.ttft is not None],
+        "itl": [g for c in chats for g in c.itl],
         "swap": int(m["kvpark:n_preempt_swap_total"]),
         "recompute": int(m["kvpark:n_preempt_recompute_total"]),
         # of those parks, the ones whose resume found every full page in the prefix cache
@@ -178,6 +181,8 @@ def watermarks(args) -> list[dict]:
                      "parks": int(m["kvpark:n_preempt_total"]),
                      "early_parks": int(m["kvpark:n_preempt_watermark_total"]),
                      "refused_restores": int(m["kvpark:n_restore_refused_watermark_total"]),
+                     "latency": latency_summary([c.ttft for c in chats if c.ttft is not None],
+                                                [g for c in chats for g in c.itl]),
                      "tok_s": sum(c.completion_tokens for c in chats) / wall})
         print(f"  watermarks {label}: {rows[-1]}", flush=True)
     return rows
@@ -212,21 +217,27 @@ def main() -> None:
         cells = [cell for ctx in args.pools for budget in args.budgets
                  for cell in results_cells(args.model, ctx, budget, args)]
         report["results"] = cells
-        rows = []
+        rows, series = [], {}
         for cell in cells:
             runs = cell["runs"]
+            name = f"{cell['budget']} MiB, -c {cell['ctx']}, cache {cell['cache']}"
+            series[name] = ([t for r in runs for t in r["ttft"]],
+                            [t for r in runs for t in r["itl"]])
+            cell["latency"] = latency_summary(*series[name])
             rows.append([cell["budget"] + " MiB", cell["ctx"], cell["cache"],
                          f"{sum(r['completed'] for r in runs)} of {4 * len(runs)}",
                          ", ".join(f"{r['swap'] + r['recompute']} ({r['swap']}/{r['recompute']}"
                                    f"/{r['cached']})" for r in runs),
                          ", ".join(str(r["recomputed_tokens"]) for r in runs),
                          ", ".join(f"{r['tok_s']:.1f}" for r in runs),
-                         f"{median([r['tok_s'] for r in runs]):.1f}"])
+                         f"{median([r['tok_s'] for r in runs]):.1f}",
+                         *latency_cells(cell["latency"])])
         print(f"\n4 concurrent streaming chats, ~{args.prompt_tokens}-token prompts, "
               f"{args.max_tokens} generated each, temperature 0")
         print_table(["--preempt-ram", "-c", "prefix cache", "completed",
-                     "parks (swap/recompute/cached of them)",
-                     "recomputed tokens", "aggregate tok/s", "median"], rows)
+                     "parks (swap/recompute/cached of them)", "recomputed tokens",
+                     "aggregate tok/s", "median", *LATENCY_HEADERS], rows)
+        plot_latency(args.out, series, "preemption results: --preempt-ram x pool x cache")
     if "exactness" in args.tables:
         report["exactness"] = exactness(args.model, args)
         print(f"\nexactness: one request at a time, KVPARK_PREEMPT_EVERY={args.every}")
@@ -262,9 +273,10 @@ def main() -> None:
         report["watermarks"] = rows
         print(f"\nwatermarks: the results workload at -c {args.pools[0]}")
         print_table(["watermarks", "completed", "parks", "early parks", "refused restores",
-                     "tok/s"],
+                     "tok/s", *LATENCY_HEADERS],
                     [[r["watermarks"], f"{r['completed']} of 4", r["parks"], r["early_parks"],
-                      r["refused_restores"], f"{r['tok_s']:.1f}"] for r in rows])
+                      r["refused_restores"], f"{r['tok_s']:.1f}", *latency_cells(r["latency"])]
+                     for r in rows])
     write_json(args.out, report)
 
 

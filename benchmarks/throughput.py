@@ -17,6 +17,7 @@ import concurrent.futures as cf
 import shlex
 import time
 
+from plotting import LATENCY_HEADERS, latency_cells, latency_summary, plot_latency
 from workload import ServerProcess, long_prompt, median, print_table, stream_chat, write_json
 
 
@@ -31,7 +32,9 @@ def run_round(url: str, concurrency: int, prompt_tokens: int, max_tokens: int,
     tokens = sum(r.completion_tokens for r in results)
     return {"concurrency": concurrency, "completed": sum(r.ok for r in results),
             "tokens": tokens, "seconds": wall, "tok_s": tokens / wall,
-            "errors": [r.error for r in results if r.error]}
+            "errors": [r.error for r in results if r.error],
+            "ttft": [r.ttft for r in results if r.ttft is not None],
+            "itl": [gap for r in results for gap in r.itl]}
 
 
 def main() -> None:
@@ -73,25 +76,32 @@ def main() -> None:
     finally:
         if server is not None:
             server.stop()
-    rows = []
+    rows, latency, series = [], {}, {}
+    for (name, concurrency), runs in measured.items():  # all rounds' samples together
+        series[f"{name} x{concurrency}"] = ([t for r in runs for t in r["ttft"]],
+                                            [t for r in runs for t in r["itl"]])
+        latency[f"{name}x{concurrency}"] = latency_summary(*series[f"{name} x{concurrency}"])
     for concurrency in args.concurrency:
         ours = median([r["tok_s"] for r in measured[("kvpark", concurrency)]])
         done = sum(r["completed"] for r in measured[("kvpark", concurrency)])
-        row = [concurrency, f"{done}/{concurrency * args.rounds}", f"{ours:.1f}"]
+        row = [concurrency, f"{done}/{concurrency * args.rounds}", f"{ours:.1f}",
+               *latency_cells(latency[f"kvparkx{concurrency}"])]
         if args.peer:
             theirs = median([r["tok_s"] for r in measured[("peer", concurrency)]])
             peer_done = sum(r["completed"] for r in measured[("peer", concurrency)])
             row += [f"{peer_done}/{concurrency * args.rounds}", f"{theirs:.1f}",
                     f"{ours / theirs:.2f}x" if theirs else "n/a"]
         rows.append(row)
-    headers = ["chats", "completed", "kvpark tok/s"]
+    headers = ["chats", "completed", "kvpark tok/s", *LATENCY_HEADERS]
     if args.peer:
         headers += ["peer completed", "peer tok/s", "ratio"]
     print(f"\nprompt ~{args.prompt_tokens} tokens, {args.max_tokens} generated per chat, "
           f"median of {args.rounds} round(s)")
     print_table(headers, rows)
-    write_json(args.out, {"args": vars(args), "rounds": {f"{k[0]}x{k[1]}": v
-                                                          for k, v in measured.items()}})
+    write_json(args.out, {"args": vars(args), "latency": latency,
+                          "rounds": {f"{k[0]}x{k[1]}": v for k, v in measured.items()}})
+    plot_latency(args.out, series, f"throughput: ~{args.prompt_tokens}-token prompts, "
+                 f"{args.max_tokens} generated")
 
 
 if __name__ == "__main__":

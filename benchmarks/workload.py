@@ -6,7 +6,7 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
@@ -43,6 +43,8 @@ class ChatResult:
     text: str
     error: str | None
     seconds: float
+    ttft: float | None = None  # seconds to the first text
+    itl: list[float] = field(default_factory=list)  # seconds between consecutive text chunks
 
 
 def stream_chat(base_url: str, prompt: str, max_tokens: int, timeout: float = 1800,
@@ -52,6 +54,7 @@ def stream_chat(base_url: str, prompt: str, max_tokens: int, timeout: float = 18
             "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
     started = time.perf_counter()
     text, tokens, error = [], 0, None
+    arrivals: list[float] = []  # of each chunk with text: one token each, bar held-back text
     try:
         with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body,
                           timeout=timeout) as response:
@@ -66,13 +69,21 @@ def stream_chat(base_url: str, prompt: str, max_tokens: int, timeout: float = 18
                     error = chunk["error"]["message"]
                     continue
                 for choice in chunk.get("choices", []):
-                    text.append(choice.get("delta", {}).get("content") or "")
+                    content = choice.get("delta", {}).get("content") or ""
+                    if content:
+                        arrivals.append(time.perf_counter())
+                    text.append(content)
                 if chunk.get("usage"):
                     tokens = chunk["usage"]["completion_tokens"]
     except httpx.HTTPError as exc:
         error = f"{type(exc).__name__}: {exc}"
     return ChatResult(error is None, tokens, "".join(text), error,
-                      time.perf_counter() - started)
+                      time.perf_counter() - started,
+                      arrivals[0] - started if arrivals else None, gaps(arrivals))
+
+
+def gaps(times: list[float]) -> list[float]:
+    return [b - a for a, b in zip(times, times[1:])]
 
 
 def median(values: list[float]) -> float:

@@ -1,4 +1,5 @@
-"""Starlette routes: OpenAI chat/completions, llama.cpp /completion, /health, /slots, /metrics.
+"""Starlette routes: OpenAI chat/completions, llama.cpp /completion, /health, /slots, /metrics,
+/tokenize, /detokenize, /props.
 
 Routes, admission and the server's lifecycle. The engine runs on its own thread and is reached
 through its facade only (`engine.py`); `bridge.py` carries a request's events from that thread
@@ -20,6 +21,8 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -29,14 +32,18 @@ from . import protocol
 from .args import ServerArgs
 from .bridge import RequestStream, SSEResponse, StreamEvent, wait_disconnect
 from .formats import failure, get_format
+from .model.tokenizer import Tokenizer
 from .openapi import get_openapi
 from .protocol import ApiError, GenerationRequest, InputLimits
+from .sampling import SamplingParams
 from .server import ServingStack, build_stack
 from .slot import CONTEXT_EXCEEDED, FinishReason, SlotView
+from .text_output import token_piece
 
 log = logging.getLogger("kvpark.api")
 
 OPEN_PATHS = {"/health", "/metrics", "/openapi.json"}
+QUIET_PATHS = {"/health", "/metrics"}  # polled every few seconds: access-logged at DEBUG only
 DRAIN_GRACE_SECONDS = 5.0  # after the shutdown timeout: for the final error events to go out
 SHUT_DOWN = "the server shut down before this request finished"
 NOTICES = {StreamEvent.PARKED: "preempted", StreamEvent.RESUMED: "resumed",
@@ -86,8 +93,8 @@ class Server:
                 self.on_load_failed()
                 return
         self.stack.engine.start()
-        log.info("serving %s on http://%s:%d", self.stack.model_name, self.args.host,
-                 self.args.port)
+        log.info("serving %s as %s on http://%s:%d", self.stack.model_name,
+                 ", ".join(self.served_names(self.stack)), self.args.host, self.args.port)
 
     def stop(self) -> None:
         if self.stack is not None:
@@ -164,12 +171,100 @@ class Server:
     def busy(self) -> bool:
         return self.num_open > 0 or (self.stack is not None and self.stack.engine.busy)
 
+    def served_names(self, stack: ServingStack) -> tuple[str, ...]:
+        return self.args.served_model_name or (stack.model_name,)
+
+    def model_name(self, stack: ServingStack) -> str:
+        """What responses echo in `model` (the first served name, as vLLM does)."""
+        return self.served_names(stack)[0]
+
+    def model_card(self, stack: ServingStack, name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "kvpark",
+                "root": stack.model_path, "parent": None, "max_model_len": stack.max_context}
+
     async def models(self, request: Request) -> Response:
         self.check_auth(request)
         stack = self.ready_stack()
-        return JSONResponse({"object": "list", "data": [{
-            "id": stack.model_name, "object": "model", "created": self.created,
-            "owned_by": "kvpark", "max_model_len": stack.max_context}]})
+        return JSONResponse({"object": "list", "data": [
+            self.model_card(stack, name) for name in self.served_names(stack)]})
+
+    async def model(self, request: Request) -> Response:
+        self.check_auth(request)
+        stack = self.ready_stack()
+        name = request.path_params["model_id"]
+        if name not in self.served_names(stack):
+            raise ApiError(404, f"The model '{protocol.clip(name)}' does not exist (served: "
+                           f"{', '.join(self.served_names(stack))})", param="model",
+                           error_type="not_found_error")
+        return JSONResponse(self.model_card(stack, name))
+
+    async def tokenize(self, request: Request) -> Response:
+        """llama.cpp's /tokenize: {"content", "add_special", "with_pieces"} -> {"tokens"}."""
+        self.check_auth(request)
+        stack = self.ready_stack()
+        body = await self.read_json(request)
+        content = body.get("content")
+        if not isinstance(content, str):
+            raise ApiError(400, "'content': expected a string", param="content")
+        if len(content) > self.limits(stack).max_prompt_chars:
+            raise ApiError(400, f"'content': more than {self.limits(stack).max_prompt_chars} "
+                           "characters (--max-prompt-chars)", param="content")
+        add_special, with_pieces = flag(body, "add_special"), flag(body, "with_pieces")
+        tokenizer = stack.tokenizer
+        ids = await run_in_threadpool(tokenizer.encode, content, add_special)
+        if not with_pieces:
+            return JSONResponse({"tokens": ids})
+        return JSONResponse({"tokens": [{"id": i, "piece": token_piece(tokenizer, i)}
+                                        for i in ids]})
+
+    async def detokenize(self, request: Request) -> Response:
+        """llama.cpp's /detokenize: {"tokens"} -> {"content"}, special tokens as their text."""
+        self.check_auth(request)
+        stack = self.ready_stack()
+        body = await self.read_json(request)
+        tokens = body.get("tokens")
+        vocab = stack.tokenizer.vocab_size
+        if not isinstance(tokens, list) or not all(
+                type(t) is int and 0 <= t < vocab for t in tokens):
+            raise ApiError(400, f"'tokens': expected a list of token ids in [0, {vocab})",
+                           param="tokens")
+        text = await run_in_threadpool(stack.tokenizer.decode, tokens, False)
+        return JSONResponse({"content": text})
+
+    async def props(self, request: Request) -> Response:
+        """llama.cpp's /props: what a client needs to know before it sends a request."""
+        self.check_auth(request)
+        stack = self.ready_stack()
+        defaults = SamplingParams()
+        return JSONResponse({
+            "default_generation_settings": {
+                "id": 0, "id_task": -1, "n_ctx": slot_share(stack), "speculative": False,
+                "is_processing": False, "model": self.model_name(stack),
+                "params": {"n_predict": -1, "temperature": defaults.temperature,
+                           "top_k": defaults.top_k, "top_p": defaults.top_p,
+                           "min_p": defaults.min_p, "seed": -1, "stop": [],
+                           "ignore_eos": defaults.ignore_eos, "stream": False}},
+            "total_slots": stack.engine.capacity.num_slots,
+            "model_path": stack.model_path,
+            "model_alias": self.model_name(stack),
+            "chat_template": stack.tokenizer.chat_template or "",
+            "bos_token": special_text(stack.tokenizer, stack.tokenizer.bos_token_id),
+            "eos_token": special_text(stack.tokenizer, stack.tokenizer.eos_token_id),
+            "build_info": f"kvpark {build_version()}",
+            "modalities": {"vision": False, "audio": False},
+        })
+
+    async def embeddings(self, request: Request) -> Response:
+        self.check_auth(request)
+        stack = self.ready_stack()
+        # as vLLM answers a generation model: 400, not a 404 that reads as a wrong URL
+        raise ApiError(400, f"The model does not support Embeddings API: "
+                       f"{self.model_name(stack)} is a text generation model", param="model")
+
+    async def read_json(self, request: Request) -> dict[str, Any]:
+        raw = await read_body(request, self.args.max_body_bytes, self.args.timeout_body,
+                              self.aborted)
+        return protocol.decode_body(raw)
 
     async def openapi(self, request: Request) -> Response:
         stack = self.ready_stack()
@@ -242,15 +337,16 @@ class Server:
             raw = await read_body(request, self.args.max_body_bytes, self.args.timeout_body,
                                   self.aborted)
             with stack.metrics.preparing.track_inprogress():  # templating, tokenising: off loop
-                gen = await run_in_threadpool(protocol.parse_request, kind, raw,
-                                              stack.tokenizer, self.limits(stack))
-            self.check_fits(stack, gen)
+                gens = await run_in_threadpool(protocol.parse_requests, kind, raw,
+                                               stack.tokenizer, self.limits(stack))
+            for i, gen in enumerate(gens):
+                self.check_fits(stack, gen, f"[{i}]" if len(gens) > 1 else "")
             if self.aborting:
                 raise ApiError(503, SHUT_DOWN, error_type="unavailable",
                                headers={"Connection": "close"})
-            stream = RequestStream(asyncio.get_running_loop(), stack.tokenizer, gen,
-                                   f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-"
-                                   f"{uuid.uuid4().hex}")
+            request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+            stream = merge_streams([RequestStream(asyncio.get_running_loop(), stack.tokenizer,
+                                                  gen, request_id) for gen in gens])
             stack.engine.submit(stream.seqs)
             return stream
         finally:
@@ -260,8 +356,9 @@ class Server:
         return InputLimits.of(stack.max_context, self.args.max_messages,
                               self.args.max_prompt_chars)
 
-    def check_fits(self, stack: ServingStack, gen: GenerationRequest) -> None:
-        """Refuse up front what could never finish, even alone in the pool (as vLLM does)."""
+    def check_fits(self, stack: ServingStack, gen: GenerationRequest, which: str = "") -> None:
+        """Refuse up front what could never finish, even alone in the pool (as vLLM does).
+        `which`: the prompt's place in a batched `prompt` ("[2]")."""
         room = stack.engine.capacity
         capacity = room.tokens
         limit = min(capacity, stack.max_context)
@@ -269,7 +366,7 @@ class Server:
         if prompt + 1 > limit:
             raise ApiError(400, f"{CONTEXT_EXCEEDED} The prompt has {prompt} tokens; one "
                            f"request can hold {limit} here (pool {capacity}).",
-                           param="messages" if gen.kind == "chat" else "prompt")
+                           param="messages" if gen.kind == "chat" else f"prompt{which}")
         max_tokens = gen.params.max_tokens
         if max_tokens is not None and prompt + max_tokens > limit:
             name = {"chat": "max_tokens", "completion": "max_tokens", "llama": "n_predict"}
@@ -300,11 +397,11 @@ class Server:
         failed = [seq for seq in stream.seqs if seq.failed]
         if failed:
             return error_response(failure(failed[0]))
-        return JSONResponse(get_format(stack.model_name, stream).body())
+        return JSONResponse(get_format(self.model_name(stack), stream).body())
 
     async def stream_events(self, stack: ServingStack, stream: RequestStream
                             ) -> AsyncIterator[str]:
-        fmt = get_format(stack.model_name, stream)
+        fmt = get_format(self.model_name(stack), stream)
         finished = 0
         opened = False
         try:
@@ -332,6 +429,61 @@ class Server:
             if finished < len(stream.seqs):  # the client went away: free slot, pages, host RAM
                 for seq in stream.seqs:
                     stack.engine.cancel(seq)
+
+
+def merge_streams(streams: list[RequestStream]) -> RequestStream:
+    """A batched `prompt` as one stream: prompt p's j-th choice is choice p * n + j (OpenAI's
+    order), and all of them report to the first stream's queue."""
+    first = streams[0]
+    n = first.request.params.n
+    for p, stream in enumerate(streams[1:], 1):
+        for seq in stream.seqs:
+            seq.index = p * n + seq.index
+            seq.request_id = f"{first.request_id}/{seq.index}"
+            seq.on_event = first.on_event
+            first.seqs.append(seq)
+    if len(streams) > 1 and n == 1:
+        first.seqs[0].request_id = f"{first.request_id}/0"
+    return first
+
+
+def flag(body: dict[str, Any], name: str) -> bool:
+    value = body.get(name, False)
+    if not isinstance(value, bool):
+        raise ApiError(400, f"'{name}': expected true or false, got {protocol.shown(value)}",
+                       param=name)
+    return value
+
+
+def special_text(tokenizer: Tokenizer, token_id: int | None) -> str:
+    return "" if token_id is None else tokenizer.token_text(token_id)
+
+
+def build_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvpark")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+class QuietPolls(logging.Filter):
+    """Drops access-log lines of /health and /metrics polls unless the log level is DEBUG."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if not isinstance(args, tuple) or len(args) < 3 or not isinstance(args[2], str):
+            return True
+        if args[2].split("?", 1)[0] not in QUIET_PATHS:
+            return True
+        return logging.getLogger("kvpark").isEnabledFor(logging.DEBUG)
+
+
+def quiet_polls() -> None:
+    access = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, QuietPolls) for f in access.filters):
+        access.addFilter(QuietPolls())
 
 
 def from_lines(payloads: list[dict[str, Any]]) -> str:
@@ -404,6 +556,15 @@ def slot_entry(slot_id: int, view: SlotView | None, share: int) -> dict[str, Any
     return entry
 
 
+def cors(origins: tuple[str, ...]) -> list[Middleware]:
+    """--cors-origin: browsers on those origins may call the API (off unless given)."""
+    if not origins:
+        return []
+    return [Middleware(CORSMiddleware, allow_origins=list(origins), allow_methods=["*"],
+                       allow_headers=["*"], allow_credentials="*" not in origins,
+                       max_age=600)]
+
+
 def create_app(args: ServerArgs, stack: ServingStack | None = None) -> Starlette:
     server = Server(args, stack)
 
@@ -430,6 +591,7 @@ def create_app(args: ServerArgs, stack: ServingStack | None = None) -> Starlette
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        quiet_polls()  # after uvicorn configured its loggers
         # load in the background so /health answers 503 while the weights come in
         loading = asyncio.create_task(server.start())
         try:
@@ -443,10 +605,19 @@ def create_app(args: ServerArgs, stack: ServingStack | None = None) -> Starlette
     app = Starlette(
         routes=[
             route("/v1/chat/completions", "chat"),
+            route("/chat/completions", "chat"),
             route("/v1/completions", "completion"),
             route("/completion", "llama"),
-            route("/completions", "llama"),
+            route("/completions", "llama"),  # llama.cpp's alias of /completion, its shape too
             Route("/v1/models", server.models),
+            Route("/models", server.models),
+            Route("/v1/models/{model_id:path}", server.model),
+            Route("/models/{model_id:path}", server.model),
+            Route("/tokenize", server.tokenize, methods=["POST"]),
+            Route("/detokenize", server.detokenize, methods=["POST"]),
+            Route("/props", server.props),
+            Route("/v1/embeddings", server.embeddings, methods=["POST"]),
+            Route("/embeddings", server.embeddings, methods=["POST"]),
             Route("/health", server.health),
             Route("/slots", server.slots),
             Route("/slots/{slot_id}", server.slot_action, methods=["POST"]),
@@ -456,6 +627,7 @@ def create_app(args: ServerArgs, stack: ServingStack | None = None) -> Starlette
         exception_handlers={ApiError: on_api_error, HTTPException: on_http_error,
                             Exception: on_crash},
         lifespan=lifespan,
+        middleware=cors(args.cors_origin),
     )
     app.router.redirect_slashes = False  # its redirect names the client's Host: a JSON 404
     app.state.server = server

@@ -60,6 +60,8 @@ class ServerArgs:
     cuda_graph: bool = True
     gpu_memory_fraction: float = 0.9
     log_level: str = "info"
+    served_model_name: tuple[str, ...] = ()  # (): the model file's name
+    cors_origin: tuple[str, ...] = ()  # (): no CORS headers
     preempt_async: bool = True  # CUDA: swap copies on their own stream (off: synchronous)
     # test only (hidden from --help): faults injected on purpose
     preempt_fail_swap: bool = False  # every host allocation is refused: swaps fall to recompute
@@ -142,77 +144,172 @@ def _fraction(value: str) -> float:
     return number
 
 
+DESCRIPTION = """\
+kvpark-server: an OpenAI- and llama.cpp-compatible LLM server with a paged KV pool whose slots
+are parked (swapped to host RAM or dropped and recomputed) when the pool runs full.
+
+Endpoints: /v1/chat/completions, /v1/completions, /v1/models (also without /v1), /completion,
+/tokenize, /detokenize, /props, /slots, /health, /metrics, /openapi.json.
+"""
+EPILOG = """\
+Every flag also reads KVPARK_<FLAG> from the environment (e.g. KVPARK_CTX_SIZE=4096); flags win.
+A request's `model` field that names no served model is accepted and answered by this model,
+as llama-server does (--served-model-name sets what /v1/models lists and responses echo).
+"""
+DEFAULTS = ServerArgs()
+
+
+def _help(dest: str, text: str, default: object = None) -> str:
+    """llama-server's style: what it does, its default, the environment variable."""
+    shown = getattr(DEFAULTS, dest) if default is None else default
+    if isinstance(shown, bool):
+        shown = "enabled" if shown else "disabled"
+    env = ", ".join(_env_keys(dest))
+    return f"{text} (default: {shown}; env: {env})"
+
+
+def _add(group: argparse._ArgumentGroup, *flags: str, dest: str, text: str,
+         default: object = None, **kw: object) -> None:
+    group.add_argument(*flags, dest=dest, help=_help(dest, text, default), **kw)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="kvpark-server", description=__doc__.splitlines()[0], allow_abbrev=False)
-    p.add_argument("--model", "-m", help="GGUF file, Hugging Face directory, "
-                   "builtin://smollm2-135m (default) or synthetic:NAME")
-    p.add_argument("--host")
-    p.add_argument("--port", type=_port)
-    p.add_argument("--parallel", "-np", type=_positive, help="slots (concurrent sequences)")
-    p.add_argument("--ctx-size", "-c", type=_positive,
-                   help="KV pool size in tokens, shared by all slots (default: 8192 on the CPU, "
-                   "free GPU memory x --gpu-memory-fraction on CUDA)")
-    p.add_argument("--page-size", type=_positive, help="tokens per KV page")
-    p.add_argument("--batch-size", "-b", type=_positive, help="tokens per step (prefill chunk)")
-    p.add_argument("--preempt", action=argparse.BooleanOptionalAction,
-                   help="park a slot when the pool is full (default on); --no-preempt fails "
-                   "the request with 'Context size has been exceeded.'")
-    p.add_argument("--preempt-ram", type=_preempt_ram,
-                   help="host MiB for swapped sequences: -1 no limit, 0 always recompute, auto")
-    p.add_argument("--preempt-every", type=_non_negative, help=argparse.SUPPRESS)
-    p.add_argument("--preempt-high", type=_percent,
-                   help="park proactively when the next step would pass PCT of the pool (94)")
-    p.add_argument("--preempt-low", type=_percent,
-                   help="restore parked sequences only while the pool stays below PCT (80)")
-    p.add_argument("--preempt-resume", choices=["fair", "spec"],
-                   help="restore order: spec = most-preempted first, then longest parked, "
-                   "fit-first (default: the lower worst-case wait measured); fair = "
-                   "head-of-line by park time")
-    p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction,
-                   help="keep full KV pages after a request and share them with any request "
-                   "whose prompt starts the same (default on); --no-prefix-cache turns it off")
-    p.add_argument("--sse-keepalive", type=_seconds,
-                   help="seconds between ': keepalive' comments to a parked stream (2)")
-    p.add_argument("--api-key")
-    p.add_argument("--admin-key", help="key for POST /slots/{id} (park/unpark); without it the "
-                   "--api-key guards them, and with neither they are off (403)")
-    p.add_argument("--threads", "-t", type=_non_negative, help="torch threads (0: auto)")
-    p.add_argument("--max-queue", type=_positive, help="queued requests before 503")
-    p.add_argument("--max-body-bytes", type=_positive, help="largest request body (413 above)")
-    p.add_argument("--max-messages", type=_positive,
-                   help="chat messages per request (4096; 400 above)")
-    p.add_argument("--max-prompt-chars", type=_non_negative,
-                   help="prompt characters per request, 400 above (0: 32 per token of context)")
-    p.add_argument("--shutdown-timeout", type=_seconds_or_zero,
-                   help="seconds to drain on SIGTERM")
-    p.add_argument("--timeout-header", type=_seconds,
-                   help="seconds a client has to send a request's whole header; then the "
-                   "connection is closed (10)")
-    p.add_argument("--timeout-body", type=_seconds,
-                   help="seconds to wait for the next chunk of a request body; then 408 (30)")
-    p.add_argument("--max-connections", type=_positive,
-                   help="open HTTP connections at most (4096, lowered to fit the open-file "
-                   "limit); past it the oldest idle one is closed, or the new one gets 503")
-    p.add_argument("--attention-backend", choices=["auto", "torch", "cpu", "flashinfer"])
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--weights", choices=["auto", "gguf", "fp32", "bf16"],
-                   help="CPU linears. auto: decode rows read a GGUF's own Q4_1/Q8_0 blocks when "
-                        "there are any (gguf insists), prefill rows float32; fp32: float32 for "
-                        "all rows; bf16: bf16 weights, activations rounded to bf16 in each GEMM")
-    p.add_argument("--device", help="auto, cpu, cuda, cuda:N")
-    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction,
-                   help="results independent of batch composition on the CPU (default on)")
-    p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction,
-                   help="capture decode steps in CUDA graphs (FlashInfer backend; default on)")
-    p.add_argument("--gpu-memory-fraction", type=_fraction,
-                   help="share of free GPU memory the KV pool may take when -c is not given")
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--preempt-async", action=argparse.BooleanOptionalAction,
-                   help="CUDA: swap copies on their own stream while others decode (default on)")
-    p.add_argument("--preempt-fail-swap", action=argparse.BooleanOptionalAction,
-                   help=argparse.SUPPRESS)
-    p.add_argument("--inject-fault-token", type=_non_negative, help=argparse.SUPPRESS)
+    p = Parser(prog="kvpark-server", description=DESCRIPTION, epilog=EPILOG, allow_abbrev=False,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_server_flags(p.add_argument_group("server"))
+    add_model_flags(p.add_argument_group("model"))
+    add_pool_flags(p.add_argument_group("slots and KV pool"))
+    add_preemption_flags(p.add_argument_group("preemption (parking slots when the pool is full)"))
+    add_limit_flags(p.add_argument_group("limits and timeouts"))
+    hidden = p.add_argument_group("test only")  # faults injected on purpose; not in --help
+    hidden.add_argument("--preempt-every", type=_non_negative, help=argparse.SUPPRESS)
+    hidden.add_argument("--preempt-fail-swap", action=argparse.BooleanOptionalAction,
+                        help=argparse.SUPPRESS)
+    hidden.add_argument("--inject-fault-token", type=_non_negative, help=argparse.SUPPRESS)
     return p
+
+
+def add_server_flags(g: argparse._ArgumentGroup) -> None:
+    _add(g, "--host", dest="host", metavar="HOST", text="IP address to listen on")
+    _add(g, "--port", dest="port", type=_port, metavar="PORT", text="port to listen on")
+    _add(g, "--api-key", dest="api_key", metavar="KEY",
+         text="API key clients must send as 'Authorization: Bearer KEY'; /health, /metrics and "
+         "/openapi.json stay open", default="none")
+    _add(g, "--admin-key", dest="admin_key", metavar="KEY",
+         text="key for POST /slots/{id} (park/unpark); without it --api-key guards them, and "
+         "with neither they are off (403)", default="none")
+    _add(g, "--cors-origin", dest="cors_origin", action=_Names, metavar="ORIGIN",
+         text="let browsers on ORIGIN call the API (repeatable or comma-separated; * for any)",
+         default="off")
+    _add(g, "--threads", "-t", dest="threads", type=_non_negative, metavar="N",
+         text="CPU threads for the model; 0 = half the cores")
+    _add(g, "--log-level", dest="log_level", choices=["debug", "info", "warning", "error"],
+         text="log verbosity; /health and /metrics polls are access-logged at debug only")
+
+
+def add_model_flags(g: argparse._ArgumentGroup) -> None:
+    _add(g, "--model", "-m", dest="model", metavar="PATH",
+         text="model: a .gguf file, a Hugging Face directory (config.json, *.safetensors, "
+         "tokenizer.json), builtin://smollm2-135m or synthetic:NAME; nothing is downloaded",
+         default="builtin://smollm2-135m")
+    _add(g, "--served-model-name", dest="served_model_name", action=_Names, metavar="NAME",
+         text="model name(s) /v1/models lists; responses echo the first (repeatable or "
+         "comma-separated). A request naming another model is still served",
+         default="the model file's name")
+    _add(g, "--device", dest="device", metavar="DEV", text="auto, cpu, cuda or cuda:N")
+    _add(g, "--dtype", dest="dtype", choices=["auto", "float32", "bfloat16", "float16"],
+         text="compute type; auto = bfloat16 on CUDA, float32 on the CPU")
+    _add(g, "--weights", dest="weights", choices=["auto", "gguf", "fp32", "bf16"],
+         text="CPU linears. auto: decode rows read a GGUF's own Q4_1/Q8_0 blocks when there "
+         "are any (gguf insists), prefill rows float32; fp32: float32 for all rows; bf16: bf16 "
+         "weights, activations rounded to bf16 in each GEMM")
+    _add(g, "--attention-backend", dest="attention_backend",
+         choices=["auto", "torch", "cpu", "flashinfer"],
+         text="paged attention kernel; auto = FlashInfer on CUDA, the C kernel on the CPU")
+    _add(g, "--batch-invariant", dest="batch_invariant", action=argparse.BooleanOptionalAction,
+         text="CPU: a request's output does not depend on what else is in its batch")
+    _add(g, "--cuda-graph", dest="cuda_graph", action=argparse.BooleanOptionalAction,
+         text="capture decode steps in CUDA graphs (FlashInfer backend)")
+
+
+def add_pool_flags(g: argparse._ArgumentGroup) -> None:
+    _add(g, "--parallel", "-np", dest="parallel", type=_positive, metavar="N",
+         text="number of slots (sequences decoded at once)")
+    _add(g, "--ctx-size", "-c", dest="ctx_size", type=_positive, metavar="N",
+         text="KV pool size in tokens, shared by all slots",
+         default="8192 on the CPU, free GPU memory x --gpu-memory-fraction on CUDA")
+    _add(g, "--page-size", dest="page_size", type=_positive, metavar="N",
+         text="tokens per KV page")
+    _add(g, "--batch-size", "-b", dest="batch_size", type=_positive, metavar="N",
+         text="tokens per step at most (prompts are prefilled in chunks of this size)")
+    _add(g, "--prefix-cache", dest="prefix_cache", action=argparse.BooleanOptionalAction,
+         text="keep full KV pages after a request and share them with any request whose "
+         "prompt starts the same")
+    _add(g, "--gpu-memory-fraction", dest="gpu_memory_fraction", type=_fraction, metavar="F",
+         text="share of free GPU memory the KV pool may take when -c is not given")
+
+
+def add_preemption_flags(g: argparse._ArgumentGroup) -> None:
+    _add(g, "--preempt", dest="preempt", action=argparse.BooleanOptionalAction,
+         text="park a slot when the pool is full; --no-preempt fails the request with "
+         "'Context size has been exceeded.' instead")
+    _add(g, "--preempt-ram", dest="preempt_ram", type=_preempt_ram, metavar="MIB",
+         text="host RAM for swapped sequences in MiB: -1 = no limit, 0 = always recompute, "
+         "auto = what the machine can spare")
+    _add(g, "--preempt-high", dest="preempt_high", type=_percent, metavar="PCT",
+         text="park proactively when the next step would pass PCT of the pool")
+    _add(g, "--preempt-low", dest="preempt_low", type=_percent, metavar="PCT",
+         text="restore parked sequences only while the pool stays below PCT")
+    _add(g, "--preempt-resume", dest="preempt_resume", choices=["fair", "spec"],
+         text="restore order: spec = most-preempted first, then longest parked, fit-first "
+         "(the lower worst-case wait measured); fair = head-of-line by park time")
+    _add(g, "--preempt-async", dest="preempt_async", action=argparse.BooleanOptionalAction,
+         text="CUDA: swap copies run on their own stream while other slots decode")
+    _add(g, "--sse-keepalive", dest="sse_keepalive", type=_seconds, metavar="SECONDS",
+         text="seconds between ': keepalive' comments to a parked stream")
+
+
+def add_limit_flags(g: argparse._ArgumentGroup) -> None:
+    _add(g, "--max-queue", dest="max_queue", type=_positive, metavar="N",
+         text="requests waiting for a slot before new ones get 503")
+    _add(g, "--max-body-bytes", dest="max_body_bytes", type=_positive, metavar="BYTES",
+         text="largest request body (413 above)")
+    _add(g, "--max-messages", dest="max_messages", type=_positive, metavar="N",
+         text="chat messages per request (400 above)")
+    _add(g, "--max-prompt-chars", dest="max_prompt_chars", type=_non_negative, metavar="N",
+         text="prompt characters per request (400 above); 0 = 32 per token of context")
+    _add(g, "--max-connections", dest="max_connections", type=_positive, metavar="N",
+         text="open HTTP connections at most, lowered to fit the open-file limit; past it the "
+         "oldest idle one is closed, or the new one gets 503")
+    _add(g, "--shutdown-timeout", dest="shutdown_timeout", type=_seconds_or_zero,
+         metavar="SECONDS", text="on SIGTERM, seconds to let admitted requests finish")
+    _add(g, "--timeout-header", dest="timeout_header", type=_seconds, metavar="SECONDS",
+         text="seconds a client has to send a request's whole header; then the connection "
+         "is closed")
+    _add(g, "--timeout-body", dest="timeout_body", type=_seconds, metavar="SECONDS",
+         text="seconds to wait for the next chunk of a request body; then 408")
+
+
+def _names(value: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in value.split(",") if n.strip())
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected one or more names, got {value!r}")
+    return names
+
+
+class _Names(argparse.Action):
+    """Repeatable, each value a comma list; the flags given replace the environment's list."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kw: object) -> None:
+        kw["type"] = _names
+        super().__init__(option_strings, dest, **kw)  # type: ignore[arg-type]
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: object, option_string: str | None = None) -> None:
+        given = f"_{self.dest}_given"
+        before = getattr(namespace, self.dest) if getattr(namespace, given, False) else ()
+        setattr(namespace, self.dest, tuple(before) + tuple(values))  # type: ignore[arg-type]
+        setattr(namespace, given, True)
 
 
 class Parser(argparse.ArgumentParser):
@@ -270,6 +367,25 @@ def check(args: ServerArgs) -> str | None:
     return None
 
 
+def model_problem(spec: str | None) -> str | None:
+    """A model path that cannot be loaded, said before anything starts (the loader would fail
+    20 s later with a traceback)."""
+    if spec is None or spec.startswith(("builtin://", "synthetic:")):
+        return None
+    path = os.path.expanduser(spec)
+    if not os.path.exists(path):
+        return f"--model {spec}: no such file or directory"
+    if not os.access(path, os.R_OK):
+        return f"--model {spec}: not readable (permission denied)"
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            return f"--model {spec}: a directory without config.json (not a Hugging Face model)"
+        return None
+    if not path.endswith(".gguf"):
+        return f"--model {spec}: expected a .gguf file or a Hugging Face model directory"
+    return None
+
+
 def parse_args(argv: Sequence[str] | None = None,
                env: Mapping[str, str] | None = None) -> ServerArgs:
     env = os.environ if env is None else env
@@ -278,7 +394,7 @@ def parse_args(argv: Sequence[str] | None = None,
     parsed = vars(parser.parse_args(argv))
     args = ServerArgs(**{f.name: parsed[f.name] for f in fields(ServerArgs)
                          if parsed.get(f.name) is not None})
-    problem = check(args)
+    problem = check(args) or model_problem(args.model)
     if problem:
         parser.error(problem)
     return args

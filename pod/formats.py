@@ -28,10 +28,12 @@ def failure(seq: Sequence) -> ApiError:
 
 def usage(seqs: list[Sequence]) -> dict[str, Any]:
     completion = sum(s.num_generated for s in seqs)
-    prompt = seqs[0].num_prompt
+    # the n choices of a prompt share it: count each prompt of a batched request once
+    firsts = [s for s in seqs if s.index % s.family_size == 0]
+    prompt = sum(s.num_prompt for s in firsts)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": seqs[0].num_cached}}
+            "prompt_tokens_details": {"cached_tokens": sum(s.num_cached for s in firsts)}}
 
 
 def timings(seq: Sequence) -> dict[str, float]:

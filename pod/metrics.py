@@ -1,7 +1,10 @@
-"""Prometheus metrics under the `kvpark:` prefix.
+"""Prometheus metrics under the `kvpark:` prefix, plus vLLM's names for what both have.
 
 Counters the scheduler already keeps (parks, resumes, pool and host usage) are read live at
 scrape time by a collector; per-request and per-step facts are observed as they happen.
+
+The `vllm:` aliases carry vLLM's `model_name` label so dashboards, autoscalers and routers made
+for vLLM read kvpark unchanged; the `kvpark:` series keep their names and labels.
 """
 
 from __future__ import annotations
@@ -10,14 +13,28 @@ import threading
 import time
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from .scheduler import Scheduler
-from .slot import Sequence
+from .slot import FinishReason, Sequence
 from .step_plan import ScheduledSeq
 
+disable_created_metrics()  # no `_created` series: half the scrape, read by nobody
+
+# vLLM's buckets (v1 metrics), so its dashboards' quantiles mean the same here
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 COPY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 16, 32, 64)
@@ -27,9 +44,10 @@ PARKS_BUCKETS = (0, 1, 2, 3, 5, 8, 13, 21, 50)
 class SchedulerCollector(Collector):
     """Reads the scheduler's state at scrape time, on the engine's lock (one consistent read)."""
 
-    def __init__(self, scheduler: Scheduler, lock: threading.RLock) -> None:
+    def __init__(self, scheduler: Scheduler, lock: threading.RLock, model_name: str) -> None:
         self.scheduler = scheduler
         self.lock = lock
+        self.model_name = model_name
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         with self.lock:
@@ -39,6 +57,13 @@ class SchedulerCollector(Collector):
     def _families(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         s = self.scheduler
         stats = s.stats
+        yield _vllm_gauge("num_requests_running", "Sequences running (kvpark:requests_processing)",
+                          self.model_name, len(s.running))
+        # vLLM puts preempted requests back in its waiting queue: parked ones count as waiting
+        yield _vllm_gauge("num_requests_waiting", "Sequences queued or parked",
+                          self.model_name, len(s.waiting) + len(s.parked))
+        yield _vllm_gauge("kv_cache_usage_perc", "KV-cache usage, 0..1 "
+                          "(kvpark:kv_cache_usage_ratio)", self.model_name, s.pool.usage_ratio)
         yield _gauge("requests_processing", "Sequences holding a slot and running",
                      len(s.running))
         yield _gauge("requests_deferred", "Sequences queued for a slot", len(s.waiting))
@@ -88,15 +113,25 @@ def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(f"kvpark:{name}", doc, value=value)
 
 
+def _vllm_gauge(name: str, doc: str, model_name: str, value: float) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(f"vllm:{name}", doc, labels=["model_name"])
+    family.add_metric([model_name], value)
+    return family
+
+
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(f"kvpark:{name}", doc, value=value)
 
 
 class Metrics:
-    def __init__(self, scheduler: Scheduler, lock: threading.RLock | None = None) -> None:
+    def __init__(self, scheduler: Scheduler, lock: threading.RLock | None = None,
+                 model_name: str = "kvpark") -> None:
         self.scheduler = scheduler
         self.registry = CollectorRegistry()
-        self.registry.register(SchedulerCollector(scheduler, lock or threading.RLock()))
+        self.registry.register(SchedulerCollector(scheduler, lock or threading.RLock(),
+                                                  model_name))
+        # seq_id -> (when its latest token came, tokens generated then)
+        self.last_token_at: dict[int, tuple[float, int]] = {}
         r = self.registry
         self.prompt_tokens = Counter("kvpark:prompt_tokens", "Prompt tokens received",
                                      registry=r)
@@ -112,7 +147,11 @@ class Metrics:
         self.latency = Histogram("kvpark:request_latency_seconds", "Arrival to last token",
                                  buckets=LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("kvpark:time_to_first_token_seconds", "Arrival to first token",
-                              buckets=LATENCY_BUCKETS, registry=r)
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("kvpark:inter_token_latency_seconds",
+                             "Between two tokens of a sequence (parked time included)",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.vllm = VllmAliases(r, model_name)
         self.step_seconds = Histogram("kvpark:step_seconds", "Model step duration",
                                       buckets=COPY_BUCKETS + (5, 10), registry=r)
         self.decode_batch = Histogram("kvpark:decode_batch_size",
@@ -134,6 +173,7 @@ class Metrics:
 
     def on_step(self, plan: list[ScheduledSeq], seconds: float) -> None:
         self.step_seconds.observe(seconds)
+        self.observe_tokens(plan)
         decoding = sum(1 for item in plan if item.num_tokens == 1 and item.samples)
         if decoding:
             self.decode_batch.observe(decoding)
@@ -144,17 +184,67 @@ class Metrics:
             while observed:
                 histogram.observe(observed.pop())
 
+    def observe_tokens(self, plan: list[ScheduledSeq]) -> None:
+        """Inter-token latency: per new token, the time since the sequence's previous one.
+        Runs after the step's postprocessing (which may have finished a sequence): new tokens
+        are counted, not read from the plan."""
+        now = time.monotonic()
+        for item in plan:
+            seq = item.seq
+            seen = self.last_token_at.get(seq.seq_id)
+            if seen is not None and seq.num_generated > seen[1]:
+                self.itl.observe(now - seen[0])
+                self.vllm.itl.observe(now - seen[0])
+            if seq.is_finished:
+                self.last_token_at.pop(seq.seq_id, None)
+            elif seq.num_generated and (seen is None or seq.num_generated > seen[1]):
+                self.last_token_at[seq.seq_id] = (now, seq.num_generated)
+
     def on_finish(self, seq: Sequence) -> None:
         outcome = "error" if seq.failed else seq.finish_reason.value
         self.requests.labels(outcome).inc()
         self.request_preemptions.observe(seq.parking.n_preempt)
         self.request_parked.observe(seq.parking.seconds)
-        if seq.index == 0:  # the n sequences of a request share one prompt: count it once
-            self.prompt_tokens.inc(seq.num_prompt)
+        # the n sequences of a prompt share it: count it once (a batched request has several)
+        num_prompt = seq.num_prompt if seq.index % seq.family_size == 0 else 0
+        self.prompt_tokens.inc(num_prompt)
         self.generated_tokens.inc(seq.num_generated)
-        self.latency.observe(time.monotonic() - seq.arrival)
+        latency = time.monotonic() - seq.arrival
+        self.latency.observe(latency)
         if seq.first_token_at is not None:
             self.ttft.observe(seq.first_token_at - seq.arrival)
+            self.vllm.ttft.observe(seq.first_token_at - seq.arrival)
+        if seq.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH):
+            self.last_token_at.pop(seq.seq_id, None)  # no step will see it again: no leak
+        self.vllm.on_finish(outcome, num_prompt, seq.num_generated, latency)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class VllmAliases:
+    """vLLM's request and token series, labelled with the served model name."""
+
+    def __init__(self, r: CollectorRegistry, model_name: str) -> None:
+        label = ["model_name"]
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Arrival to first token",
+                              label, buckets=TTFT_BUCKETS, registry=r).labels(model_name)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Between two tokens",
+                             label, buckets=ITL_BUCKETS, registry=r).labels(model_name)
+        self.latency = Histogram("vllm:e2e_request_latency_seconds", "Arrival to last token",
+                                 label, buckets=LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens received", label,
+                                     registry=r).labels(model_name)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated", label,
+                                         registry=r).labels(model_name)
+        self.success = Counter("vllm:request_success", "Finished requests by finish reason",
+                               ["model_name", "finished_reason"], registry=r)
+        self.model_name = model_name
+
+    def on_finish(self, outcome: str, num_prompt: int, num_generated: int,
+                  latency: float) -> None:
+        self.prompt_tokens.inc(num_prompt)
+        self.generation_tokens.inc(num_generated)
+        self.latency.observe(latency)
+        if outcome != "error":  # vLLM counts successes only
+            self.success.labels(self.model_name, outcome).inc()

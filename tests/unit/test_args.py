@@ -125,3 +125,27 @@ def test_input_limits_from_flags_and_environment():
             parse_args(argv, env=bad_env)
     assert InputLimits.of(1024, 4096).max_prompt_chars == CHARS_PER_TOKEN * 1024
     assert InputLimits.of(1024, 4096, 5000).max_prompt_chars == 5000
+
+
+def test_a_model_path_that_cannot_load_is_refused_before_start(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("not a model")
+    (tmp_path / "empty").mkdir()
+    for model, why in ((tmp_path / "missing.gguf", "no such file"),
+                       (tmp_path / "notes.txt", "expected a .gguf file"),
+                       (tmp_path / "empty", "without config.json")):
+        with pytest.raises(SystemExit) as exited:
+            parse_args(["-m", str(model)], env={})
+        err = capsys.readouterr().err
+        assert exited.value.code == 2 and why in err and len(err.strip().splitlines()) == 1
+    assert parse_args(["-m", "synthetic:tiny"], env={}).model == "synthetic:tiny"
+
+
+def test_served_names_and_cors_origins_are_repeatable_or_comma_lists():
+    args = parse_args(["--served-model-name", "a, b", "--served-model-name", "c",
+                       "--cors-origin", "https://x.example"], env={})
+    assert args.served_model_name == ("a", "b", "c")
+    assert args.cors_origin == ("https://x.example",)
+    env = {"KVPARK_SERVED_MODEL_NAME": "e1,e2"}
+    assert parse_args([], env=env).served_model_name == ("e1", "e2")
+    assert parse_args(["--served-model-name", "f"], env=env).served_model_name == ("f",)
+    assert parse_args([], env={}).served_model_name == ()
