@@ -87,6 +87,7 @@ class ModelRunner:
         return [sampled.get(id(item)) for item in plan]
 
     @staticmethod
+    @torch.inference_mode()  # the model's logits are inference tensors: rows change in place
     def sample(sampling: list[ScheduledSeq], logits: torch.Tensor) -> dict[int, Sampled]:
         """logits: [rows, vocab] float32, one row per item. Per row: logprobs of the raw
         logits, then penalties, bias and min_tokens, then the constraint's mask; then one
