@@ -33,7 +33,8 @@ MAX_COMPLETION_LOGPROBS = 5  # completions' logprobs (OpenAI's limit)
 MAX_N_PROBS = 100  # llama.cpp's n_probs
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 MAX_PENALTY = 2.0  # presence and frequency penalties: OpenAI's range is -2..2
-MAX_REPETITION_PENALTY = 100.0
+# multiplicative penalties: far outside this a logit divided by one overflows float32
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 
 
 class ApiError(Exception):
@@ -301,11 +302,8 @@ def sampling_params(body: dict, max_context: int, max_tokens_names: tuple[str, .
 
 
 def _positive(body: dict, name: str) -> float:
-    """A multiplicative penalty: 1 is off; 0 or less would flip or zero every logit."""
-    value = _number(body, name, 1.0, 0.0, MAX_REPETITION_PENALTY)
-    if value <= 0.0:
-        raise _bad(name, f"must be greater than 0, got {shown(body.get(name))}")
-    return value
+    """A multiplicative penalty: 1 is off (vLLM takes any value above 0)."""
+    return _number(body, name, 1.0, MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY)
 
 
 def _logit_bias(body: dict, vocab_size: int) -> tuple[tuple[int, float], ...]:

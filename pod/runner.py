@@ -9,7 +9,7 @@ from kvpark.kernels.attention import AttentionBackend, StepLayout
 from .cuda_graphs import DecodeGraphRunner
 from .kv_pool import KVPool
 from .model.llama import BlockRows, LlamaModel
-from .sampling import Sampled, get_logprob, process_logits, sample
+from .sampling import Sampled, SamplingParams, get_logprob, process_logits, sample
 from .step_plan import ScheduledSeq
 
 
@@ -87,23 +87,33 @@ class ModelRunner:
         return [sampled.get(id(item)) for item in plan]
 
     @staticmethod
-    @torch.inference_mode()  # the model's logits are inference tensors: rows change in place
     def sample(sampling: list[ScheduledSeq], logits: torch.Tensor) -> dict[int, Sampled]:
-        """logits: [rows, vocab] float32, one row per item. Per row: logprobs of the raw
-        logits, then penalties, bias and min_tokens, then the constraint's mask; then one
-        draw for all (a default greedy row costs two attribute reads here)."""
+        """logits: [rows, vocab] float32, one row per item -> each item's sampled token."""
+        params = [item.seq.params for item in sampling]
+        generators = [item.seq.generator for item in sampling]
+        if all(p.is_plain for p in params) and all(i.seq.constraint is None for i in sampling):
+            # default requests: one batched draw, no per-row work (the common step)
+            tokens = sample(logits, params, generators)
+            return {id(item): Sampled(token) for item, token in zip(sampling, tokens)}
+        return ModelRunner.sample_processed(sampling, logits, params, generators)
+
+    @staticmethod
+    @torch.inference_mode()  # the model's logits are inference tensors: rows change in place
+    def sample_processed(sampling: list[ScheduledSeq], logits: torch.Tensor,
+                         params: list[SamplingParams], generators: list[torch.Generator]
+                         ) -> dict[int, Sampled]:
+        """Per row: logprobs of the raw logits, then penalties, bias and min_tokens, then the
+        constraint's mask; then the same draw."""
         raw: dict[int, torch.Tensor] = {}
-        for row, item in enumerate(sampling):
-            seq = item.seq
-            if seq.params.logprobs is not None:
+        for row, (item, p) in enumerate(zip(sampling, params)):
+            if p.logprobs is not None:
                 raw[row] = torch.log_softmax(logits[row], dim=-1)
-            if seq.params.needs_processing:
-                logits[row] = process_logits(logits[row], seq.params, seq.tokens,
-                                             seq.num_prompt)
-            if seq.constraint is not None:
-                seq.constraint.mask(logits[row])
-        tokens = sample(logits, [i.seq.params for i in sampling],
-                        [i.seq.generator for i in sampling])
-        return {id(item): Sampled(token, get_logprob(raw[row], token, item.seq.params.logprobs)
+            if p.needs_processing:
+                logits[row] = process_logits(logits[row], p, item.seq.tokens,
+                                             item.seq.num_prompt)
+            if item.seq.constraint is not None:
+                item.seq.constraint.mask(logits[row])
+        tokens = sample(logits, params, generators)
+        return {id(item): Sampled(token, get_logprob(raw[row], token, p.logprobs)
                                   if row in raw else None)
-                for row, (item, token) in enumerate(zip(sampling, tokens))}
+                for row, (item, p, token) in enumerate(zip(sampling, params, tokens))}

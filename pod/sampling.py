@@ -33,13 +33,15 @@ class SamplingParams:
     eos_ids: frozenset[int] = frozenset()  # masked while fewer than min_tokens were generated
     logprobs: int | None = None  # None: none; k: the sampled token's and the k most likely
     needs_processing: bool = field(init=False, repr=False, compare=False)
+    is_plain: bool = field(init=False, repr=False, compare=False)  # no processing, no logprobs
 
     def __post_init__(self) -> None:
-        # computed once: the runner asks it of every row on every step
+        # computed once: the runner asks them of every row on every step
         object.__setattr__(self, "needs_processing", bool(
             self.presence_penalty or self.frequency_penalty or self.logit_bias
             or self.repetition_penalty != 1.0 or self.min_tokens
             or (self.repeat_penalty != 1.0 and self.repeat_last_n != 0)))
+        object.__setattr__(self, "is_plain", not self.needs_processing and self.logprobs is None)
 
     @property
     def is_greedy(self) -> bool:

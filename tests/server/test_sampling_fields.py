@@ -175,14 +175,14 @@ PENALTIES = {"frequency_penalty": 1.0, "presence_penalty": 0.5, "repetition_pena
 
 @pytest.mark.parametrize("flags,mode", [([], "swap"), (["--preempt-ram", "0"], "recompute")])
 def test_penalty_state_survives_parks(tiny_server, flags, mode):
-    """Penalties count `seq.tokens`, which parks keep: a request parked every 8 tokens, by swap
+    """Penalties count `seq.tokens`, which parks keep: a request parked every 8 tokens (4 times), by swap
     or by recompute, gives the same greedy tokens as one never parked."""
     prompt = "penalties across parks " * 3
-    plain = tokens(tiny_server, prompt, 64)
-    expected = tokens(tiny_server, prompt, 64, **PENALTIES)
+    plain = tokens(tiny_server, prompt, 40)
+    expected = tokens(tiny_server, prompt, 40, **PENALTIES)
     assert expected != plain  # the penalties do change this output
     with ServerProcess(["-np", "4", "-c", "2048", "--preempt-every", "8", *flags]) as server:
-        assert tokens(server, prompt, 64, **PENALTIES) == expected
+        assert tokens(server, prompt, 40, **PENALTIES) == expected
         m = server.metrics()
-    assert m["kvpark:n_preempt_total"] >= 6
+    assert m["kvpark:n_preempt_total"] >= 4
     assert m[f"kvpark:n_preempt_{mode}_total"] == m["kvpark:n_preempt_total"]

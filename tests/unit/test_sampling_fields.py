@@ -159,6 +159,7 @@ def test_parsing_of_the_new_fields():
     ({"presence_penalty": 2.5}, "completion", "presence_penalty"),
     ({"frequency_penalty": "1"}, "completion", "frequency_penalty"),
     ({"repetition_penalty": 0}, "completion", "repetition_penalty"),
+    ({"repetition_penalty": 1e-300}, "completion", "repetition_penalty"),
     ({"repeat_penalty": -1}, "llama", "repeat_penalty"),
     ({"repeat_last_n": -2}, "llama", "repeat_last_n"),
     ({"logit_bias": {"x": 1}}, "chat", "logit_bias"),
