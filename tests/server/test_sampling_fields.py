@@ -175,8 +175,8 @@ PENALTIES = {"frequency_penalty": 1.0, "presence_penalty": 0.5, "repetition_pena
 
 @pytest.mark.parametrize("flags,mode", [([], "swap"), (["--preempt-ram", "0"], "recompute")])
 def test_penalty_state_survives_parks(tiny_server, flags, mode):
-    """Penalties count `seq.tokens`, which parks keep: a request parked every 8 tokens (4 times), by swap
-    or by recompute, gives the same greedy tokens as one never parked."""
+    """Penalties count `seq.tokens`, which parks keep: a request parked every 8 tokens (4 times),
+    by swap or by recompute, gives the same greedy tokens as one never parked."""
     prompt = "penalties across parks " * 3
     plain = tokens(tiny_server, prompt, 40)
     expected = tokens(tiny_server, prompt, 40, **PENALTIES)
