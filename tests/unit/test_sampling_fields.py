@@ -176,3 +176,21 @@ def test_bad_values_are_refused_by_name(body, kind, param):
     with pytest.raises(ApiError) as exc:
         _parse(body, kind)
     assert exc.value.status == 400 and exc.value.param == param
+
+
+class _BanToken:
+    def __init__(self, token):
+        self.token = token
+
+    def mask(self, logits):
+        logits[self.token] = float("-inf")
+
+
+def test_the_constraint_masks_after_bias_on_the_models_inference_tensors():
+    """Order: bias and penalties, then the constraint's mask, then the draw; the model's logits
+    are inference tensors, which the rows are changed in place in."""
+    with torch.inference_mode():
+        logits = torch.tensor([ROW])
+    item = _seq(SamplingParams(temperature=0, logit_bias=((4, 100.0),)), [1, 3])
+    item.seq.constraint = _BanToken(4)
+    assert ModelRunner.sample([item], logits)[id(item)].token == 3
