@@ -130,8 +130,8 @@ class Setup:
         plan = CLOCK.wrap("scheduler", self.scheduler.schedule)()
         sampled = CLOCK.wrap("runner", self.runner.run)(plan)
         started = now()
-        for item, token in zip(plan, sampled):
-            self.scheduler.advance(item, token)
+        for item, out in zip(plan, sampled):
+            self.scheduler.advance(item, None if out is None else out.token)
         CLOCK.seconds["postprocess"] += now() - started
 
 

@@ -414,7 +414,7 @@ class Server:
                     yield from_lines(fmt.opening())
                 seq = stream.seqs[event.index]
                 if event.kind is StreamEvent.TEXT:
-                    yield sse(fmt.text(event.index, event.text))
+                    yield sse(fmt.text(event.index, event.text, event.num_logprobs))
                 elif event.kind is StreamEvent.FINISHED:
                     finished += 1
                     if seq.failed:

@@ -35,6 +35,7 @@ class Event:
     kind: StreamEvent
     index: int  # the sequence (choice) it is about; -1 for KEEPALIVE
     text: str = ""
+    num_logprobs: int = 0  # TEXT: the sequence's logprobs it covers, len(seq.logprobs) then
 
 
 @dataclass
@@ -69,7 +70,7 @@ class RequestStream:
         if event is SeqEvent.FINISHED and not seq.failed:
             text = seq.output.finish()  # what was held back as a possible stop string
         if text:
-            self._put(Event(StreamEvent.TEXT, seq.index, text))
+            self._put(Event(StreamEvent.TEXT, seq.index, text, len(seq.logprobs)))
         if event is not SeqEvent.TOKEN:
             self._put(Event(StreamEvent(event.value), seq.index))
 

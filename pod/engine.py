@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .runner import ModelRunner
+from .sampling import Sampled
 from .scheduler import Scheduler
 from .slot import FinishReason, Phase, SeqEvent, Sequence, SlotView
 from .step_plan import ScheduledSeq
@@ -219,14 +220,14 @@ class Engine:
         return True
 
     def _isolate_failure(self, plan: list[ScheduledSeq]
-                         ) -> tuple[list[ScheduledSeq], list[int | None]]:
+                         ) -> tuple[list[ScheduledSeq], list[Sampled | None]]:
         """Run each sequence of a failed step alone; end only those that fail again.
 
         Rerunning is safe: K/V a failed step wrote sit at the same pages and positions the
         rerun writes, and no sequence advanced.
         """
         survivors: list[ScheduledSeq] = []
-        sampled: list[int | None] = []
+        sampled: list[Sampled | None] = []
         for item in plan:
             try:
                 sampled.extend(self.runner.run([item]))
@@ -239,22 +240,28 @@ class Engine:
             survivors.append(item)
         return survivors, sampled
 
-    def _postprocess(self, item: ScheduledSeq, token: int | None, seconds: float) -> None:
+    def _postprocess(self, item: ScheduledSeq, sampled: Sampled | None, seconds: float) -> None:
         seq = item.seq
         if seq.is_finished:
             return
         if seq.in_prompt:
             seq.prompt_seconds += seconds
+        token = None if sampled is None else sampled.token
         self.scheduler.advance(item, token)
-        if token is None:
+        if sampled is None:
             return
         if seq.first_token_at is None:
             seq.first_token_at = time.monotonic()
         if seq.constraint is not None:
-            seq.constraint.accept(token)
-        is_eos = token in self.eos_token_ids and not seq.params.ignore_eos
-        if not is_eos:  # EOS ends the text; it is not part of it
-            seq.on_event(seq, SeqEvent.TOKEN, seq.output.push(token) if seq.output else "")
+            seq.constraint.accept(sampled.token)
+        is_eos = sampled.token in self.eos_token_ids and not seq.params.ignore_eos
+        if not is_eos:  # EOS ends the text; it is not part of it (nor of the logprobs)
+            if sampled.logprob is not None:  # before the event: the stream counts them
+                seq.logprobs.append(sampled.logprob)
+            # vLLM: a stop string ends the output only after min_tokens
+            can_stop = seq.num_generated > seq.params.min_tokens
+            text = seq.output.push(sampled.token, can_stop) if seq.output else ""
+            seq.on_event(seq, SeqEvent.TOKEN, text)
         reason = self.finish_reason(seq, is_eos)
         if reason is not None:
             self.scheduler.finish(seq, reason)

@@ -8,7 +8,9 @@ import time
 from typing import Any, ClassVar
 
 from .bridge import RequestStream
+from .model.tokenizer import Tokenizer
 from .protocol import ApiError
+from .sampling import TokenLogprob
 from .slot import FinishReason, Sequence
 
 # the HTTP status of each failure (the scheduler says why a sequence ended, not how to say it)
@@ -60,6 +62,91 @@ def finish_reason(seq: Sequence) -> str | None:
     return seq.finish_reason.value if seq.finish_reason is not None else None
 
 
+# ---- logprobs ----------------------------------------------------------------------------------
+
+MIN_LOGPROB = -9999.0  # what OpenAI and vLLM send for -inf (JSON has no infinity)
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: a vocabulary character -> the byte it stands for."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    chars, extra = list(printable), 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+BYTE_OF = _byte_decoder()
+
+
+class TokenNames:
+    """A token's text and UTF-8 bytes, as logprobs show them (cached per request)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def get(self, token_id: int) -> tuple[str, list[int]]:
+        if token_id not in self._cache:
+            text = self.tokenizer.token_text(token_id)
+            self._cache[token_id] = (text, self._bytes(token_id, text))
+        return self._cache[token_id]
+
+    def _bytes(self, token_id: int, text: str) -> list[int]:
+        # a token that is part of a UTF-8 character decodes to U+FFFD; its bytes are in the
+        # byte-level vocabulary entry (or a sentencepiece <0xNN> byte token)
+        piece = self.tokenizer.backend.id_to_token(token_id) or ""
+        if "\ufffd" in text and len(piece) == 6 and piece.startswith("<0x") and piece[-1] == ">":
+            return [int(piece[3:5], 16)]
+        if "\ufffd" in text and piece and all(ch in BYTE_OF for ch in piece):
+            return [BYTE_OF[ch] for ch in piece]
+        return list(text.encode("utf-8"))
+
+
+def _lp(value: float) -> float:
+    return max(value, MIN_LOGPROB)
+
+
+def chat_logprobs(names: TokenNames, entries: list[TokenLogprob]) -> dict[str, Any]:
+    """OpenAI chat: `choice.logprobs`."""
+    def one(token: int, logprob: float) -> dict[str, Any]:
+        text, raw = names.get(token)
+        return {"token": text, "logprob": _lp(logprob), "bytes": raw}
+
+    return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
+                        for e in entries]}
+
+
+def completion_logprobs(names: TokenNames, entries: list[TokenLogprob], offset: int
+                        ) -> dict[str, Any]:
+    """OpenAI completions: `choice.logprobs`; `offset` is where the first token's text starts in
+    the completion. As vLLM, each `top_logprobs` dict holds the k best and the sampled token."""
+    tokens, offsets, tops = [], [], []
+    for e in entries:
+        text = names.get(e.token)[0]
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        top = {names.get(t)[0]: _lp(lp) for t, lp in e.top}
+        top.setdefault(text, _lp(e.logprob))
+        tops.append(top)
+    return {"tokens": tokens, "token_logprobs": [_lp(e.logprob) for e in entries],
+            "top_logprobs": tops, "text_offset": offsets}
+
+
+def llama_probabilities(names: TokenNames, entries: list[TokenLogprob]) -> list[dict[str, Any]]:
+    """llama.cpp /completion's `completion_probabilities` (n_probs, post_sampling_probs off)."""
+    def one(token: int, logprob: float) -> dict[str, Any]:
+        text, raw = names.get(token)
+        return {"id": token, "token": text, "logprob": _lp(logprob), "bytes": raw}
+
+    return [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
+            for e in entries]
+
+
 class WireFormat:
     """One API's shapes for a request: the whole response, or the chunks of a stream."""
 
@@ -68,6 +155,23 @@ class WireFormat:
     def __init__(self, model: str, stream: RequestStream) -> None:
         self.model = model
         self.stream = stream
+        self.names = TokenNames(stream.tokenizer)
+        self._num_sent: dict[int, int] = {}  # per choice: logprobs already in a chunk
+        self._offset: dict[int, int] = {}  # per choice: text length those tokens cover
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.stream.request.params.logprobs is not None
+
+    def take_logprobs(self, index: int, upto: int | None = None) -> list[TokenLogprob]:
+        """The choice's logprobs not sent yet, up to `upto` (a TEXT event's count; None: all,
+        for a finished sequence). A chunk carries those of the tokens sampled since the
+        previous one: its text's tokens, or a stop string's, or text still held back."""
+        seq = self.stream.seqs[index]
+        start = self._num_sent.get(index, 0)
+        end = len(seq.logprobs) if upto is None else upto
+        self._num_sent[index] = max(start, end)
+        return seq.logprobs[start:end]
 
     @property
     def include_usage(self) -> bool:
@@ -80,7 +184,7 @@ class WireFormat:
         """Chunks sent before the first text (or notice)."""
         return []
 
-    def text(self, index: int, text: str) -> dict[str, Any]:
+    def text(self, index: int, text: str, num_logprobs: int | None = None) -> dict[str, Any]:
         raise NotImplementedError
 
     def finish(self, seq: Sequence) -> dict[str, Any]:
@@ -121,22 +225,29 @@ class ChatFormat(OpenAIFormat):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
+    def logprobs(self, index: int, upto: int | None) -> dict[str, Any] | None:
+        entries = self.take_logprobs(index, upto) if self.wants_logprobs else []
+        return chat_logprobs(self.names, entries) if entries else None
+
     def choice(self, seq: Sequence) -> dict[str, Any]:
+        logprobs = (chat_logprobs(self.names, seq.logprobs) if self.wants_logprobs else None)
         return {"index": seq.index, "message": {"role": "assistant",
                                                 "content": self.stream.text(seq.index)},
-                "logprobs": None, "finish_reason": finish_reason(seq)}
+                "logprobs": logprobs, "finish_reason": finish_reason(seq)}
 
     def opening(self) -> list[dict[str, Any]]:
         return [self._chunk([{"index": s.index, "delta": {"role": "assistant", "content": ""},
                               "logprobs": None, "finish_reason": None}
                              for s in self.stream.seqs])]
 
-    def text(self, index: int, text: str) -> dict[str, Any]:
-        return self._chunk([{"index": index, "delta": {"content": text}, "logprobs": None,
+    def text(self, index: int, text: str, num_logprobs: int | None = None) -> dict[str, Any]:
+        return self._chunk([{"index": index, "delta": {"content": text},
+                             "logprobs": self.logprobs(index, num_logprobs),
                              "finish_reason": None}])
 
     def finish(self, seq: Sequence) -> dict[str, Any]:
-        return self._chunk([{"index": seq.index, "delta": {}, "logprobs": None,
+        return self._chunk([{"index": seq.index, "delta": {},
+                             "logprobs": self.logprobs(seq.index, None),
                              "finish_reason": finish_reason(seq)}])
 
 
@@ -144,16 +255,29 @@ class CompletionFormat(OpenAIFormat):
     object_name = "text_completion"
     chunk_object_name = "text_completion"
 
+    def logprobs(self, index: int, upto: int | None) -> dict[str, Any] | None:
+        entries = self.take_logprobs(index, upto) if self.wants_logprobs else []
+        if not entries:
+            return None
+        shaped = completion_logprobs(self.names, entries, self._offset.get(index, 0))
+        last = entries[-1]
+        self._offset[index] = shaped["text_offset"][-1] + len(self.names.get(last.token)[0])
+        return shaped
+
     def choice(self, seq: Sequence) -> dict[str, Any]:
-        return {"index": seq.index, "text": self.stream.text(seq.index), "logprobs": None,
+        logprobs = (completion_logprobs(self.names, seq.logprobs, 0) if self.wants_logprobs
+                    else None)
+        return {"index": seq.index, "text": self.stream.text(seq.index), "logprobs": logprobs,
                 "finish_reason": finish_reason(seq)}
 
-    def text(self, index: int, text: str) -> dict[str, Any]:
-        return self._chunk([{"index": index, "text": text, "logprobs": None,
+    def text(self, index: int, text: str, num_logprobs: int | None = None) -> dict[str, Any]:
+        return self._chunk([{"index": index, "text": text,
+                             "logprobs": self.logprobs(index, num_logprobs),
                              "finish_reason": None}])
 
     def finish(self, seq: Sequence) -> dict[str, Any]:
-        return self._chunk([{"index": seq.index, "text": "", "logprobs": None,
+        return self._chunk([{"index": seq.index, "text": "",
+                             "logprobs": self.logprobs(seq.index, None),
                              "finish_reason": finish_reason(seq)}])
 
 
@@ -170,16 +294,28 @@ class LlamaFormat(WireFormat):
                 "id_slot": seq.slot_id}
         if self.stream.request.return_tokens:
             body["tokens"] = seq.generated_ids
+        if self.wants_logprobs:
+            body["completion_probabilities"] = llama_probabilities(self.names, seq.logprobs)
         body["preempt"] = self.stream.preempt_summary()
         return body
 
-    def text(self, index: int, text: str) -> dict[str, Any]:
-        return {"content": text, "stop": False, "index": index}
+    def with_probabilities(self, chunk: dict[str, Any], index: int, upto: int | None
+                           ) -> dict[str, Any]:
+        if self.wants_logprobs:
+            entries = self.take_logprobs(index, upto)
+            if entries:
+                chunk["completion_probabilities"] = llama_probabilities(self.names, entries)
+        return chunk
+
+    def text(self, index: int, text: str, num_logprobs: int | None = None) -> dict[str, Any]:
+        return self.with_probabilities({"content": text, "stop": False, "index": index},
+                                       index, num_logprobs)
 
     def finish(self, seq: Sequence) -> dict[str, Any]:
-        return {"content": "", "stop": True, "index": seq.index, "model": self.model,
-                "stop_type": stop_type(seq), "tokens_predicted": seq.num_generated,
-                "tokens_evaluated": seq.num_prompt, "timings": timings(seq)}
+        return self.with_probabilities(
+            {"content": "", "stop": True, "index": seq.index, "model": self.model,
+             "stop_type": stop_type(seq), "tokens_predicted": seq.num_generated,
+             "tokens_evaluated": seq.num_prompt, "timings": timings(seq)}, seq.index, None)
 
     def usage(self) -> dict[str, Any]:
         return {"usage": usage(self.stream.seqs)}

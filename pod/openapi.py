@@ -11,9 +11,16 @@ from typing import Any
 from .protocol import (
     CHAT_ROLES,
     MAX_BATCH_PROMPTS,
+    MAX_COMPLETION_LOGPROBS,
+    MAX_LOGIT_BIAS,
     MAX_N,
+    MAX_N_PROBS,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
+    MAX_TOP_LOGPROBS,
+    MIN_REPETITION_PENALTY,
     InputLimits,
 )
 
@@ -42,11 +49,30 @@ def _sampling(max_tokens_names: tuple[str, ...], max_context: int) -> dict[str, 
         "priority": {"type": "integer", "minimum": -(2**31), "maximum": 2**31 - 1},
         "stream_options": {"type": "object",
                            "properties": {"include_usage": {"type": "boolean"}}},
+        **_penalties(max_context),
     }
     for name in max_tokens_names:
         props[name] = {"type": "integer", "minimum": 1, "maximum": max_context,
                        "nullable": True}
     return props
+
+
+def _penalties(max_context: int) -> dict[str, Any]:
+    penalty = {"type": "number", "minimum": -MAX_PENALTY, "maximum": MAX_PENALTY}
+    factor = {"type": "number", "minimum": MIN_REPETITION_PENALTY,
+              "maximum": MAX_REPETITION_PENALTY}
+    bias = {"type": "number", "minimum": -100, "maximum": 100}
+    return {
+        "presence_penalty": penalty, "frequency_penalty": penalty,
+        "repetition_penalty": factor, "repeat_penalty": factor,
+        "repeat_last_n": {"type": "integer", "minimum": -1, "maximum": max_context},
+        "min_tokens": {"type": "integer", "minimum": 0, "maximum": max_context},
+        # OpenAI's {"token id": bias}, or llama.cpp's [[token id, bias or false], ...]
+        "logit_bias": {"oneOf": [
+            {"type": "object", "maxProperties": MAX_LOGIT_BIAS, "additionalProperties": bias},
+            {"type": "array", "maxItems": MAX_LOGIT_BIAS, "items": {
+                "type": "array", "minItems": 2, "maxItems": 2}}]},
+    }
 
 
 def _error_responses(codes: tuple[int, ...]) -> dict[str, Any]:
@@ -116,16 +142,21 @@ def get_openapi(limits: InputLimits) -> dict[str, Any]:
         "ChatRequest": {"type": "object", "required": ["messages"], "properties": {
             "messages": {"type": "array", "items": message, "minItems": 1,
                          "maxItems": limits.max_messages},
-            **_sampling(("max_tokens", "max_completion_tokens"), max_context)}},
+            **_sampling(("max_tokens", "max_completion_tokens"), max_context),
+            "logprobs": {"type": "boolean"},
+            "top_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS}}},
         "CompletionRequest": {"type": "object", "required": ["prompt"], "properties": {
-            "prompt": batched_prompt, **_sampling(("max_tokens",), max_context)}},
+            "prompt": batched_prompt, **_sampling(("max_tokens",), max_context),
+            "logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_COMPLETION_LOGPROBS,
+                         "nullable": True}}},
         "LlamaCompletionRequest": {"type": "object", "required": ["prompt"], "properties": {
             "prompt": prompt, "return_tokens": {"type": "boolean"},
             **_sampling(("max_tokens",), max_context),
             # -1 (unlimited) or 1..max_context: protocol._max_tokens refuses 0
             "n_predict": {"type": "integer", "oneOf": [
                 {"enum": [-1]}, {"minimum": 1, "maximum": max_context}]},
-            "n": {"type": "integer", "minimum": 1, "maximum": 1}}},
+            "n": {"type": "integer", "minimum": 1, "maximum": 1},
+            "n_probs": {"type": "integer", "minimum": 0, "maximum": MAX_N_PROBS}}},
         "ChatResponse": {"type": "object", "required": ["id", "object", "choices", "usage"],
                          "properties": {
             "id": {"type": "string"}, "object": {"type": "string", "enum": ["chat.completion"]},

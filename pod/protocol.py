@@ -28,6 +28,13 @@ CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 # 32 x the context can never fit: it is refused before the chat template and the tokenizer run.
 CHARS_PER_TOKEN = 32
 MAX_SHOWN = 100  # characters of client input an error message may quote
+MAX_TOP_LOGPROBS = 20  # chat's top_logprobs (OpenAI's limit)
+MAX_COMPLETION_LOGPROBS = 5  # completions' logprobs (OpenAI's limit)
+MAX_N_PROBS = 100  # llama.cpp's n_probs
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias
+MAX_PENALTY = 2.0  # presence and frequency penalties: OpenAI's range is -2..2
+# multiplicative penalties: far outside this a logit divided by one overflows float32
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 
 
 class ApiError(Exception):
@@ -155,33 +162,30 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
     "response_format": (None, {"type": "text"}),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
-    "logit_bias": (None, {}, []),
     "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
     "modalities": (None, ["text"]),
     "audio": (None,),
     "prediction": (None,),
     "web_search_options": (None,),
-    "n_probs": (None, 0),  # llama.cpp from here on
-    "grammar": (None, ""),
+    "grammar": (None, ""),  # llama.cpp from here on
     "json_schema": (None, {}),
-    "repeat_penalty": (None, 1, 1.0),
 }
 # Accepted and without effect on the output: clients send them by default.
 HARMLESS = frozenset({"user", "safety_identifier", "metadata", "store", "service_tier",
                       "parallel_tool_calls", "prompt_cache_key", "prompt_cache_retention",
                       "prompt_cache_options", "cache_prompt"})
 SAMPLING = frozenset({"model", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
-                      "ignore_eos", "n", "stream", "stream_options", "priority"})
+                      "ignore_eos", "n", "stream", "stream_options", "priority",
+                      "presence_penalty", "frequency_penalty", "repetition_penalty",
+                      "repeat_penalty", "repeat_last_n", "logit_bias", "min_tokens"})
 KNOWN = {
-    "chat": SAMPLING | HARMLESS | {"messages", "max_tokens", "max_completion_tokens"},
-    "completion": SAMPLING | HARMLESS | {"prompt", "max_tokens"},
-    "llama": SAMPLING | HARMLESS | {"prompt", "n_predict", "max_tokens", "return_tokens"},
+    "chat": SAMPLING | HARMLESS | {"messages", "max_tokens", "max_completion_tokens",
+                                  "logprobs", "top_logprobs"},
+    "completion": SAMPLING | HARMLESS | {"prompt", "max_tokens", "logprobs"},
+    "llama": SAMPLING | HARMLESS | {"prompt", "n_predict", "max_tokens", "return_tokens",
+                                    "n_probs"},
 }
 MAX_LOGGED_FIELDS = 1000  # bounds what a client inventing field names can make us remember
 _logged_fields: set[str] = set()
@@ -266,21 +270,88 @@ def _max_tokens(body: dict, names: tuple[str, ...], max_context: int) -> int | N
     return None
 
 
-def sampling_params(body: dict, max_context: int, max_tokens_names: tuple[str, ...]
+def sampling_params(body: dict, max_context: int, max_tokens_names: tuple[str, ...],
+                    tokenizer: Tokenizer | None = None, kind: str = "completion"
                     ) -> SamplingParams:
     seed = _integer(body, "seed", None, -1, 2**63 - 1)
     top_k = _integer(body, "top_k", 0, -1, 1 << 20)
+    max_tokens = _max_tokens(body, max_tokens_names, max_context)
+    min_tokens = int(_integer(body, "min_tokens", 0, 0, max_tokens or max_context))
+    vocab_size = tokenizer.vocab_size if tokenizer is not None else 1 << 31
     return SamplingParams(
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0),  # 0: greedy (is_greedy)
         top_k=0 if top_k in (None, -1) else top_k,  # llama.cpp's -1: off
         min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
         seed=None if seed == -1 else seed,  # llama.cpp's -1: random
-        max_tokens=_max_tokens(body, max_tokens_names, max_context),
+        max_tokens=max_tokens,
         stop=_stops(body),
         ignore_eos=_boolean(body, "ignore_eos", False),
         n=int(_integer(body, "n", 1, 1, MAX_N)),
+        presence_penalty=_number(body, "presence_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
+        repetition_penalty=_positive(body, "repetition_penalty"),
+        repeat_penalty=_positive(body, "repeat_penalty"),
+        repeat_last_n=int(_integer(body, "repeat_last_n", 64, -1, max_context)),
+        logit_bias=_logit_bias(body, vocab_size),
+        min_tokens=min_tokens,
+        # vLLM: min_tokens holds back every end-of-generation id
+        eos_ids=tokenizer.eos_token_ids if tokenizer is not None and min_tokens else frozenset(),
+        logprobs=_logprobs(body, kind),
     )
+
+
+def _positive(body: dict, name: str) -> float:
+    """A multiplicative penalty: 1 is off (vLLM takes any value above 0)."""
+    return _number(body, name, 1.0, MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY)
+
+
+def _logit_bias(body: dict, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias}, or llama.cpp's [[id, bias], ...]; bias -100..100, or
+    false (llama.cpp: never this token)."""
+    value = body.get("logit_bias")
+    if value is None:
+        return ()
+    if isinstance(value, dict):
+        pairs = list(value.items())
+    elif isinstance(value, list) and all(isinstance(p, list) and len(p) == 2 for p in value):
+        pairs = [(p[0], p[1]) for p in value]
+    else:
+        raise _bad("logit_bias", "expected an object of token id -> bias, or a list of "
+                   "[token id, bias] pairs")
+    if len(pairs) > MAX_LOGIT_BIAS:
+        raise _bad("logit_bias", f"at most {MAX_LOGIT_BIAS} entries")
+    return tuple(_bias_entry(key, bias, vocab_size) for key, bias in pairs)
+
+
+def _bias_entry(key: Any, bias: Any, vocab_size: int) -> tuple[int, float]:
+    token = key if isinstance(key, int) and not isinstance(key, bool) else None
+    if isinstance(key, str) and re.fullmatch(r"[0-9]{1,10}", key):
+        token = int(key)
+    if token is None or not 0 <= token < vocab_size:
+        raise _bad("logit_bias", f"token ids must be integers in [0, {vocab_size}), got "
+                   f"{shown(key)}")
+    if bias is False:
+        return token, float("-inf")
+    if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not (
+            -100 <= bias <= 100):
+        raise _bad("logit_bias", f"a bias must be a number in [-100, 100] (or false), got "
+                   f"{shown(bias)} for token {token}")
+    return token, float(bias)
+
+
+def _logprobs(body: dict, kind: str) -> int | None:
+    """How many alternatives per token (None: no logprobs). Chat: `logprobs` true plus
+    `top_logprobs`; completions: `logprobs` k; llama.cpp: `n_probs` k (0: none)."""
+    if kind == "chat":
+        wanted = _boolean(body, "logprobs", False)
+        top = _integer(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
+        if top and not wanted:
+            raise _bad("top_logprobs", "needs 'logprobs': true")
+        return (top or 0) if wanted else None
+    if kind == "completion":
+        return _integer(body, "logprobs", None, 0, MAX_COMPLETION_LOGPROBS)
+    return _integer(body, "n_probs", 0, 0, MAX_N_PROBS) or None
 
 
 INT32 = (-(2**31), 2**31 - 1)
@@ -394,7 +465,8 @@ def _chat_prompt(messages: list[dict[str, str]], tokenizer: Tokenizer) -> list[i
 def parse_chat(body: dict, tokenizer: Tokenizer, limits: InputLimits) -> GenerationRequest:
     check_fields(body, "chat")
     messages = chat_messages(body, limits)
-    params = sampling_params(body, limits.max_context, ("max_completion_tokens", "max_tokens"))
+    params = sampling_params(body, limits.max_context, ("max_completion_tokens", "max_tokens"),
+                             tokenizer, "chat")
     return GenerationRequest(
         kind="chat",
         params=params,
@@ -410,7 +482,7 @@ def parse_completion(body: dict, tokenizer: Tokenizer, limits: InputLimits) -> G
     check_fields(body, "completion")
     return GenerationRequest(
         kind="completion",
-        params=sampling_params(body, limits.max_context, ("max_tokens",)),
+        params=sampling_params(body, limits.max_context, ("max_tokens",), tokenizer),
         stream=_boolean(body, "stream", False),
         include_usage=_include_usage(body),
         model=_model(body),
@@ -422,7 +494,8 @@ def parse_completion(body: dict, tokenizer: Tokenizer, limits: InputLimits) -> G
 def parse_llama_completion(body: dict, tokenizer: Tokenizer, limits: InputLimits
                            ) -> GenerationRequest:
     check_fields(body, "llama")
-    params = sampling_params(body, limits.max_context, ("n_predict", "max_tokens"))
+    params = sampling_params(body, limits.max_context, ("n_predict", "max_tokens"), tokenizer,
+                             "llama")
     if params.n != 1:
         raise _bad("n", "/completion generates one sequence; use /v1/completions for n > 1")
     return GenerationRequest(

@@ -9,7 +9,7 @@ from kvpark.kernels.attention import AttentionBackend, StepLayout
 from .cuda_graphs import DecodeGraphRunner
 from .kv_pool import KVPool
 from .model.llama import BlockRows, LlamaModel
-from .sampling import sample
+from .sampling import Sampled, SamplingParams, get_logprob, process_logits, sample
 from .step_plan import ScheduledSeq
 
 
@@ -37,8 +37,9 @@ class ModelRunner:
             page_size=self.pool.page_size,
         )
 
-    def run(self, plan: list[ScheduledSeq]) -> list[int | None]:
-        """Feed every planned chunk; return a sampled token for the rows that reach the end."""
+    def run(self, plan: list[ScheduledSeq]) -> list[Sampled | None]:
+        """Feed every planned chunk; return a sampled token (and its logprobs, if asked for)
+        for the rows that reach the end. Changes no sequence: a failed step is rerun."""
         if self.fault_token is not None:
             for item in plan:
                 if self.fault_token in item.seq.prompt_ids:
@@ -74,7 +75,7 @@ class ModelRunner:
             if item.samples:
                 last_rows.append(end - 1)
                 sampling.append(item)
-        sampled: dict[int, int] = {}
+        sampled: dict[int, Sampled] = {}
         if sampling:
             if len(last_rows) < hidden.shape[0]:  # a decode-only step samples every row
                 hidden = hidden[torch.tensor(last_rows, device=device)]
@@ -82,10 +83,37 @@ class ModelRunner:
                 [item.seq.num_computed + item.num_tokens - 1 >= item.seq.num_prompt
                  for item in sampling])
             logits = self.model.logits(hidden, head_rows).cpu()
-            for row, item in enumerate(sampling):
-                if item.seq.constraint is not None:
-                    item.seq.constraint.mask(logits[row])
-            tokens = sample(logits, [i.seq.params for i in sampling],
-                            [i.seq.generator for i in sampling])
-            sampled = {id(item): token for item, token in zip(sampling, tokens)}
+            sampled = self.sample(sampling, logits)
         return [sampled.get(id(item)) for item in plan]
+
+    @staticmethod
+    def sample(sampling: list[ScheduledSeq], logits: torch.Tensor) -> dict[int, Sampled]:
+        """logits: [rows, vocab] float32, one row per item -> each item's sampled token."""
+        params = [item.seq.params for item in sampling]
+        generators = [item.seq.generator for item in sampling]
+        if all(p.is_plain for p in params) and all(i.seq.constraint is None for i in sampling):
+            # default requests: one batched draw, no per-row work (the common step)
+            tokens = sample(logits, params, generators)
+            return {id(item): Sampled(token) for item, token in zip(sampling, tokens)}
+        return ModelRunner.sample_processed(sampling, logits, params, generators)
+
+    @staticmethod
+    @torch.inference_mode()  # the model's logits are inference tensors: rows change in place
+    def sample_processed(sampling: list[ScheduledSeq], logits: torch.Tensor,
+                         params: list[SamplingParams], generators: list[torch.Generator]
+                         ) -> dict[int, Sampled]:
+        """Per row: logprobs of the raw logits, then penalties, bias and min_tokens, then the
+        constraint's mask; then the same draw."""
+        raw: dict[int, torch.Tensor] = {}
+        for row, (item, p) in enumerate(zip(sampling, params)):
+            if p.logprobs is not None:
+                raw[row] = torch.log_softmax(logits[row], dim=-1)
+            if p.needs_processing:
+                logits[row] = process_logits(logits[row], p, item.seq.tokens,
+                                             item.seq.num_prompt)
+            if item.seq.constraint is not None:
+                item.seq.constraint.mask(logits[row])
+        tokens = sample(logits, params, generators)
+        return {id(item): Sampled(token, get_logprob(raw[row], token, p.logprobs)
+                                  if row in raw else None)
+                for row, (item, p, token) in enumerate(zip(sampling, params, tokens))}

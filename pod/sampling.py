@@ -1,8 +1,10 @@
-"""Sampling: greedy, temperature, top-k, top-p, min-p, with a seeded generator per request."""
+"""Sampling: logits processing (penalties, logit bias, min_tokens), then greedy, temperature,
+top-k, top-p, min-p with a seeded generator per request; and the logprobs a request asked for."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -20,6 +22,26 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     n: int = 1
+    # logits processing, applied to a row before the filters and the draw
+    presence_penalty: float = 0.0  # OpenAI: over generated tokens, once per distinct token
+    frequency_penalty: float = 0.0  # OpenAI: over generated tokens, per occurrence
+    repetition_penalty: float = 1.0  # vLLM / HF: over prompt + generated tokens
+    repeat_penalty: float = 1.0  # llama.cpp: over the last `repeat_last_n` context tokens
+    repeat_last_n: int = 64  # llama.cpp: -1 the whole context, 0 off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias); -inf bans
+    min_tokens: int = 0  # EOS (`eos_ids`) and stop strings cannot end the output before this
+    eos_ids: frozenset[int] = frozenset()  # masked while fewer than min_tokens were generated
+    logprobs: int | None = None  # None: none; k: the sampled token's and the k most likely
+    needs_processing: bool = field(init=False, repr=False, compare=False)
+    is_plain: bool = field(init=False, repr=False, compare=False)  # no processing, no logprobs
+
+    def __post_init__(self) -> None:
+        # computed once: the runner asks them of every row on every step
+        object.__setattr__(self, "needs_processing", bool(
+            self.presence_penalty or self.frequency_penalty or self.logit_bias
+            or self.repetition_penalty != 1.0 or self.min_tokens
+            or (self.repeat_penalty != 1.0 and self.repeat_last_n != 0)))
+        object.__setattr__(self, "is_plain", not self.needs_processing and self.logprobs is None)
 
     @property
     def is_greedy(self) -> bool:
@@ -37,6 +59,74 @@ def make_generator(seed: int | None) -> torch.Generator:
         gen.manual_seed(seed)
     return gen
 
+
+# ---- logits processing (pure: a new row each, the input untouched) ---------------------------
+
+def apply_repetition(row: torch.Tensor, ids: list[int], penalty: float) -> torch.Tensor:
+    """HF / vLLM / llama.cpp: a seen token's logit is divided by `penalty` if positive and
+    multiplied by it if negative (> 1 discourages repeats)."""
+    if penalty == 1.0 or not ids:
+        return row
+    seen = torch.tensor(sorted(set(ids)), dtype=torch.long)
+    values = row[seen]
+    row = row.clone()
+    row[seen] = torch.where(values > 0, values / penalty, values * penalty)
+    return row
+
+
+def apply_presence_frequency(row: torch.Tensor, generated: list[int], presence: float,
+                             frequency: float) -> torch.Tensor:
+    """OpenAI: logit -= frequency x count + presence x (count > 0), over generated tokens."""
+    if not generated or (presence == 0.0 and frequency == 0.0):
+        return row
+    ids, counts = torch.unique(torch.tensor(generated, dtype=torch.long), return_counts=True)
+    row = row.clone()
+    row[ids] -= frequency * counts.to(row.dtype) + presence
+    return row
+
+
+def apply_logit_bias(row: torch.Tensor, bias: tuple[tuple[int, float], ...]) -> torch.Tensor:
+    if not bias:
+        return row
+    ids, values = zip(*bias)
+    # index_add: a token named twice (llama.cpp's list form) gets both biases
+    return row.index_add(0, torch.tensor(ids, dtype=torch.long),
+                         torch.tensor(values, dtype=row.dtype))
+
+
+def apply_min_tokens(row: torch.Tensor, num_generated: int, params: SamplingParams
+                     ) -> torch.Tensor:
+    if num_generated >= params.min_tokens or not params.eos_ids:
+        return row
+    row = row.clone()
+    row[torch.tensor(sorted(params.eos_ids), dtype=torch.long)] = float("-inf")
+    return row
+
+
+def repeat_window(tokens: list[int], last_n: int) -> list[int]:
+    """llama.cpp's penalty window: the last `last_n` tokens of the context (-1: all, 0: none)."""
+    if last_n == 0:
+        return []
+    return tokens if last_n < 0 else tokens[-last_n:]
+
+
+def process_logits(row: torch.Tensor, params: SamplingParams, tokens: list[int],
+                   num_prompt: int) -> torch.Tensor:
+    """row: [vocab] float32 raw logits of a sequence whose context is `tokens` (prompt first,
+    `num_prompt` long) -> the logits its filters and draw see. vLLM's order: bias and
+    min_tokens, then the penalties. Counts come from `tokens`, which a park (swap or
+    recompute) keeps as it is: the state is the same after any park."""
+    generated = tokens[num_prompt:]
+    row = apply_logit_bias(row, params.logit_bias)
+    row = apply_min_tokens(row, len(generated), params)
+    row = apply_repetition(row, tokens, params.repetition_penalty)
+    row = apply_repetition(row, repeat_window(tokens, params.repeat_last_n),
+                           params.repeat_penalty)
+    return apply_presence_frequency(row, generated, params.presence_penalty,
+                                    params.frequency_penalty)
+
+
+# ---- the draw ----------------------------------------------------------------------------------
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits: [vocab] float32 -> probabilities after temperature, top-k, top-p, min-p."""
@@ -71,3 +161,32 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
             probs = filter_logits(logits[row], p)
             tokens[row] = int(torch.multinomial(probs, 1, generator=gen).item())
     return tokens
+
+
+# ---- logprobs ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log-probability and the `k` most likely alternatives at its step."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
+
+
+class Sampled(NamedTuple):
+    """What the runner hands the engine for one sequence of a step."""
+
+    token: int
+    logprob: TokenLogprob | None = None  # only when the request asked for logprobs
+
+
+def get_logprob(raw_logprobs: torch.Tensor, token: int, k: int) -> TokenLogprob:
+    """raw_logprobs: [vocab] log_softmax of the model's raw logits. Like vLLM's default
+    ("raw_logprobs") they describe the model, before penalties, bias, temperature and the
+    filters, so they do not change with the sampling settings."""
+    top: tuple[tuple[int, float], ...] = ()
+    if k > 0:
+        values, ids = torch.topk(raw_logprobs, k)
+        top = tuple(zip(ids.tolist(), values.tolist()))
+    return TokenLogprob(token, float(raw_logprobs[token]), top)

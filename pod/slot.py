@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .sampling import SamplingParams
+from .sampling import SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:  # the GPU check imports this module without the tokenizer's dependencies
     from .constraint import TokenConstraint
@@ -124,6 +124,9 @@ class Sequence:
     parking: ParkState = field(default_factory=ParkState)
     output: TextOutput | None = None  # detokenizer and stop strings (None: ids only)
     constraint: TokenConstraint | None = None  # masks what may be sampled next (grammars)
+    # one per token of the visible output when the request asked for logprobs (append-only:
+    # the event loop reads a prefix of it while the engine thread appends)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     # outcome and timings
     finish_reason: FinishReason | None = None
     error: str | None = None  # what went wrong, for a failure

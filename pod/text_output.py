@@ -45,9 +45,10 @@ class StopMatcher:
         """Length of the longest suffix of the text that is a proper prefix of a stop string."""
         return max(self._matched, default=0)
 
-    def feed(self, piece: str) -> int | None:
+    def feed(self, piece: str, can_stop: bool = True) -> int | None:
         """Append `piece`; if a stop string now occurs, how far before the end of `piece` the
-        earliest one starts (it may start in text fed earlier), else None."""
+        earliest one starts (it may start in text fed earlier), else None. With `can_stop`
+        False (before min_tokens) an occurrence is passed over, as vLLM does."""
         back = None
         steps = 0
         for j, stop in enumerate(self.stops):
@@ -59,7 +60,9 @@ class StopMatcher:
                     steps += 1
                 if stop[k] == ch:
                     k += 1
-                if k == len(stop):  # this stop's first occurrence: the others can only be later
+                if k == len(stop) and not can_stop:
+                    k = fail[k - 1]
+                elif k == len(stop):  # this stop's first occurrence: the others are later
                     start = len(piece) - 1 - i + len(stop)
                     back = start if back is None else max(back, start)
                     k = fail[k - 1]
@@ -132,11 +135,12 @@ class TextOutput:
     def num_stop_steps(self) -> int:
         return self._stops.num_steps
 
-    def push(self, token_id: int) -> str:
-        """The new text that is safe to show after `token_id`; sets `stopped` on a stop string."""
+    def push(self, token_id: int, can_stop: bool = True) -> str:
+        """The new text that is safe to show after `token_id`; sets `stopped` on a stop string
+        (only if `can_stop`: min_tokens not reached yet)."""
         if self.stopped:
             return ""
-        return self._release(self._detok.push(token_id), final=False)
+        return self._release(self._detok.push(token_id), final=False, can_stop=can_stop)
 
     def finish(self) -> str:
         """Whatever was held back, once the sequence has ended for another reason."""
@@ -144,9 +148,9 @@ class TextOutput:
             return ""
         return self._release(self._detok.flush(), final=True)
 
-    def _release(self, new_text: str, final: bool) -> str:
+    def _release(self, new_text: str, final: bool, can_stop: bool = True) -> str:
         held = self._held + new_text
-        back = self._stops.feed(new_text)
+        back = self._stops.feed(new_text, can_stop)
         if back is not None:
             # everything before a stop string's start was shown or is held, never more
             assert back <= len(held), f"a stop string starts {back} back in {len(held)} held"
