@@ -153,9 +153,8 @@ class Swapper:
         pages, copied = seq.page_table, seq.page_table[resident:]
         num_bytes = self.pool.swap_bytes(len(copied))
         mode = policy.choose_mode(num_bytes, self.host.budget_bytes, self.host.held_bytes)
-        ticket = None
-        if mode is PreemptMode.SWAP and copied:  # nothing to copy: parked by the cache alone
-            ticket = self._start_park_copy(seq, copied, num_bytes)
+        ticket = self._start_park_copy(seq, copied, num_bytes) if mode is PreemptMode.SWAP \
+            else None
         if ticket is None:
             mode = PreemptMode.RECOMPUTE
             seq.parking.replay_until, seq.num_computed = seq.num_computed, 0
