@@ -60,6 +60,7 @@ class ServerArgs:
     cuda_graph: bool = True
     gpu_memory_fraction: float = 0.9
     log_level: str = "info"
+    chat_template: str | None = None  # a jinja file replacing the model's chat template
     preempt_async: bool = True  # CUDA: swap copies on their own stream (off: synchronous)
     # test only (hidden from --help): faults injected on purpose
     preempt_fail_swap: bool = False  # every host allocation is refused: swaps fall to recompute
@@ -142,6 +143,20 @@ def _fraction(value: str) -> float:
     return number
 
 
+def _jinja_file(value: str) -> str:
+    """A readable jinja file that parses (rendered for each chat later, with the model)."""
+    import jinja2  # the only flag that needs it
+
+    try:
+        with open(value, encoding="utf-8") as file:
+            jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(file.read())
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {value!r}: {exc.strerror}") from None
+    except (UnicodeDecodeError, jinja2.TemplateSyntaxError) as exc:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a jinja template: {exc}") from None
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="kvpark-server", description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--model", "-m", help="GGUF file, Hugging Face directory, "
@@ -207,6 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-fraction", type=_fraction,
                    help="share of free GPU memory the KV pool may take when -c is not given")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--chat-template", type=_jinja_file, metavar="FILE",
+                   help="jinja chat template file used instead of the model's own (rendered "
+                   "as transformers does, with messages, tools, add_generation_prompt)")
     p.add_argument("--preempt-async", action=argparse.BooleanOptionalAction,
                    help="CUDA: swap copies on their own stream while others decode (default on)")
     p.add_argument("--preempt-fail-swap", action=argparse.BooleanOptionalAction,

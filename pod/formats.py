@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 from .bridge import RequestStream
 from .protocol import ApiError
 from .slot import FinishReason, Sequence
+from .tools import ParsedOutput, parse_output
 
 # the HTTP status of each failure (the scheduler says why a sequence ended, not how to say it)
 FAILURE_STATUS = {
@@ -138,6 +139,49 @@ class ChatFormat(OpenAIFormat):
                              "finish_reason": finish_reason(seq)}])
 
 
+class ToolChatFormat(ChatFormat):
+    """A chat whose output may be tool calls: JSON in the generic format, parsed once complete
+    into OpenAI's `tool_calls`; a stream sends the calls (or the answer) with its last chunk
+    (deltas before it are empty, so a client sees progress)."""
+
+    def __init__(self, model: str, stream: RequestStream) -> None:
+        super().__init__(model, stream)
+        self._parsed: dict[int, ParsedOutput] = {}  # one parse (and one set of call ids) each
+
+    def parsed(self, seq: Sequence) -> ParsedOutput:
+        if seq.index not in self._parsed:
+            self._parsed[seq.index] = parse_output(self.stream.text(seq.index))
+        return self._parsed[seq.index]
+
+    def finish_reason(self, seq: Sequence) -> str | None:
+        if seq.finish_reason is FinishReason.STOP and self.parsed(seq).tool_calls:
+            return "tool_calls"
+        return finish_reason(seq)
+
+    def choice(self, seq: Sequence) -> dict[str, Any]:
+        parsed = self.parsed(seq)
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        if parsed.tool_calls:
+            message["tool_calls"] = parsed.tool_calls
+        return {"index": seq.index, "message": message, "logprobs": None,
+                "finish_reason": self.finish_reason(seq)}
+
+    def text(self, index: int, text: str) -> dict[str, Any]:
+        return self._chunk([{"index": index, "delta": {}, "logprobs": None,
+                             "finish_reason": None}])
+
+    def finish(self, seq: Sequence) -> dict[str, Any]:
+        parsed = self.parsed(seq)
+        delta: dict[str, Any] = {}
+        if parsed.tool_calls:
+            delta["tool_calls"] = [{"index": i, **call}
+                                   for i, call in enumerate(parsed.tool_calls)]
+        elif parsed.content:
+            delta["content"] = parsed.content
+        return self._chunk([{"index": seq.index, "delta": delta, "logprobs": None,
+                             "finish_reason": self.finish_reason(seq)}])
+
+
 class CompletionFormat(OpenAIFormat):
     object_name = "text_completion"
     chunk_object_name = "text_completion"
@@ -195,4 +239,6 @@ FORMATS: dict[str, type[WireFormat]] = {
 
 
 def get_format(model: str, stream: RequestStream) -> WireFormat:
+    if stream.request.tools is not None:
+        return ToolChatFormat(model, stream)
     return FORMATS[stream.request.kind](model, stream)

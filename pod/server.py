@@ -164,6 +164,10 @@ def build_stack(args: ServerArgs) -> ServingStack:
     if device.type == "cpu":
         cpu_features.detect()  # logs what the CPU paths below are chosen from
     loaded: LoadedModel = load_model_files(args.model, device=device, dtype=dtype)
+    if args.chat_template:  # --chat-template: the file wins over the model's own template
+        with open(args.chat_template, encoding="utf-8") as file:
+            loaded.tokenizer.set_chat_template(file.read())
+        log.info("chat template from %s", args.chat_template)
     config = loaded.config
     model = LlamaModel(config, loaded.weights,
                        batch_invariant=args.batch_invariant and device.type == "cpu",
