@@ -85,6 +85,10 @@ class WireFormat:
     def finish(self, seq: Sequence) -> dict[str, Any]:
         raise NotImplementedError
 
+    def finish_chunks(self, seq: Sequence) -> list[dict[str, Any]]:
+        """What a stream sends when `seq` ended: its last delta and finish reason."""
+        return [self.finish(seq)]
+
     def usage(self) -> dict[str, Any]:
         raise NotImplementedError
 
@@ -166,11 +170,23 @@ class ToolChatFormat(ChatFormat):
         return {"index": seq.index, "message": message, "logprobs": None,
                 "finish_reason": self.finish_reason(seq)}
 
+    def opening(self) -> list[dict[str, Any]]:
+        # content null, not "": a call has no content (clients keep the first value they see)
+        return [self._chunk([{"index": s.index, "delta": {"role": "assistant", "content": None},
+                              "logprobs": None, "finish_reason": None}
+                             for s in self.stream.seqs])]
+
     def text(self, index: int, text: str) -> dict[str, Any]:
         return self._chunk([{"index": index, "delta": {}, "logprobs": None,
                              "finish_reason": None}])
 
     def finish(self, seq: Sequence) -> dict[str, Any]:
+        return self._chunk([{"index": seq.index, "delta": {}, "logprobs": None,
+                             "finish_reason": self.finish_reason(seq)}])
+
+    def finish_chunks(self, seq: Sequence) -> list[dict[str, Any]]:
+        # the calls before the finish reason, as OpenAI sends them: clients close a call's
+        # arguments when the next call or the finish reason comes
         parsed = self.parsed(seq)
         delta: dict[str, Any] = {}
         if parsed.tool_calls:
@@ -178,8 +194,9 @@ class ToolChatFormat(ChatFormat):
                                    for i, call in enumerate(parsed.tool_calls)]
         elif parsed.content:
             delta["content"] = parsed.content
-        return self._chunk([{"index": seq.index, "delta": delta, "logprobs": None,
-                             "finish_reason": self.finish_reason(seq)}])
+        last = [self._chunk([{"index": seq.index, "delta": delta, "logprobs": None,
+                              "finish_reason": None}])] if delta else []
+        return [*last, self.finish(seq)]
 
 
 class CompletionFormat(OpenAIFormat):
