@@ -28,6 +28,9 @@ log = logging.getLogger("kvpark.grammar")
 
 CACHE_SIZE = 128  # compiled grammars kept (schemas repeat: one per client-side model class)
 ANY_JSON_OBJECT = {"type": "object"}  # response_format json_object, as llama.cpp reads it
+# llama.cpp's JSON whitespace: a space, or a newline and up to 20 blanks. Unbounded whitespace
+# lets a weak model loop on it until max_tokens, with the JSON left unfinished.
+JSON_OPTIONS = {"whitespace_pattern": r"(?: |\n[ \t]{0,20})"}
 
 
 class GrammarError(ValueError):
@@ -44,7 +47,8 @@ class Grammar:
     @classmethod
     def from_json_schema(cls, schema: Any) -> Grammar:
         try:  # a schema that is not JSON-serialisable never reaches here (it came from JSON)
-            text = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema))
+            text = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema),
+                                                                 defaults=JSON_OPTIONS)
         except Exception as exc:  # llguidance refuses some shapes before compiling
             raise GrammarError(str(exc)) from exc
         return cls(text, "json_schema")

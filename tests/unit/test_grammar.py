@@ -1,7 +1,7 @@
 """Grammar constraints against SmolLM2's real tokenizer (mask, accept, done, EOS), the grammar
 cache, and tool calling's pure parts (the plan, the history, parsing the output)."""
 
-import json
+import copy
 
 import pytest
 import torch
@@ -206,8 +206,8 @@ def test_chat_template_flag_reads_and_checks_a_jinja_file(tmp_path, tok):
     for bad in ("bad.jinja", "missing.jinja"):
         with pytest.raises(SystemExit):
             parse_args(["--chat-template", str(tmp_path / bad)], env={})
-    custom = builtin_tokenizer()
+    custom = copy.copy(tok)  # builtin_tokenizer() is shared: its template must stay
     custom.set_chat_template(good.read_text())
     ids = custom.encode_chat([{"role": "user", "content": "hi"}], tools=[WEATHER])
     assert custom.decode(ids) == "[user] hi\nTOOLS ['get_weather']"
-    assert json.loads(json.dumps(WEATHER)) == WEATHER  # the body's tools are not modified
+    assert "[user]" not in tok.decode(tok.encode_chat([{"role": "user", "content": "hi"}]))
