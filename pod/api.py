@@ -420,7 +420,7 @@ class Server:
                     if seq.failed:
                         yield sse(failure(seq).body())
                     else:
-                        yield sse(fmt.finish(seq))
+                        yield from_lines(fmt.finish_chunks(seq))
             if fmt.include_usage:
                 yield sse(fmt.usage())
             if fmt.ends_with_done:

@@ -62,6 +62,7 @@ class ServerArgs:
     log_level: str = "info"
     served_model_name: tuple[str, ...] = ()  # (): the model file's name
     cors_origin: tuple[str, ...] = ()  # (): no CORS headers
+    chat_template: str | None = None  # a jinja file replacing the model's chat template
     preempt_async: bool = True  # CUDA: swap copies on their own stream (off: synchronous)
     # test only (hidden from --help): faults injected on purpose
     preempt_fail_swap: bool = False  # every host allocation is refused: swaps fall to recompute
@@ -144,6 +145,20 @@ def _fraction(value: str) -> float:
     return number
 
 
+def _jinja_file(value: str) -> str:
+    """A readable jinja file that parses (rendered for each chat later, with the model)."""
+    import jinja2  # the only flag that needs it
+
+    try:
+        with open(value, encoding="utf-8") as file:
+            jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(file.read())
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {value!r}: {exc.strerror}") from None
+    except (UnicodeDecodeError, jinja2.TemplateSyntaxError) as exc:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a jinja template: {exc}") from None
+    return value
+
+
 DESCRIPTION = """\
 kvpark-server: an OpenAI- and llama.cpp-compatible LLM server with a paged KV pool whose slots
 are parked (swapped to host RAM or dropped and recomputed) when the pool runs full.
@@ -216,6 +231,10 @@ def add_model_flags(g: argparse._ArgumentGroup) -> None:
          text="model name(s) /v1/models lists; responses echo the first (repeatable or "
          "comma-separated). A request naming another model is still served",
          default="the model file's name")
+    _add(g, "--chat-template", dest="chat_template", type=_jinja_file, metavar="FILE",
+         text="jinja chat template file used instead of the model's own (rendered as "
+         "transformers does, with messages, tools, add_generation_prompt)",
+         default="the model's")
     _add(g, "--device", dest="device", metavar="DEV", text="auto, cpu, cuda or cuda:N")
     _add(g, "--dtype", dest="dtype", choices=["auto", "float32", "bfloat16", "float16"],
          text="compute type; auto = bfloat16 on CUDA, float32 on the CPU")

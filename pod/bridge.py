@@ -14,6 +14,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from .grammar import get_grammars
 from .model.tokenizer import Tokenizer
 from .protocol import GenerationRequest
 from .sampling import make_generator
@@ -51,6 +52,7 @@ class RequestStream:
 
     def __post_init__(self) -> None:
         params = self.request.params
+        grammar = self.request.grammar
         for index in range(params.n):
             seed = None if params.seed is None else params.seed + index
             self.seqs.append(Sequence(
@@ -63,6 +65,9 @@ class RequestStream:
                 family_size=params.n,
                 priority=self.request.priority,
                 output=TextOutput(self.tokenizer, params.stop),
+                # each sequence its own place in the grammar (compiled when it was parsed)
+                constraint=None if grammar is None else get_grammars(
+                    self.tokenizer).constraint(grammar),
             ))
 
     # engine thread

@@ -12,6 +12,7 @@ from .model.tokenizer import Tokenizer
 from .protocol import ApiError
 from .sampling import TokenLogprob
 from .slot import FinishReason, Sequence
+from .tools import ParsedOutput, parse_output
 
 # the HTTP status of each failure (the scheduler says why a sequence ended, not how to say it)
 FAILURE_STATUS = {
@@ -190,6 +191,10 @@ class WireFormat:
     def finish(self, seq: Sequence) -> dict[str, Any]:
         raise NotImplementedError
 
+    def finish_chunks(self, seq: Sequence) -> list[dict[str, Any]]:
+        """What a stream sends when `seq` ended: its last delta and finish reason."""
+        return [self.finish(seq)]
+
     def usage(self) -> dict[str, Any]:
         raise NotImplementedError
 
@@ -249,6 +254,62 @@ class ChatFormat(OpenAIFormat):
         return self._chunk([{"index": seq.index, "delta": {},
                              "logprobs": self.logprobs(seq.index, None),
                              "finish_reason": finish_reason(seq)}])
+
+
+class ToolChatFormat(ChatFormat):
+    """A chat whose output may be tool calls: JSON in the generic format, parsed once complete
+    into OpenAI's `tool_calls`; a stream sends the calls (or the answer) with its last chunk
+    (deltas before it are empty, so a client sees progress)."""
+
+    def __init__(self, model: str, stream: RequestStream) -> None:
+        super().__init__(model, stream)
+        self._parsed: dict[int, ParsedOutput] = {}  # one parse (and one set of call ids) each
+
+    def parsed(self, seq: Sequence) -> ParsedOutput:
+        if seq.index not in self._parsed:
+            self._parsed[seq.index] = parse_output(self.stream.text(seq.index))
+        return self._parsed[seq.index]
+
+    def finish_reason(self, seq: Sequence) -> str | None:
+        if seq.finish_reason is FinishReason.STOP and self.parsed(seq).tool_calls:
+            return "tool_calls"
+        return finish_reason(seq)
+
+    def choice(self, seq: Sequence) -> dict[str, Any]:
+        parsed = self.parsed(seq)
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        if parsed.tool_calls:
+            message["tool_calls"] = parsed.tool_calls
+        return {"index": seq.index, "message": message, "logprobs": None,
+                "finish_reason": self.finish_reason(seq)}
+
+    def opening(self) -> list[dict[str, Any]]:
+        # content null, not "": a call has no content (clients keep the first value they see)
+        return [self._chunk([{"index": s.index, "delta": {"role": "assistant", "content": None},
+                              "logprobs": None, "finish_reason": None}
+                             for s in self.stream.seqs])]
+
+    def text(self, index: int, text: str) -> dict[str, Any]:
+        return self._chunk([{"index": index, "delta": {}, "logprobs": None,
+                             "finish_reason": None}])
+
+    def finish(self, seq: Sequence) -> dict[str, Any]:
+        return self._chunk([{"index": seq.index, "delta": {}, "logprobs": None,
+                             "finish_reason": self.finish_reason(seq)}])
+
+    def finish_chunks(self, seq: Sequence) -> list[dict[str, Any]]:
+        # the calls before the finish reason, as OpenAI sends them: clients close a call's
+        # arguments when the next call or the finish reason comes
+        parsed = self.parsed(seq)
+        delta: dict[str, Any] = {}
+        if parsed.tool_calls:
+            delta["tool_calls"] = [{"index": i, **call}
+                                   for i, call in enumerate(parsed.tool_calls)]
+        elif parsed.content:
+            delta["content"] = parsed.content
+        last = [self._chunk([{"index": seq.index, "delta": delta, "logprobs": None,
+                              "finish_reason": None}])] if delta else []
+        return [*last, self.finish(seq)]
 
 
 class CompletionFormat(OpenAIFormat):
@@ -333,4 +394,6 @@ FORMATS: dict[str, type[WireFormat]] = {
 
 
 def get_format(model: str, stream: RequestStream) -> WireFormat:
+    if stream.request.tools is not None:
+        return ToolChatFormat(model, stream)
     return FORMATS[stream.request.kind](model, stream)

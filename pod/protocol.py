@@ -6,6 +6,7 @@ Every problem raises `ApiError` naming the field, which the API turns into an Op
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -15,6 +16,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from . import tools
+from .grammar import ANY_JSON_OBJECT, Grammar, GrammarError, get_grammars
 from .model.tokenizer import Tokenizer
 from .sampling import SamplingParams
 
@@ -75,6 +78,8 @@ class GenerationRequest:
     model: str | None
     return_tokens: bool = False  # llama.cpp's /completion option: generated token ids too
     priority: int = 0  # higher is more important: parked last, restored first
+    grammar: Grammar | None = None  # the output must match it (compiled by the parser)
+    tools: tools.ToolPlan | None = None  # set when the output may be a tool call
 
 
 def _bad(param: str, message: str) -> ApiError:
@@ -157,11 +162,8 @@ def _is_text(text: str) -> bool:
 # other value is refused: a client that asked for JSON, a tool call or logprobs must not get
 # plain text back as if it had.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
-    "response_format": (None, {"type": "text"}),
     "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
@@ -169,8 +171,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "audio": (None,),
     "prediction": (None,),
     "web_search_options": (None,),
-    "grammar": (None, ""),  # llama.cpp from here on
-    "json_schema": (None, {}),
 }
 # Accepted and without effect on the output: clients send them by default.
 HARMLESS = frozenset({"user", "safety_identifier", "metadata", "store", "service_tier",
@@ -180,12 +180,14 @@ SAMPLING = frozenset({"model", "temperature", "top_p", "top_k", "min_p", "seed",
                       "ignore_eos", "n", "stream", "stream_options", "priority",
                       "presence_penalty", "frequency_penalty", "repetition_penalty",
                       "repeat_penalty", "repeat_last_n", "logit_bias", "min_tokens"})
+STRUCTURED = frozenset({"response_format", "grammar", "json_schema"})
 KNOWN = {
-    "chat": SAMPLING | HARMLESS | {"messages", "max_tokens", "max_completion_tokens",
-                                  "logprobs", "top_logprobs"},
-    "completion": SAMPLING | HARMLESS | {"prompt", "max_tokens", "logprobs"},
-    "llama": SAMPLING | HARMLESS | {"prompt", "n_predict", "max_tokens", "return_tokens",
-                                    "n_probs"},
+    "chat": SAMPLING | HARMLESS | STRUCTURED | {"messages", "max_tokens",
+                                                "max_completion_tokens", "tools", "tool_choice",
+                                                "logprobs", "top_logprobs"},
+    "completion": SAMPLING | HARMLESS | STRUCTURED | {"prompt", "max_tokens", "logprobs"},
+    "llama": SAMPLING | HARMLESS | STRUCTURED | {"prompt", "n_predict", "max_tokens",
+                                                 "return_tokens", "n_probs"},
 }
 MAX_LOGGED_FIELDS = 1000  # bounds what a client inventing field names can make us remember
 _logged_fields: set[str] = set()
@@ -370,13 +372,14 @@ def _include_usage(body: dict) -> bool:
     return _boolean(options, "include_usage", False)
 
 
-def _message_text(message: dict, index: int, role: str) -> str:
-    for name in ("tool_calls", "function_call"):
-        if message.get(name):  # replaying a tool call needs tools, which are not supported
-            raise ApiError(400, f"'messages[{index}].{name}' is not supported by this server",
-                           param=f"messages[{index}].{name}")
+def _message_text(message: dict, index: int, role: str) -> str | None:
+    if message.get("function_call"):  # the legacy form of tool_calls
+        raise ApiError(400, f"'messages[{index}].function_call' is not supported by this "
+                       "server; send tool_calls", param=f"messages[{index}].function_call")
     content = message.get("content")
-    if content is None:  # OpenAI: only an assistant message with tool calls may omit it
+    if content is None and role == "assistant" and message.get("tool_calls"):
+        return None  # OpenAI: only an assistant message with tool calls may omit it
+    if content is None:
         raise _bad(f"messages[{index}].content",
                    f"required for a {role} message (a string or a list of text parts)")
     if isinstance(content, str):
@@ -393,7 +396,35 @@ def _message_text(message: dict, index: int, role: str) -> str:
     raise _bad(f"messages[{index}].content", "expected a string or a list of text parts")
 
 
-def chat_messages(body: dict, limits: InputLimits) -> list[dict[str, str]]:
+def _tool_calls(message: dict, index: int, role: str) -> list[dict[str, Any]]:
+    """An assistant message's `tool_calls`, checked: arguments must be a JSON object's text."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return []
+    where = f"messages[{index}].tool_calls"
+    if role != "assistant" or not isinstance(calls, list):
+        raise _bad(where, "only an assistant message has tool_calls (a list)")
+    cleaned = []
+    for i, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise _bad(f"{where}[{i}]", "expected {'id', 'type': 'function', 'function': "
+                       "{'name', 'arguments'}}")
+        arguments = function.get("arguments", "{}")
+        try:  # some clients send the object itself
+            parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
+        except ValueError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            raise _bad(f"{where}[{i}].function.arguments", "expected a JSON object's text")
+        call_id = call.get("id")
+        cleaned.append({"id": call_id if isinstance(call_id, str) else f"call_{index}_{i}",
+                        "type": "function", "function": {"name": function["name"],
+                                                         "arguments": json.dumps(parsed)}})
+    return cleaned
+
+
+def chat_messages(body: dict, limits: InputLimits) -> list[dict[str, Any]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("messages", "expected a non-empty list of messages")
@@ -408,10 +439,114 @@ def chat_messages(body: dict, limits: InputLimits) -> list[dict[str, str]]:
         if role not in CHAT_ROLES:
             raise _bad(f"messages[{i}].role", f"unknown role {shown(role)}")
         text = _message_text(message, i, role)
-        num_chars += len(text)
+        entry: dict[str, Any] = {"role": "system" if role == "developer" else role,
+                                 "content": text}
+        calls = _tool_calls(message, i, role)
+        if calls:
+            entry["tool_calls"] = calls
+        if role == "tool":
+            call_id = message.get("tool_call_id")
+            if not isinstance(call_id, str):
+                raise _bad(f"messages[{i}].tool_call_id", "required for a tool message")
+            entry["tool_call_id"] = call_id
+        num_chars += len(text or "") + sum(len(c["function"]["arguments"]) for c in calls)
         _check_chars("messages", num_chars, limits)
-        cleaned.append({"role": "system" if role == "developer" else role, "content": text})
+        cleaned.append(entry)
     return cleaned
+
+
+# ---- structured output and tools ------------------------------------------------------------
+
+def _response_format(body: dict) -> tuple[str, Grammar] | None:
+    """OpenAI's `response_format`: (the field to blame, its grammar), None for text."""
+    value = body.get("response_format")
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return "response_format", _from_schema("response_format", ANY_JSON_OBJECT)
+    if kind != "json_schema":
+        raise _bad("response_format", "expected {'type': 'text'}, {'type': 'json_object'} or "
+                   "{'type': 'json_schema', 'json_schema': {...}}")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise _bad("response_format.json_schema", "expected an object with 'name' and 'schema'")
+    schema = spec.get("schema", {})
+    if not isinstance(schema, (dict, bool)):
+        raise _bad("response_format.json_schema.schema", "expected a JSON schema object")
+    if not isinstance(spec.get("strict", False), (bool, type(None))):
+        raise _bad("response_format.json_schema.strict", "expected true or false")
+    # strict or not, the output is made to match the schema
+    where = "response_format.json_schema.schema"
+    return where, _from_schema(where, schema)
+
+
+def _from_schema(field_name: str, schema: Any) -> Grammar:
+    try:
+        return Grammar.from_json_schema(schema)
+    except GrammarError as exc:
+        raise _bad(field_name, f"does not compile: {clip(str(exc), 2 * MAX_SHOWN)}") from None
+
+
+def _llama_grammar(body: dict) -> tuple[str, Grammar] | None:
+    """llama.cpp's `grammar` (GBNF) or `json_schema` (a schema object)."""
+    grammar, schema = body.get("grammar"), body.get("json_schema")
+    if grammar not in (None, "") and schema not in (None, {}):
+        raise _bad("grammar", "send either 'grammar' or 'json_schema', not both")
+    if grammar not in (None, ""):
+        if not isinstance(grammar, str):
+            raise _bad("grammar", "expected GBNF text")
+        try:
+            return "grammar", Grammar.from_gbnf(grammar)
+        except GrammarError as exc:
+            raise _bad("grammar", clip(str(exc), 2 * MAX_SHOWN)) from None
+    if schema not in (None, {}):
+        if not isinstance(schema, dict):
+            raise _bad("json_schema", "expected a JSON schema object")
+        return "json_schema", _from_schema("json_schema", schema)
+    return None
+
+
+def structured_output(body: dict, tokenizer: Tokenizer) -> Grammar | None:
+    """The grammar the output must match (compiled here: an error is the client's 400)."""
+    chosen = [c for c in (_response_format(body), _llama_grammar(body)) if c is not None]
+    if len(chosen) > 1:
+        raise _bad("response_format", "send one of 'response_format', 'grammar' and "
+                   "'json_schema'")
+    if not chosen:
+        return None
+    field_name, grammar = chosen[0]
+    return _compiled(field_name, grammar, tokenizer)
+
+
+def _compiled(field_name: str, grammar: Grammar, tokenizer: Tokenizer) -> Grammar:
+    try:
+        get_grammars(tokenizer).compile(grammar)
+    except GrammarError as exc:
+        raise _bad(field_name, f"does not compile: {clip(str(exc), 2 * MAX_SHOWN)}") from None
+    return grammar
+
+
+def tool_plan(body: dict, grammar: Grammar | None) -> tools.ToolPlan | None:
+    try:
+        plan = tools.get_tool_plan(body)
+    except tools.ToolError as exc:
+        raise ApiError(400, str(exc), param=exc.param) from None
+    if plan is None or not plan.can_call:
+        return plan
+    if grammar is not None and grammar.source != "json_schema":
+        raise _bad("grammar", "a grammar cannot be combined with tools")
+    if grammar is None:
+        return plan
+    # a plain answer (tool_choice auto) holds the asked-for JSON in `response`
+    fmt = body.get("response_format") or {}
+    if fmt.get("type") == "json_schema":
+        schema = fmt["json_schema"].get("schema", {})
+    else:
+        schema = body.get("json_schema") or ANY_JSON_OBJECT
+    return dataclasses.replace(plan, response_schema=schema)
 
 
 def _check_chars(param: str, num_chars: int, limits: InputLimits) -> None:
@@ -451,9 +586,13 @@ def _model(body: dict) -> str | None:
     return model
 
 
-def _chat_prompt(messages: list[dict[str, str]], tokenizer: Tokenizer) -> list[int]:
+def _chat_prompt(messages: list[dict[str, Any]], tokenizer: Tokenizer,
+                 plan: tools.ToolPlan | None = None) -> list[int]:
+    if plan is not None or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+        messages = tools.polyfill_messages(messages, plan)
+    offered = [t.as_openai() for t in plan.callable_tools()] if plan and plan.can_call else None
     try:  # special-token texts in the messages stay text: only the template's markers are special
-        return tokenizer.encode_chat(messages, add_generation_prompt=True)
+        return tokenizer.encode_chat(messages, add_generation_prompt=True, tools=offered)
     except Exception as exc:  # the model's own template rejected the conversation
         raise _bad("messages", "the chat template rejected the messages: "
                    f"{clip(str(exc), 2 * MAX_SHOWN)}") from exc
@@ -467,6 +606,10 @@ def parse_chat(body: dict, tokenizer: Tokenizer, limits: InputLimits) -> Generat
     messages = chat_messages(body, limits)
     params = sampling_params(body, limits.max_context, ("max_completion_tokens", "max_tokens"),
                              tokenizer, "chat")
+    grammar = structured_output(body, tokenizer)
+    plan = tool_plan(body, grammar)
+    if plan is not None and plan.can_call:  # the output is a call or a wrapped answer
+        grammar = _compiled("tools", plan.grammar(), tokenizer)
     return GenerationRequest(
         kind="chat",
         params=params,
@@ -474,7 +617,9 @@ def parse_chat(body: dict, tokenizer: Tokenizer, limits: InputLimits) -> Generat
         include_usage=_include_usage(body),
         model=_model(body),
         priority=_priority(body),
-        prompt_ids=_chat_prompt(messages, tokenizer),
+        prompt_ids=_chat_prompt(messages, tokenizer, plan),
+        grammar=grammar,
+        tools=plan if plan is not None and plan.can_call else None,
     )
 
 
@@ -488,6 +633,7 @@ def parse_completion(body: dict, tokenizer: Tokenizer, limits: InputLimits) -> G
         model=_model(body),
         priority=_priority(body),
         prompt_ids=_prompt_ids(body, tokenizer, limits),
+        grammar=structured_output(body, tokenizer),
     )
 
 
@@ -507,6 +653,7 @@ def parse_llama_completion(body: dict, tokenizer: Tokenizer, limits: InputLimits
         return_tokens=_boolean(body, "return_tokens", False),
         priority=_priority(body),
         prompt_ids=_prompt_ids(body, tokenizer, limits),
+        grammar=structured_output(body, tokenizer),
     )
 
 
@@ -542,9 +689,10 @@ def parse_completions(body: dict, tokenizer: Tokenizer, limits: InputLimits
         raise _bad("n", f"{len(prompts)} prompts x n={n} choices; at most {MAX_BATCH_CHOICES} "
                    "in one request")
     common = dict(kind="completion",
-                  params=sampling_params(body, limits.max_context, ("max_tokens",)),
+                  params=sampling_params(body, limits.max_context, ("max_tokens",), tokenizer),
                   stream=_boolean(body, "stream", False), include_usage=_include_usage(body),
-                  model=_model(body), priority=_priority(body))
+                  model=_model(body), priority=_priority(body),
+                  grammar=structured_output(body, tokenizer))
     requests = []
     for i, prompt in enumerate(prompts):
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):

@@ -187,6 +187,10 @@ def build_stack(args: ServerArgs) -> ServingStack:
     loaded: LoadedModel = load_model_files(args.model, device=device, dtype=dtype)
     stages.done(f"weights read: {len(loaded.weights)} tensors, {len(loaded.quantized)} also "
                 "kept as quantised blocks")
+    if args.chat_template:  # --chat-template: the file wins over the model's own template
+        with open(args.chat_template, encoding="utf-8") as file:
+            loaded.tokenizer.set_chat_template(file.read())
+        log.info("chat template from %s", args.chat_template)
     config = loaded.config
     blocks = pick_blocks(args, loaded, device, dtype)  # builds the C kernel on first use
     stages.done("quantised-linear kernel checked" if loaded.quantized else "weights checked")

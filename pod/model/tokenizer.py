@@ -172,7 +172,13 @@ class Tokenizer:
             **kwargs,
         )
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def set_chat_template(self, source: str) -> None:
+        """Replace the model's template (--chat-template); compiled now, so errors show early."""
+        self._template = _compile_template(source)
+        self.chat_template = source
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
         """The chat prompt's ids: the template's own special-token texts become their ids, the
         same texts inside message content stay ordinary text.
 
@@ -185,7 +191,10 @@ class Tokenizer:
         """
         defused = [{**m, "content": self._defuse(m["content"])} if "content" in m else m
                    for m in map(_flatten_content, messages)]
-        text = self.apply_chat_template(defused, add_generation_prompt=add_generation_prompt)
+        # templates test `tools is defined` or `if tools`: pass them only when there are some
+        extra = {"tools": tools} if tools else {}
+        text = self.apply_chat_template(defused, add_generation_prompt=add_generation_prompt,
+                                        **extra)
         if self._chat_backend is None:
             self._chat_backend = _defusing_copy(self.backend)
         ids = self._chat_backend.encode_batch([text], add_special_tokens=False)[0].ids

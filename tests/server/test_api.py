@@ -219,7 +219,7 @@ def test_openai_client_with_harmless_fields_set(tiny_server):
         metadata={"k": "v"}, service_tier="auto", response_format={"type": "text"},
         prompt_cache_key="k", safety_identifier="s", stream_options=None)
     assert out.usage.completion_tokens <= 3
-    with pytest.raises(openai.BadRequestError, match="'response_format' is not supported"):
+    with pytest.raises(openai.BadRequestError, match="'functions' is not supported"):
         client(tiny_server).chat.completions.create(
             model="x", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
-            response_format={"type": "json_object"})
+            functions=[{"name": "f", "parameters": {"type": "object"}}])

@@ -117,24 +117,15 @@ def test_malformed_raw_body(server, raw, status, field):
     assert_still_serving(server)
 
 
-TOOL_CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
 UNSUPPORTED_CASES = [
     # (path, extra fields, param): a client asking for these must not get plain text back
-    (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    (CHAT, {"tool_choice": "required"}, "tool_choice"),
+    # (structured output and tools: tests/server/test_structured_output.py)
     (CHAT, {"functions": [{"name": "f"}]}, "functions"),
     (CHAT, {"function_call": {"name": "f"}}, "function_call"),
-    (CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
-    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
-     "response_format"),
     (CHAT, {"modalities": ["text", "audio"]}, "modalities"),
-    (CHAT, {"messages": [*MSG, {"role": "assistant", "tool_calls": [TOOL_CALL]}]},
-     "messages[1].tool_calls"),
     ("/v1/completions", {"echo": True}, "echo"),
     ("/v1/completions", {"best_of": 3}, "best_of"),
     ("/v1/completions", {"suffix": "the end"}, "suffix"),
-    ("/completion", {"grammar": 'root ::= "yes"'}, "grammar"),
-    ("/completion", {"json_schema": {"type": "object"}}, "json_schema"),
 ]
 
 

@@ -1,0 +1,199 @@
+"""Structured output and tool calls against SmolLM2 over real HTTP with the real `openai`
+client: response_format, llama.cpp's grammar, a park in the middle of a constrained output,
+tool calls (plain, streamed, named, none, a round trip), and langchain when installed."""
+
+import concurrent.futures as cf
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel
+from serverproc import ServerProcess, poll
+
+KEY = "structured-admin"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+GREEDY = {"temperature": 0, "max_tokens": 80}
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"},
+    "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 20},
+                "minItems": 2, "maxItems": 3}},
+    "required": ["name", "age", "hobbies"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {
+    "name": "get_time", "description": "Get the local time in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"], "additionalProperties": False}}}
+APPLE = "Reply with a JSON object with the keys name and color for a red apple."
+ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+
+
+class Person(BaseModel):
+    name: str
+    age: int
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_server):
+    return smollm2_server
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def test_json_object_output_parses(client):
+    out = client.chat.completions.create(
+        model="x", messages=[{"role": "user", "content": APPLE}],
+        response_format={"type": "json_object"}, **GREEDY)
+    assert out.choices[0].finish_reason == "stop", out.choices[0].message.content
+    assert isinstance(json.loads(out.choices[0].message.content), dict)
+
+
+def test_strict_json_schema_output_validates(client):
+    out = client.chat.completions.create(
+        model="x", messages=[{"role": "user", "content": "Invent a person."}],
+        response_format={"type": "json_schema", "json_schema": {
+            "name": "person", "schema": SCHEMA, "strict": True}}, **GREEDY)
+    assert out.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(out.choices[0].message.content), SCHEMA)
+
+
+def test_parse_with_a_pydantic_model(client):
+    out = client.chat.completions.parse(
+        model="x", messages=[{"role": "user", "content": "Invent a person."}],
+        response_format=Person, **GREEDY)
+    person = out.choices[0].message.parsed
+    assert isinstance(person, Person) and person.name
+
+
+def test_llama_grammar_and_json_schema_on_completion(server):
+    body = {"prompt": "Q: Is the sky blue?\nA:", "n_predict": 10, "temperature": 0}
+    answer = server.post("/completion", {**body, "grammar": 'root ::= " yes" | " no"'}).json()
+    assert answer["content"] in (" yes", " no") and answer["stop_type"] == "eos"
+    schema = {"type": "object", "properties": {"answer": {"type": "boolean"}},
+              "required": ["answer"]}
+    out = server.post("/completion", {**body, "n_predict": 30, "json_schema": schema}).json()
+    jsonschema.validate(json.loads(out["content"]), schema)
+    # llama-server accepts them on the OpenAI endpoints too
+    completion = server.post("/v1/completions", {"prompt": body["prompt"], "max_tokens": 10,
+                                                 "grammar": 'root ::= " yes" | " no"'}).json()
+    assert completion["choices"][0]["text"] in (" yes", " no")
+
+
+@pytest.mark.parametrize("path,extra,param", [
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/nope"}}}}}},
+     "response_format.json_schema.schema"),
+    ("/v1/chat/completions", {"response_format": {"type": "yaml"}}, "response_format"),
+    ("/completion", {"grammar": "root ::= undefined-rule"}, "grammar"),
+    ("/completion", {"json_schema": {"type": "color"}}, "json_schema"),
+    ("/v1/chat/completions", {"tools": [WEATHER], "tool_choice": {
+        "type": "function", "function": {"name": "launch"}}}, "tool_choice"),
+])
+def test_a_bad_grammar_is_a_400_naming_the_field(server, path, extra, param):
+    base = {"messages": ASK} if path.endswith("chat/completions") else {"prompt": "hi"}
+    response = server.post(path, {**base, "max_tokens": 4, **extra})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+    assert server.chat("still there?", max_tokens=2).status_code == 200
+
+
+def test_a_park_mid_output_keeps_the_grammar_state():
+    """A recompute park (--preempt-ram 0) replays the output so far: those tokens must not
+    reach the grammar a second time. The seeded tiny model (its random logits make the grammar
+    do all the work) shares SmolLM2's tokenizer."""
+    bounded = {"type": "object", "properties": {  # at most ~100 tokens, whatever the model
+        "name": {"type": "string", "maxLength": 20}, "happy": {"type": "boolean"},
+        "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 20},
+                    "minItems": 2, "maxItems": 3}},
+        "required": ["name", "happy", "hobbies"], "additionalProperties": False}
+    body = {"messages": [{"role": "user", "content": "Invent a person with hobbies."}],
+            "response_format": {"type": "json_schema", "json_schema": {
+                "name": "p", "schema": bounded}}, "temperature": 0, "max_tokens": 300}
+    flags = ["-np", "2", "-c", "2048", "--admin-key", KEY, "--preempt-ram", "0"]
+    with ServerProcess(flags) as server, cf.ThreadPoolExecutor(1) as pool:
+        reference = server.post("/v1/chat/completions", body).json()
+        assert reference["choices"][0]["finish_reason"] == "stop"
+        running = pool.submit(server.post, "/v1/chat/completions", body)
+        slot = poll(lambda: [s for s in server.slots() if s["n_generated"] >= 8], "tokens")
+        slot_id = slot[0]["id"]
+        parked = httpx.post(f"{server.url}/slots/{slot_id}?action=park", headers=AUTH).json()
+        assert parked["is_preempted"] and parked["preempt_mode"] == "recompute"
+        assert parked["n_generated"] < reference["usage"]["completion_tokens"]
+        httpx.post(f"{server.url}/slots/{slot_id}?action=unpark", headers=AUTH)
+        got = running.result().json()
+    assert got["preempt"] == {"parks": 1, "recomputes": 1}
+    content = got["choices"][0]["message"]["content"]
+    assert content == reference["choices"][0]["message"]["content"]
+    jsonschema.validate(json.loads(content), bounded)
+
+
+def test_tool_call_round_trip(client):
+    first = client.chat.completions.create(model="x", messages=ASK, tools=[WEATHER, CLOCK],
+                                           tool_choice="required", **GREEDY)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    call = choice.message.tool_calls[0]
+    assert call.id.startswith("call_") and call.type == "function"
+    assert call.function.name in ("get_weather", "get_time")
+    assert isinstance(json.loads(call.function.arguments)["city"], str)
+    history = [*ASK, choice.message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 24 C"}]
+    final = client.chat.completions.create(model="x", messages=history, tools=[WEATHER, CLOCK],
+                                           tool_choice="none", temperature=0, max_tokens=20)
+    assert final.choices[0].message.tool_calls is None
+    assert final.choices[0].message.content
+    alone = client.chat.completions.create(model="x", messages=ASK, tools=[WEATHER, CLOCK],
+                                           tool_choice="none", max_tokens=1)
+    # the call and its result are in the prompt (tests/unit/test_grammar.py checks the text)
+    assert final.usage.prompt_tokens > alone.usage.prompt_tokens + 30
+
+
+def test_auto_gives_a_call_or_an_answer(client):
+    out = client.chat.completions.create(model="x", messages=ASK, tools=[WEATHER], **GREEDY)
+    choice = out.choices[0]
+    if choice.message.tool_calls:
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    else:
+        assert choice.finish_reason == "stop" and choice.message.content
+
+
+def test_streamed_tool_calls_accumulate_in_the_openai_helper(client):
+    with client.chat.completions.stream(model="x", messages=ASK, tools=[WEATHER],
+                                        tool_choice="required", **GREEDY) as stream:
+        events = [event.type for event in stream]
+        final = stream.get_final_completion()
+    assert "tool_calls.function.arguments.done" in events
+    choice = final.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert choice.message.tool_calls[0].function.name == "get_weather"
+    assert json.loads(choice.message.tool_calls[0].function.arguments)["city"]
+
+
+def test_tool_choice_none_and_named(client):
+    none = client.chat.completions.create(model="x", messages=ASK, tools=[WEATHER, CLOCK],
+                                          tool_choice="none", temperature=0, max_tokens=10)
+    assert none.choices[0].message.tool_calls is None and none.choices[0].message.content
+    assert none.choices[0].finish_reason in ("stop", "length")
+    named = client.chat.completions.create(
+        model="x", messages=ASK, tools=[WEATHER, CLOCK],
+        tool_choice={"type": "function", "function": {"name": "get_time"}}, **GREEDY)
+    assert [c.function.name for c in named.choices[0].message.tool_calls] == ["get_time"]
+
+
+def test_langchain_structured_output_and_bind_tools(server):
+    chat_openai = pytest.importorskip(
+        "langchain_openai", reason="langchain-openai is not installed").ChatOpenAI
+    llm = chat_openai(base_url=f"{server.url}/v1", api_key="unused", model="x",
+                      temperature=0, max_tokens=80, max_retries=0)
+    person = llm.with_structured_output(Person).invoke("Invent a person.")
+    assert isinstance(person, Person) and person.name
+    message = llm.bind_tools([WEATHER], tool_choice="get_weather").invoke(ASK[0]["content"])
+    assert message.tool_calls and message.tool_calls[0]["name"] == "get_weather"
+    assert isinstance(message.tool_calls[0]["args"]["city"], str)
