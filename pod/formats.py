@@ -289,7 +289,7 @@ class ToolChatFormat(ChatFormat):
                               "logprobs": None, "finish_reason": None}
                              for s in self.stream.seqs])]
 
-    def text(self, index: int, text: str) -> dict[str, Any]:
+    def text(self, index: int, text: str, num_logprobs: int | None = None) -> dict[str, Any]:
         return self._chunk([{"index": index, "delta": {}, "logprobs": None,
                              "finish_reason": None}])
 
