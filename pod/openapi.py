@@ -75,6 +75,40 @@ def _penalties(max_context: int) -> dict[str, Any]:
     }
 
 
+def _structured() -> dict[str, Any]:
+    """response_format, and llama.cpp's grammar and json_schema (accepted on every route)."""
+    return {
+        "response_format": {"oneOf": [
+            {"type": "object", "required": ["type"], "properties": {
+                "type": {"type": "string", "enum": ["text", "json_object"]}}},
+            {"type": "object", "required": ["type", "json_schema"], "properties": {
+                "type": {"type": "string", "enum": ["json_schema"]},
+                "json_schema": {"type": "object", "required": ["name"], "properties": {
+                    "name": {"type": "string"}, "strict": {"type": "boolean"},
+                    "schema": {"type": "object"}}}}}]},
+        "grammar": {"type": "string", "description": "GBNF (llama.cpp)"},
+        "json_schema": {"type": "object", "description": "a JSON schema (llama.cpp)"},
+    }
+
+
+def _tools() -> dict[str, Any]:
+    function = {"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string"}, "description": {"type": "string"},
+        "parameters": {"type": "object"}, "strict": {"type": "boolean"}}}
+    named = {"type": "object", "required": ["type", "function"], "properties": {
+        "type": {"type": "string", "enum": ["function"]},
+        "function": {"type": "object", "required": ["name"],
+                     "properties": {"name": {"type": "string"}}}}}
+    return {
+        "tools": {"type": "array", "items": {"type": "object", "required": ["type", "function"],
+                                             "properties": {
+            "type": {"type": "string", "enum": ["function"]}, "function": function}}},
+        "tool_choice": {"oneOf": [
+            {"type": "string", "enum": ["auto", "required", "none"]}, named]},
+        "parallel_tool_calls": {"type": "boolean"},
+    }
+
+
 def _error_responses(codes: tuple[int, ...]) -> dict[str, Any]:
     return {str(code): {"description": "an OpenAI-style error",
                         "content": {JSON: {"schema": _ref("Error")}}} for code in codes}
@@ -112,7 +146,10 @@ def get_openapi(limits: InputLimits) -> dict[str, Any]:
     message = {"type": "object", "required": ["role", "content"], "properties": {
         "role": {"type": "string", "enum": sorted(CHAT_ROLES)},
         "content": {"oneOf": [{"type": "string", "maxLength": max_chars},
-                              {"type": "array", "items": text_part}]}}}
+                              {"type": "array", "items": text_part}]},
+        "tool_calls": {"type": "array", "description": "assistant: the calls it made",
+                       "items": {"type": "object"}},
+        "tool_call_id": {"type": "string", "description": "tool: the call this answers"}}}
     prompt = {"oneOf": [{"type": "string", "minLength": 1, "maxLength": max_chars},
                         {"type": "array", "items": {"type": "string", "maxLength": max_chars},
                          "minItems": 1, "maxItems": 1},
@@ -132,7 +169,7 @@ def get_openapi(limits: InputLimits) -> dict[str, Any]:
                                ("prompt_tokens", "completion_tokens", "total_tokens")},
                             "prompt_tokens_details": {"type": "object", "properties": {
                                 "cached_tokens": {"type": "integer"}}}}}
-    finish = {"type": "string", "enum": ["stop", "length"], "nullable": True}
+    finish = {"type": "string", "enum": ["stop", "length", "tool_calls"], "nullable": True}
     schemas: dict[str, Any] = {
         "Error": {"type": "object", "required": ["error"], "properties": {"error": {
             "type": "object", "required": ["message", "type"],
@@ -143,15 +180,17 @@ def get_openapi(limits: InputLimits) -> dict[str, Any]:
             "messages": {"type": "array", "items": message, "minItems": 1,
                          "maxItems": limits.max_messages},
             **_sampling(("max_tokens", "max_completion_tokens"), max_context),
+            **_structured(), **_tools(),
             "logprobs": {"type": "boolean"},
             "top_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS}}},
         "CompletionRequest": {"type": "object", "required": ["prompt"], "properties": {
             "prompt": batched_prompt, **_sampling(("max_tokens",), max_context),
+            **_structured(),
             "logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_COMPLETION_LOGPROBS,
                          "nullable": True}}},
         "LlamaCompletionRequest": {"type": "object", "required": ["prompt"], "properties": {
             "prompt": prompt, "return_tokens": {"type": "boolean"},
-            **_sampling(("max_tokens",), max_context),
+            **_sampling(("max_tokens",), max_context), **_structured(),
             # -1 (unlimited) or 1..max_context: protocol._max_tokens refuses 0
             "n_predict": {"type": "integer", "oneOf": [
                 {"enum": [-1]}, {"minimum": 1, "maximum": max_context}]},
@@ -164,7 +203,9 @@ def get_openapi(limits: InputLimits) -> dict[str, Any]:
             "choices": {"type": "array", "items": {"type": "object", "properties": {
                 "index": {"type": "integer"}, "finish_reason": finish,
                 "message": {"type": "object", "properties": {
-                    "role": {"type": "string"}, "content": {"type": "string"}}}}}}}},
+                    "role": {"type": "string"},
+                    "content": {"type": "string", "nullable": True},  # null: tool calls
+                    "tool_calls": {"type": "array", "items": {"type": "object"}}}}}}}}},
         "CompletionResponse": {"type": "object", "required": ["id", "object", "choices"],
                                "properties": {
             "id": {"type": "string"}, "object": {"type": "string", "enum": ["text_completion"]},
