@@ -11,6 +11,7 @@ message `{"tool_response": ...}` (what minja's polyfill does for llama.cpp).
 from __future__ import annotations
 
 import json
+import re
 import reprlib
 import uuid
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from typing import Any
 from .grammar import Grammar
 
 MAX_TOOLS = 128
+FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 CHOICES = ("auto", "required", "none")
 _REPR = reprlib.Repr()
 _REPR.maxstring = _REPR.maxother = _REPR.maxlong = 60
@@ -132,9 +134,11 @@ def _tool(raw: Any, index: int) -> Tool:
         raise ToolError(f"{where}.function", "expected an object with 'name' (got "
                         f"{_shown(raw)})")
     name = function.get("name")
-    if not isinstance(name, str) or not name or len(name) > 64:
-        raise ToolError(f"{where}.function.name", "expected a name of 1 to 64 characters, got "
-                        f"{_shown(name)}")
+    # OpenAI's rule: a name is what fits in a call without escaping (and cannot smuggle a
+    # special-token text such as <|im_end|> into the constrained output)
+    if not isinstance(name, str) or not FUNCTION_NAME.fullmatch(name):
+        raise ToolError(f"{where}.function.name", "expected a name of 1 to 64 letters, digits, "
+                        f"'_' or '-', got {_shown(name)}")
     description = function.get("description") or ""
     if not isinstance(description, str):
         raise ToolError(f"{where}.function.description", "expected a string")

@@ -120,6 +120,11 @@ def test_response_format_and_llama_fields_name_the_field_at_fault(tok):
 
 @pytest.mark.parametrize("body,param", [
     ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools[0].function.name"),
+    # a name a call cannot hold unescaped: it would force <|im_end|> (EOS) into the output
+    ({"tools": [{"type": "function", "function": {"name": 'a"b\n<|im_end|>'}}]},
+     "tools[0].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "x" * 65}}]},
+     "tools[0].function.name"),
     ({"tools": [WEATHER, WEATHER]}, "tools"),
     ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
