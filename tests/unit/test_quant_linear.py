@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpark.kernels import quant_linear as ql
+from kvpark.kernels import worker_pool
 from kvpark.kernels.attention import StepLayout
 from kvpark.kernels.cpu_paged import CpuPagedAttention
 from kvpark.pod.kv_pool import KVPool
@@ -43,6 +44,19 @@ def test_rows_match_the_float32_linear_and_do_not_depend_on_each_other(smollm2, 
     assert ((y - expected).norm() / expected.norm()).item() < 1e-5
     for rows in (slice(0, 1), slice(3, 5), slice(8, 17), slice(18, 19)):  # across row tiles
         assert torch.equal(ql.quant_linear(x[rows].contiguous(), blocks, isa), y[rows])
+
+
+@pytest.mark.parametrize("name", ["model.layers.2.mlp.down_proj.weight",
+                                  "model.embed_tokens.weight"])
+def test_kernel_threads_split_outputs_and_keep_the_bits(smollm2, name, isa):
+    """1, 2 and 3 threads of the worker pool: byte-identical outputs, for 1 to 7 rows."""
+    blocks = smollm2.quantized[name]
+    x = torch.randn(7, blocks.in_features, generator=torch.Generator().manual_seed(4))
+    for rows in (1, 4, 7):
+        outs = [ql.quant_linear(x[:rows], blocks, isa, num_threads=n) for n in (1, 2, 3)]
+        for out in outs[1:]:
+            assert torch.equal(out.view(torch.int32), outs[0].view(torch.int32))
+    assert worker_pool.num_workers(isa) >= 2
 
 
 def test_cat_and_take_rows_keep_rows_together(smollm2):
