@@ -303,7 +303,8 @@ int kvpark_paged_attention(const float *q, int64_t q_row_stride, int64_t q_head_
     job.items = items;
     job.num_items = num_items;
     if (num_threads > num_items) num_threads = num_items;
-    kvpark_pool_run(run_part, &job, num_threads < 1 ? 1 : num_threads);
+    /* each part claims items until none is left: one part a thread */
+    kvpark_pool_run(run_part, &job, num_threads, num_threads);
     free(items);
     return job.failed ? 2 : 0;
 }

@@ -262,8 +262,10 @@ int kvpark_quant_linear(int kind, const float *scale, const float *mins, const v
     if (kind == 0) block_sums(x, x_stride, rows, nb, xsum_scratch);
     Call call = {kind, out_features, nb, rows, scale, mins, x, xsum_scratch, quants, x_stride,
                  y_stride, y};
-    /* at least 64 outputs a part: below that the hand-over costs more than it saves */
+    /* 4 parts a thread, so a thread kept off the CPU by other jobs holds up little; at least
+     * 64 outputs a part: below that a claim costs more than it saves */
     const int most = out_features / 64 > 1 ? out_features / 64 : 1;
-    kvpark_pool_run(run_part, &call, num_threads < most ? num_threads : most);
+    kvpark_pool_run(run_part, &call, 4 * num_threads < most ? 4 * num_threads : most,
+                    num_threads);
     return 0;
 }

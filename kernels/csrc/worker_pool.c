@@ -1,14 +1,16 @@
 /* The kernels' worker pool: a few pthreads created once per process.
  *
  * Why not OpenMP or a thread per call: torch's OpenMP workers spin on the cores after every
- * GEMM, and thread creation per call costs tens of microseconds per kernel call (7 calls a
+ * GEMM, and creating threads per call costs tens of microseconds per kernel call (7 calls a
  * layer). Here a worker spins for at most SPIN_NS after its last part (the gap between two
  * kernel calls of a decode layer is usually shorter), then sleeps on a condition variable, so an
  * idle pool leaves the cores to torch's prefill GEMMs.
  *
- * A call publishes (task, arg, num_parts) and bumps `generation`; every started worker takes the
- * part named by its index (or none) and acknowledges, so the next call cannot overwrite a job a
- * worker is still reading. Calls are serialised by `run_lock`.
+ * Parts are claimed, not assigned: the caller claims parts like the workers do, so a worker
+ * that other jobs on a shared machine keep off the CPU costs the call nothing (the caller does
+ * its parts), and the caller waits only for parts that another thread has started. A claim is a
+ * compare-and-swap on one word holding (call generation, number of parts, next part), so a
+ * worker that wakes late can never take a part of a later call.
  */
 #define _POSIX_C_SOURCE 200809L /* clock_gettime under -std=c11 */
 #include "worker_pool.h"
@@ -18,6 +20,7 @@
 #include <time.h>
 
 #define MAX_WORKERS 63
+#define MAX_PARTS 0xffff
 #define SPIN_NS 100000 /* 100 us */
 
 static struct {
@@ -25,18 +28,16 @@ static struct {
     pthread_mutex_t lock;     /* guards the sleeps below */
     pthread_cond_t wake, done;
     int num_workers;
-    unsigned generation; /* atomic: bumped per call */
-    int sleepers;        /* atomic: workers asleep (or about to be) on `wake` */
-    int caller_asleep;   /* atomic */
-    int pending;         /* atomic: workers yet to acknowledge the current call */
-    kvpark_task task;
+    uint64_t word;     /* atomic: generation << 32 | num_parts << 16 | next part */
+    int finished;      /* atomic: parts of the current call done */
+    int sleepers;      /* atomic: workers asleep (or about to be) on `wake` */
+    int caller_asleep; /* atomic */
+    kvpark_task task;  /* the current call's, written before its word is published */
     void *arg;
-    int num_parts;
-    /* the generation before each worker's first call (a new worker may start running after
-     * the call that created it was published) */
-    unsigned start_generation[MAX_WORKERS + 1];
 } pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
-          PTHREAD_COND_INITIALIZER, 0, 0, 0, 0, 0, NULL, NULL, 0, {0}};
+          PTHREAD_COND_INITIALIZER, 0, 0, 0, 0, 0, NULL, NULL};
+
+static inline unsigned generation_of(uint64_t word) { return (unsigned)(word >> 32); }
 
 static int64_t now_ns(void) {
     struct timespec ts;
@@ -50,25 +51,44 @@ static inline void cpu_relax(void) {
 #endif
 }
 
-/* spins until `*word` != `old` or SPIN_NS pass; returns whether it changed */
-static int spin_while_equal(const unsigned *word, unsigned old) {
-    const int64_t deadline = now_ns() + SPIN_NS;
-    for (unsigned i = 1;; i++) {
-        if (__atomic_load_n(word, __ATOMIC_ACQUIRE) != old) return 1;
-        if (i % 64 == 0 && now_ns() > deadline) return 0;
-        cpu_relax();
+/* the next unclaimed part of call `generation` (and the call's part count), or -1 */
+static int claim(unsigned generation, int *num_parts) {
+    uint64_t word = __atomic_load_n(&pool.word, __ATOMIC_ACQUIRE);
+    for (;;) {
+        const int parts = (int)((word >> 16) & MAX_PARTS), next = (int)(word & MAX_PARTS);
+        if (generation_of(word) != generation || next >= parts) return -1;
+        if (__atomic_compare_exchange_n(&pool.word, &word, word + 1, 0, __ATOMIC_ACQ_REL,
+                                        __ATOMIC_ACQUIRE)) {
+            *num_parts = parts;
+            return next;
+        }
     }
 }
 
+static void finish_part(int num_parts) {
+    if (__atomic_add_fetch(&pool.finished, 1, __ATOMIC_SEQ_CST) == num_parts
+        && __atomic_load_n(&pool.caller_asleep, __ATOMIC_SEQ_CST)) {
+        pthread_mutex_lock(&pool.lock);
+        pthread_cond_signal(&pool.done);
+        pthread_mutex_unlock(&pool.lock);
+    }
+}
+
+/* the generation of the next call after `seen`: a bounded spin, then a sleep */
 static unsigned wait_for_call(unsigned seen) {
-    if (spin_while_equal(&pool.generation, seen))
-        return __atomic_load_n(&pool.generation, __ATOMIC_ACQUIRE);
+    const int64_t deadline = now_ns() + SPIN_NS;
+    for (unsigned i = 1;; i++) {
+        const unsigned gen = generation_of(__atomic_load_n(&pool.word, __ATOMIC_ACQUIRE));
+        if (gen != seen) return gen;
+        if (i % 64 == 0 && now_ns() > deadline) break;
+        cpu_relax();
+    }
     pthread_mutex_lock(&pool.lock);
-    /* seq_cst pairs with the caller's bump then read of `sleepers`: one of the two sees the
-     * other, so a call is never missed */
+    /* seq_cst pairs with the caller's publish then read of `sleepers`: one of the two sees
+     * the other, so a call is never slept through */
     __atomic_add_fetch(&pool.sleepers, 1, __ATOMIC_SEQ_CST);
     unsigned gen;
-    while ((gen = __atomic_load_n(&pool.generation, __ATOMIC_SEQ_CST)) == seen)
+    while ((gen = generation_of(__atomic_load_n(&pool.word, __ATOMIC_SEQ_CST))) == seen)
         pthread_cond_wait(&pool.wake, &pool.lock);
     __atomic_sub_fetch(&pool.sleepers, 1, __ATOMIC_SEQ_CST);
     pthread_mutex_unlock(&pool.lock);
@@ -76,16 +96,15 @@ static unsigned wait_for_call(unsigned seen) {
 }
 
 static void *worker_main(void *arg) {
-    const int index = (int)(intptr_t)arg; /* 1-based: part 0 is the caller's */
-    unsigned seen = pool.start_generation[index];
+    (void)arg;
+    unsigned seen = 0;
     for (;;) {
         seen = wait_for_call(seen);
-        if (index < pool.num_parts) pool.task(pool.arg, index, pool.num_parts);
-        if (__atomic_sub_fetch(&pool.pending, 1, __ATOMIC_SEQ_CST) == 0
-            && __atomic_load_n(&pool.caller_asleep, __ATOMIC_SEQ_CST)) {
-            pthread_mutex_lock(&pool.lock);
-            pthread_cond_signal(&pool.done);
-            pthread_mutex_unlock(&pool.lock);
+        int part, num_parts;
+        while ((part = claim(seen, &num_parts)) >= 0) {
+            /* a claimed part keeps its call open: task and arg are still this call's */
+            pool.task(pool.arg, part, num_parts);
+            finish_part(num_parts);
         }
     }
     return NULL;
@@ -96,28 +115,25 @@ static void grow(int wanted) {
     while (pool.num_workers < wanted) {
         pthread_t thread;
         pthread_attr_t attr;
-        pool.start_generation[pool.num_workers + 1] = pool.generation;
         pthread_attr_init(&attr);
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        const int failed = pthread_create(&thread, &attr, worker_main,
-                                          (void *)(intptr_t)(pool.num_workers + 1));
+        const int failed = pthread_create(&thread, &attr, worker_main, NULL);
         pthread_attr_destroy(&attr);
-        if (failed) return; /* the caller takes the parts nobody else can */
+        if (failed) return; /* the caller claims what nobody else does */
         pool.num_workers++;
     }
 }
 
-static void wait_for_workers(void) {
-    const unsigned *pending = (const unsigned *)&pool.pending;
+static void wait_for_parts(int num_parts) {
     const int64_t deadline = now_ns() + SPIN_NS;
-    for (unsigned i = 1; __atomic_load_n(pending, __ATOMIC_ACQUIRE) != 0; i++) {
+    for (unsigned i = 1; __atomic_load_n(&pool.finished, __ATOMIC_ACQUIRE) != num_parts; i++) {
         if (i % 64 == 0 && now_ns() > deadline) break;
         cpu_relax();
     }
-    if (__atomic_load_n(&pool.pending, __ATOMIC_SEQ_CST) == 0) return;
+    if (__atomic_load_n(&pool.finished, __ATOMIC_SEQ_CST) == num_parts) return;
     pthread_mutex_lock(&pool.lock);
     __atomic_store_n(&pool.caller_asleep, 1, __ATOMIC_SEQ_CST);
-    while (__atomic_load_n(&pool.pending, __ATOMIC_SEQ_CST) != 0)
+    while (__atomic_load_n(&pool.finished, __ATOMIC_SEQ_CST) != num_parts)
         pthread_cond_wait(&pool.done, &pool.lock);
     __atomic_store_n(&pool.caller_asleep, 0, __ATOMIC_SEQ_CST);
     pthread_mutex_unlock(&pool.lock);
@@ -128,29 +144,33 @@ static void forget_workers(void) { pool.num_workers = 0; }
 
 static void register_fork_handler(void) { pthread_atfork(NULL, NULL, forget_workers); }
 
-void kvpark_pool_run(kvpark_task task, void *arg, int num_parts) {
-    if (num_parts <= 1) {
-        task(arg, 0, 1);
+void kvpark_pool_run(kvpark_task task, void *arg, int num_parts, int num_threads) {
+    if (num_parts > MAX_PARTS) num_parts = MAX_PARTS;
+    if (num_parts <= 1 || num_threads <= 1) {
+        for (int p = 0; p < (num_parts > 1 ? num_parts : 1); p++) task(arg, p, num_parts);
         return;
     }
-    pthread_mutex_lock(&pool.run_lock);
     static pthread_once_t once = PTHREAD_ONCE_INIT;
     pthread_once(&once, register_fork_handler);
-    grow(num_parts - 1);
-    const int workers = pool.num_workers;
+    pthread_mutex_lock(&pool.run_lock);
+    grow(num_threads - 1);
     pool.task = task;
     pool.arg = arg;
-    pool.num_parts = num_parts;
-    __atomic_store_n(&pool.pending, workers, __ATOMIC_SEQ_CST);
-    __atomic_add_fetch(&pool.generation, 1, __ATOMIC_SEQ_CST);
+    __atomic_store_n(&pool.finished, 0, __ATOMIC_SEQ_CST);
+    const unsigned gen = generation_of(pool.word) + 1;
+    __atomic_store_n(&pool.word, (uint64_t)gen << 32 | (uint64_t)num_parts << 16,
+                     __ATOMIC_SEQ_CST);
     if (__atomic_load_n(&pool.sleepers, __ATOMIC_SEQ_CST) > 0) {
         pthread_mutex_lock(&pool.lock);
         pthread_cond_broadcast(&pool.wake);
         pthread_mutex_unlock(&pool.lock);
     }
-    task(arg, 0, num_parts);
-    for (int p = workers + 1; p < num_parts; p++) task(arg, p, num_parts); /* none started */
-    if (workers > 0) wait_for_workers();
+    int part, parts;
+    while ((part = claim(gen, &parts)) >= 0) {
+        task(arg, part, parts);
+        finish_part(parts);
+    }
+    wait_for_parts(num_parts);
     pthread_mutex_unlock(&pool.run_lock);
 }
 
