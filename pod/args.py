@@ -44,6 +44,7 @@ class ServerArgs:
     api_key: str | None = None
     admin_key: str | None = None  # POST /slots actions; they are off without this or api_key
     threads: int = 0  # 0: pick from the machine
+    kernel_threads: int = 0  # C kernels' worker pool; 0: pick from the machine
     max_queue: int = 256
     max_body_bytes: int = 8 << 20
     max_messages: int = 4096  # chat messages per request
@@ -176,7 +177,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key")
     p.add_argument("--admin-key", help="key for POST /slots/{id} (park/unpark); without it the "
                    "--api-key guards them, and with neither they are off (403)")
-    p.add_argument("--threads", "-t", type=_non_negative, help="torch threads (0: auto)")
+    p.add_argument("--threads", "-t", type=_non_negative,
+                   help="torch threads: prompt GEMMs and the other torch ops (0: auto)")
+    p.add_argument("--kernel-threads", type=_non_negative,
+                   help="threads of the C kernels (decode rows from GGUF blocks, paged "
+                   "attention), a pool that sleeps when idle (0: auto, every core)")
     p.add_argument("--max-queue", type=_positive, help="queued requests before 503")
     p.add_argument("--max-body-bytes", type=_positive, help="largest request body (413 above)")
     p.add_argument("--max-messages", type=_positive,

@@ -125,3 +125,18 @@ def test_input_limits_from_flags_and_environment():
             parse_args(argv, env=bad_env)
     assert InputLimits.of(1024, 4096).max_prompt_chars == CHARS_PER_TOKEN * 1024
     assert InputLimits.of(1024, 4096, 5000).max_prompt_chars == 5000
+
+
+def test_kernel_threads_flag_env_and_default():
+    from kvpark.kernels import worker_pool
+    from kvpark.pod.server import pick_kernel_threads
+
+    assert parse_args([], env={}).kernel_threads == 0
+    assert parse_args(["--kernel-threads", "2"], env={}).kernel_threads == 2
+    assert parse_args([], env={"KVPARK_KERNEL_THREADS": "3"}).kernel_threads == 3
+    with pytest.raises(SystemExit):
+        parse_args(["--kernel-threads", "-1"], env={})
+    with pytest.raises(SystemExit):
+        parse_args([], env={"KVPARK_KERNEL_THREADS": "two"})
+    assert pick_kernel_threads(parse_args(["--kernel-threads", "3"], env={})) == 3
+    assert pick_kernel_threads(parse_args([], env={})) == worker_pool.default_num_threads() >= 1

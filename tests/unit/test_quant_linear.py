@@ -1,5 +1,9 @@
 """Decode rows from a GGUF's own Q4_1 / Q8_0 blocks (kernels/quant_linear.py + csrc/)."""
 
+import logging
+import re
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -8,6 +12,8 @@ from kvpark.kernels import quant_linear as ql
 from kvpark.kernels import worker_pool
 from kvpark.kernels.attention import StepLayout
 from kvpark.kernels.cpu_paged import CpuPagedAttention
+from kvpark.pod import server
+from kvpark.pod.args import parse_args
 from kvpark.pod.kv_pool import KVPool
 from kvpark.pod.model.llama import BlockRows, LlamaModel
 from kvpark.pod.model.loader import load_model_files
@@ -135,3 +141,29 @@ def test_a_recompute_replay_reproduces_the_decoded_bits(models):
                                 [(0, replay[1:])]], [8])
     assert torch.equal(whole[0][0], decoded[-1][0])
     assert torch.equal(chunked[-1][0], decoded[-1][0])
+
+
+def test_weights_auto_measures_then_logs_and_keeps_the_faster(smollm2, caplog, monkeypatch):
+    model = LlamaModel(smollm2.config, smollm2.weights, quantized=smollm2.quantized)
+    auto = parse_args([], env={})
+    started = time.perf_counter()
+    with caplog.at_level(logging.INFO, logger="kvpark.server"):
+        server.choose_decode_weights(auto, model)
+    assert time.perf_counter() - started < 3.0, "the start-up measurement must stay short"
+    [line] = [r.getMessage() for r in caplog.records if "--weights auto" in r.getMessage()]
+    found = re.search(r"GGUF blocks (\d+\.\d+) ms, float32 oneDNN (\d+\.\d+) ms", line)
+    assert found and float(found[1]) > 0 and float(found[2]) > 0, line
+    assert model.has_blocks == ("decode rows from the GGUF's blocks" in line), line
+
+    caplog.clear()  # float32 measured faster: every row dense from then on
+    model = LlamaModel(smollm2.config, smollm2.weights, quantized=smollm2.quantized)
+    monkeypatch.setattr(server, "measure_decode_linears",
+                        lambda m: server.DecodeTimings(blocks=0.004, dense=0.001))
+    with caplog.at_level(logging.INFO, logger="kvpark.server"):
+        server.choose_decode_weights(auto, model)
+    assert not model.has_blocks and all(layer.qkv.blocks is None for layer in model.layers)
+    assert "float32 (faster here)" in caplog.text and "4.00 ms" in caplog.text
+
+    model = LlamaModel(smollm2.config, smollm2.weights, quantized=smollm2.quantized)
+    server.choose_decode_weights(parse_args(["--weights", "gguf"], env={}), model)
+    assert model.has_blocks  # gguf insists: no measurement overrules it
