@@ -181,7 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch threads: prompt GEMMs and the other torch ops (0: auto)")
     p.add_argument("--kernel-threads", type=_non_negative,
                    help="threads of the C kernels (decode rows from GGUF blocks, paged "
-                   "attention), a pool that sleeps when idle (0: auto, every core)")
+                   "attention), a pool that sleeps when idle (0: auto, every core unless the "
+                   "start-up measurement finds 1 as fast)")
     p.add_argument("--max-queue", type=_positive, help="queued requests before 503")
     p.add_argument("--max-body-bytes", type=_positive, help="largest request body (413 above)")
     p.add_argument("--max-messages", type=_positive,

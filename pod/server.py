@@ -95,61 +95,84 @@ def pick_blocks(args: ServerArgs, loaded: LoadedModel, device: torch.device,
 
 @dataclass(frozen=True)
 class DecodeTimings:
-    """Seconds for one decode row through every layer's MLP linears (most of a step's bytes)."""
+    """Seconds for one decode row through every layer's MLP linears (most of a step's bytes):
+    from the GGUF's blocks by kernel thread count, and float32 oneDNN."""
 
-    blocks: float
+    blocks: dict[int, float]
     dense: float
+
+    @property
+    def best_threads(self) -> int:
+        """More threads only where they save 5%: a second thread costs CPU time."""
+        fewest = min(self.blocks)
+        faster = [n for n, t in self.blocks.items() if t < 0.95 * self.blocks[fewest]]
+        return min(faster, key=self.blocks.__getitem__, default=fewest)
 
 
 AUTO_ROUNDS = 8
 AUTO_BUDGET_S = 0.6  # the start-up measurement stops after this much time
 
 
-def measure_decode_linears(model: LlamaModel) -> DecodeTimings:
-    """Block kernel vs float32 oneDNN on this machine, in alternating rounds (best of each):
-    all layers' MLP weights together outgrow the caches, as a real decode step does."""
+def measure_decode_linears(model: LlamaModel, thread_counts: list[int]) -> DecodeTimings:
+    """The block kernel at each thread count vs float32 oneDNN on this machine, in alternating
+    rounds (best of each): all layers' MLP weights outgrow the caches, as a decode step does."""
     layers = [layer for layer in model.layers
               if layer.gate_up.blocks is not None and layer.down.blocks is not None]
     x = torch.randn(1, model.config.hidden_size)
     mid = torch.randn(1, model.config.intermediate_size)
 
-    def run(from_blocks: bool) -> float:
+    def run(threads: int) -> float:  # 0: the dense GEMMs
+        worker_pool.set_num_threads(max(1, threads))
         start = time.perf_counter()
         for layer in layers:
-            if from_blocks:
+            if threads:
                 layer.gate_up.from_blocks(x), layer.down.from_blocks(mid)
             else:  # the dense decode GEMM pads to MIN_INVARIANT_ROWS rows (see `Linear`)
                 layer.gate_up.dense(pad_rows(x, MIN_INVARIANT_ROWS))
                 layer.down.dense(pad_rows(mid, MIN_INVARIANT_ROWS))
         return time.perf_counter() - start
 
+    variants = [*dict.fromkeys(thread_counts), 0]
+    before = worker_pool.get_num_threads()
     with torch.inference_mode():
-        run(True), run(False)  # first touches, the pool's workers
-        best = [math.inf, math.inf]
+        for variant in variants:  # first touches, the pool's workers
+            run(variant)
+        best = dict.fromkeys(variants, math.inf)
         deadline = time.perf_counter() + AUTO_BUDGET_S
         for _ in range(AUTO_ROUNDS):
-            best = [min(best[0], run(True)), min(best[1], run(False))]
+            best = {variant: min(best[variant], run(variant)) for variant in variants}
             if time.perf_counter() > deadline:
                 break
-    return DecodeTimings(*best)
+    worker_pool.set_num_threads(before)
+    return DecodeTimings({n: best[n] for n in variants if n}, best[0])
 
 
 def choose_decode_weights(args: ServerArgs, model: LlamaModel) -> None:
-    """`--weights auto`: keep decode rows on the GGUF's blocks only where they measure faster
-    than float32 here (on AVX2 the block kernel has been 2.4x slower, on AVX-512 2.3x faster)."""
-    if args.weights != "auto" or not model.has_blocks:
+    """By measurement on this machine: `--weights auto` keeps decode rows on the GGUF's blocks
+    only where they are faster than float32 (on an AVX2 EPYC they were 2.4x slower, on AVX-512
+    2.3x faster); `--kernel-threads 0` takes more threads only where they are faster."""
+    auto_threads = args.kernel_threads == 0
+    if not model.has_blocks or (args.weights != "auto" and not auto_threads):
         return
-    timings = measure_decode_linears(model)
-    keep = timings.blocks <= timings.dense
-    log.info("--weights auto: decode rows from %s (one row through every layer's MLP: GGUF "
-             "blocks %.2f ms, float32 oneDNN %.2f ms, %d kernel threads)",
-             "the GGUF's blocks" if keep else "float32 (faster here)", timings.blocks * 1e3,
-             timings.dense * 1e3, worker_pool.get_num_threads())
+    counts = [1, worker_pool.get_num_threads()] if auto_threads else [args.kernel_threads]
+    timings = measure_decode_linears(model, counts)
+    if auto_threads:
+        worker_pool.set_num_threads(timings.best_threads)
+    blocks = timings.blocks[worker_pool.get_num_threads()]
+    keep = args.weights != "auto" or blocks <= timings.dense
+    log.info("--weights %s, --kernel-threads %s: decode rows from %s, %d kernel threads (one row "
+             "through every layer's MLP: GGUF blocks %s, float32 oneDNN %.2f ms)", args.weights,
+             "auto" if auto_threads else args.kernel_threads,
+             "the GGUF's blocks" if keep else "float32 (faster here)",
+             worker_pool.get_num_threads(),
+             ", ".join(f"{t * 1e3:.2f} ms at {n} thread{'s' * (n > 1)}"
+                       for n, t in timings.blocks.items()), timings.dense * 1e3)
     if not keep:
         model.drop_blocks()
 
 
 def pick_kernel_threads(args: ServerArgs) -> int:
+    """The count to use, or with 0 (auto) the most to try: every core."""
     return args.kernel_threads if args.kernel_threads > 0 else worker_pool.default_num_threads()
 
 
@@ -222,8 +245,6 @@ def pick_num_pages(args: ServerArgs, config: ModelConfig, dtype: torch.dtype,
 def build_stack(args: ServerArgs) -> ServingStack:
     torch.set_num_threads(pick_threads(args))
     worker_pool.set_num_threads(pick_kernel_threads(args))
-    log.info("threads: %d torch (prompt GEMMs), %d C kernel (decode linears, attention)",
-             torch.get_num_threads(), worker_pool.get_num_threads())
     device = pick_device(args)
     dtype = pick_dtype(args, device)
     if device.type == "cpu":
@@ -234,7 +255,9 @@ def build_stack(args: ServerArgs) -> ServingStack:
                        batch_invariant=args.batch_invariant and device.type == "cpu",
                        weight_format=pick_weight_format(args, device, dtype),
                        quantized=pick_blocks(args, loaded, device, dtype))
-    choose_decode_weights(args, model)
+    choose_decode_weights(args, model)  # may lower the kernel threads
+    log.info("threads: %d torch (prompt GEMMs), %d C kernel (decode linears, attention)",
+             torch.get_num_threads(), worker_pool.get_num_threads())
     cache = None
     if args.prefix_cache:
         # pages are reusable only by the same weights at the same precision; where decode rows

@@ -143,27 +143,38 @@ def test_a_recompute_replay_reproduces_the_decoded_bits(models):
     assert torch.equal(chunked[-1][0], decoded[-1][0])
 
 
-def test_weights_auto_measures_then_logs_and_keeps_the_faster(smollm2, caplog, monkeypatch):
+def test_auto_measures_then_logs_and_keeps_the_faster(smollm2, caplog, monkeypatch):
+    """--weights auto and --kernel-threads 0 (the defaults): one start-up measurement picks
+    blocks vs float32 and the thread count, and the log shows the timings."""
     model = LlamaModel(smollm2.config, smollm2.weights, quantized=smollm2.quantized)
     auto = parse_args([], env={})
+    monkeypatch.setattr(worker_pool, "_num_threads", 2)  # what pick_kernel_threads set: try 2
     started = time.perf_counter()
     with caplog.at_level(logging.INFO, logger="kvpark.server"):
         server.choose_decode_weights(auto, model)
     assert time.perf_counter() - started < 3.0, "the start-up measurement must stay short"
     [line] = [r.getMessage() for r in caplog.records if "--weights auto" in r.getMessage()]
-    found = re.search(r"GGUF blocks (\d+\.\d+) ms, float32 oneDNN (\d+\.\d+) ms", line)
-    assert found and float(found[1]) > 0 and float(found[2]) > 0, line
+    found = re.search(r"GGUF blocks (\d+\.\d+) ms at 1 thread, (\d+\.\d+) ms at 2 threads, "
+                      r"float32 oneDNN (\d+\.\d+) ms", line)
+    assert found, line
+    one, two, dense = map(float, found.groups())
+    threads = 2 if two < 0.95 * one else 1
+    assert worker_pool.get_num_threads() == threads and f"{threads} kernel threads" in line
+    assert model.has_blocks == ((two if threads == 2 else one) <= dense), line
     assert model.has_blocks == ("decode rows from the GGUF's blocks" in line), line
 
     caplog.clear()  # float32 measured faster: every row dense from then on
     model = LlamaModel(smollm2.config, smollm2.weights, quantized=smollm2.quantized)
     monkeypatch.setattr(server, "measure_decode_linears",
-                        lambda m: server.DecodeTimings(blocks=0.004, dense=0.001))
+                        lambda m, counts: server.DecodeTimings({1: 0.004, 2: 0.003}, 0.001))
+    monkeypatch.setattr(worker_pool, "_num_threads", 2)
     with caplog.at_level(logging.INFO, logger="kvpark.server"):
         server.choose_decode_weights(auto, model)
     assert not model.has_blocks and all(layer.qkv.blocks is None for layer in model.layers)
-    assert "float32 (faster here)" in caplog.text and "4.00 ms" in caplog.text
+    assert "float32 (faster here)" in caplog.text and "4.00 ms at 1 thread" in caplog.text
+    assert worker_pool.get_num_threads() == 2  # 25% faster than 1: worth the second thread
 
     model = LlamaModel(smollm2.config, smollm2.weights, quantized=smollm2.quantized)
-    server.choose_decode_weights(parse_args(["--weights", "gguf"], env={}), model)
+    server.choose_decode_weights(parse_args(["--weights", "gguf", "--kernel-threads", "1"],
+                                            env={}), model)
     assert model.has_blocks  # gguf insists: no measurement overrules it
