@@ -160,7 +160,7 @@ def choose_decode_weights(args: ServerArgs, model: LlamaModel) -> None:
         worker_pool.set_num_threads(timings.best_threads)
     blocks = timings.blocks[worker_pool.get_num_threads()]
     keep = args.weights != "auto" or blocks <= timings.dense
-    log.info("--weights %s, --kernel-threads %s: decode rows from %s, %d kernel threads (one row "
+    log.info("--weights %s, --kernel-threads %s: decode rows from %s, kernel threads %d (one row "
              "through every layer's MLP: GGUF blocks %s, float32 oneDNN %.2f ms)", args.weights,
              "auto" if auto_threads else args.kernel_threads,
              "the GGUF's blocks" if keep else "float32 (faster here)",

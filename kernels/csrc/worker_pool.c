@@ -157,7 +157,7 @@ void kvpark_pool_run(kvpark_task task, void *arg, int num_parts, int num_threads
     pool.task = task;
     pool.arg = arg;
     __atomic_store_n(&pool.finished, 0, __ATOMIC_SEQ_CST);
-    const unsigned gen = generation_of(pool.word) + 1;
+    const unsigned gen = generation_of(__atomic_load_n(&pool.word, __ATOMIC_RELAXED)) + 1;
     __atomic_store_n(&pool.word, (uint64_t)gen << 32 | (uint64_t)num_parts << 16,
                      __ATOMIC_SEQ_CST);
     if (__atomic_load_n(&pool.sleepers, __ATOMIC_SEQ_CST) > 0) {

@@ -1,5 +1,6 @@
 """Decode rows from a GGUF's own Q4_1 / Q8_0 blocks (kernels/quant_linear.py + csrc/)."""
 
+import concurrent.futures as cf
 import logging
 import re
 import time
@@ -63,6 +64,22 @@ def test_kernel_threads_split_outputs_and_keep_the_bits(smollm2, name, isa):
         for out in outs[1:]:
             assert torch.equal(out.view(torch.int32), outs[0].view(torch.int32))
     assert worker_pool.num_workers(isa) >= 2
+
+
+def test_the_pool_serves_callers_from_several_threads(smollm2):
+    """Two Python threads calling at once (the engine and, say, a start-up measurement): every
+    call gets its own complete, exact result."""
+    blocks = smollm2.quantized["model.layers.5.self_attn.q_proj.weight"]
+    xs = [torch.randn(r, blocks.in_features, generator=torch.Generator().manual_seed(r))
+          for r in (1, 3)]
+    expected = [ql.quant_linear(x, blocks, num_threads=1) for x in xs]
+
+    def calls(i):
+        return all(torch.equal(ql.quant_linear(xs[i], blocks, num_threads=2 + i), expected[i])
+                   for _ in range(300))
+
+    with cf.ThreadPoolExecutor(2) as pool:
+        assert list(pool.map(calls, [0, 1])) == [True, True]
 
 
 def test_cat_and_take_rows_keep_rows_together(smollm2):
@@ -159,7 +176,7 @@ def test_auto_measures_then_logs_and_keeps_the_faster(smollm2, caplog, monkeypat
     assert found, line
     one, two, dense = map(float, found.groups())
     threads = 2 if two < 0.95 * one else 1
-    assert worker_pool.get_num_threads() == threads and f"{threads} kernel threads" in line
+    assert worker_pool.get_num_threads() == threads and f"kernel threads {threads}" in line
     assert model.has_blocks == ((two if threads == 2 else one) <= dense), line
     assert model.has_blocks == ("decode rows from the GGUF's blocks" in line), line
 
