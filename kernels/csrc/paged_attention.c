@@ -302,7 +302,10 @@ int kvpark_paged_attention(const float *q, int64_t q_row_stride, int64_t q_head_
     }
     job.items = items;
     job.num_items = num_items;
-    if (num_threads > num_items) num_threads = num_items;
+    /* 4 items a thread at least: a decode row of a 3-KV-head model is 3 items of ~30 us, less
+     * than waking a worker and waiting for the slower half saves */
+    if (num_threads > num_items / 4) num_threads = num_items / 4;
+    if (num_threads < 1) num_threads = 1;
     /* each part claims items until none is left: one part a thread */
     kvpark_pool_run(run_part, &job, num_threads, num_threads);
     free(items);

@@ -278,8 +278,11 @@ int kvpark_quant_linear(int kind, const float *scale, const float *mins, const v
     Call call = {kind, out_features, nb, rows, scale, mins, x, xsum_scratch, quants, x_stride,
                  y_stride, y};
     /* 4 parts a thread, so a thread kept off the CPU by other jobs holds up little; at least
-     * 64 outputs a part: below that a claim costs more than it saves */
-    const int most = out_features / 64 > 1 ? out_features / 64 : 1;
+     * 64 outputs and 2^19 weight-rows a part: below that waking a worker costs more than it
+     * saves (a batch-1 step of SmolLM2 splits gate_up and lm_head, not qkv, o, down) */
+    const int64_t by_work = (int64_t)rows * out_features * in_features >> 19;
+    int most = out_features / 64 < by_work ? out_features / 64 : (int)by_work;
+    if (most < 1) most = 1;
     kvpark_pool_run(run_part, &call, 4 * num_threads < most ? 4 * num_threads : most,
                     num_threads);
     return 0;

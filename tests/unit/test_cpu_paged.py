@@ -62,8 +62,10 @@ def test_an_idle_pool_sleeps(isa):
     """Workers spin for at most 100 us after a call, then block: an idle pool takes no CPU."""
     gen = torch.Generator().manual_seed(6)
     cache = torch.randn(8, 2, 16, 3, 64, generator=gen)
-    q = torch.randn(1, 9, 64, generator=gen)
-    step_output(CpuPagedAttention(isa=isa, num_threads=2), cache, [list(range(8))], [100], [1], q)
+    q = torch.randn(24, 9, 64, generator=gen)  # 3 row tiles x 3 KV heads: enough to split
+    step_output(CpuPagedAttention(isa=isa, num_threads=2), cache, [list(range(8))], [100], [24],
+                q)
+    assert worker_pool.num_workers(isa) >= 1
     before_cpu, before_wall = time.process_time(), time.perf_counter()
     threading.Event().wait(0.3)  # a window to measure in, not a synchronisation
     spent = time.process_time() - before_cpu
