@@ -14,7 +14,8 @@ _num_threads = 1
 
 
 def default_num_threads() -> int:
-    """Every core: measured on 2 cores (benchmarks/README.md, "Round 3")."""
+    """Every core this process may run on: the most `--kernel-threads 0` tries; the server's
+    start-up measurement keeps it only where 5% faster than 1 (benchmarks/README.md, Round 3)."""
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                else os.cpu_count() or 1)
 
