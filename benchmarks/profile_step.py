@@ -30,7 +30,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import kvpark.pod.model.llama as llama_module
 import kvpark.pod.runner as runner_module
-from kvpark.kernels import cpu_paged
+from kvpark.kernels import cpu_paged, worker_pool
 from kvpark.kernels.attention import AttentionBackend
 from kvpark.kernels.cpu_paged import CpuPagedAttention
 from kvpark.kernels.torch_paged import TorchPagedAttention
@@ -57,8 +57,8 @@ def now() -> float:
 
 @dataclass(frozen=True)
 class Variant:
-    """One measured configuration, `WEIGHTS[,KV][@THREADS][+BACKEND]`: `fp32`, `bf16`, `gguf`,
-    `fp32,float16@2`, `fp32+torch`.
+    """One measured configuration, `WEIGHTS[,KV][@THREADS[/KERNEL_THREADS]][+BACKEND]`: `fp32`,
+    `bf16`, `gguf`, `fp32,float16@2`, `fp32+torch`, `gguf@1/2` (1 torch, 2 C kernel threads).
 
     WEIGHTS is a `WeightFormat` or `gguf` (float32, decode rows from the GGUF's blocks: the
     server's default); KV the pool's dtype (float32 unless given); BACKEND the attention
@@ -71,11 +71,13 @@ class Variant:
     threads: int
     backend: str
     blocks: bool = False
+    kernel_threads: int = 1
 
     @classmethod
     def parse(cls, spec: str, default_threads: int) -> Variant:
         rest, _, backend = spec.partition("+")
-        formats, _, threads = rest.partition("@")
+        formats, _, all_threads = rest.partition("@")
+        threads, _, kernel_threads = all_threads.partition("/")
         weights, _, kv = formats.partition(",")
         kv_dtype = getattr(torch, kv or "float32")
         if not backend:
@@ -83,7 +85,8 @@ class Variant:
             backend = "cpu" if usable else "torch"
         blocks = weights == "gguf"
         return cls(spec, WeightFormat("fp32" if blocks else weights), kv_dtype,
-                   int(threads) if threads else default_threads, backend, blocks)
+                   int(threads) if threads else default_threads, backend, blocks,
+                   int(kernel_threads or 1))
 
     def make(self, loaded: LoadedModel) -> tuple[LlamaModel, AttentionBackend]:
         model = LlamaModel(loaded.config, loaded.weights, batch_invariant=True,
@@ -187,6 +190,7 @@ def measure_wall(setups: list[Setup], steps: int, rounds: int) -> dict[str, dict
     for _ in range(rounds):
         for setup in setups:
             torch.set_num_threads(setup.variant.threads)
+            worker_pool.set_num_threads(setup.variant.kernel_threads)
             for _ in range(steps):
                 CLOCK.seconds.clear()
                 started, cpu_started = time.perf_counter(), now()
@@ -267,8 +271,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="builtin://smollm2-135m")
     p.add_argument("--variant", nargs="+", default=["fp32"],
-                   help="WEIGHTS[,KV][@THREADS]: weights fp32 or bf16, KV pool dtype "
-                   "(float32, float16, bfloat16), torch threads (default --threads)")
+                   help="WEIGHTS[,KV][@THREADS[/KERNEL_THREADS]]: weights fp32, bf16 or gguf, KV "
+                   "pool dtype (float32, float16, bfloat16), torch threads (default --threads), "
+                   "C kernel threads (1)")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     p.add_argument("--context", type=int, default=1000, help="prompt tokens per sequence")
     p.add_argument("--steps", type=int, default=10, help="decode steps per round")

@@ -5,20 +5,51 @@
     python benchmarks/throughput.py --launch "-np 4 -c 8192" --peer http://127.0.0.1:8081
 
 Aggregate tok/s = completion tokens of all chats / wall time of the round (prefill included).
-Every prompt starts with a line unique to its round, so a prompt cache never skips a prefill.
-With --peer the same workload runs against the peer in the same run, alternating rounds, and
-the table shows the ratio kvpark / peer.
+Prefill tok/s = prompt tokens / time to the first token of one ~--prompt-tokens prompt sent
+alone (max_tokens 1), measured before each row's chats. Every prompt starts with a line unique
+to its round, so a prompt cache never skips a prefill. With --peer the same workload runs
+against the peer in the same run, alternating rounds, and the table shows the ratios
+kvpark / peer.
+
+The kvpark vs llama-server table (issue 17), each server started with the same -c:
+    python benchmarks/throughput.py --url URL --peer PEER --concurrency 1 4   # both at -c 8192
+    python benchmarks/throughput.py --url URL --peer PEER --concurrency 4     # both at -c 4096
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import json
 import shlex
 import time
 
+import httpx
 from plotting import LATENCY_HEADERS, latency_cells, latency_summary, plot_latency
 from workload import ServerProcess, long_prompt, median, print_table, stream_chat, write_json
+
+
+def measure_prefill(url: str, prompt_tokens: int, salt: str) -> dict:
+    """One prompt alone, one token out: prompt tokens (the server's count) / time to the first
+    streamed token."""
+    body = {"model": "default", "max_tokens": 1, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": long_prompt(0, prompt_tokens,
+                                                                  f"prefill {salt}")}]}
+    started = time.perf_counter()
+    first, prompt = None, 0
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if first is None and chunk.get("choices"):
+                first = time.perf_counter() - started
+            if chunk.get("usage"):
+                prompt = chunk["usage"]["prompt_tokens"]
+    ttft = first if first is not None else time.perf_counter() - started
+    return {"prompt_tokens": prompt, "ttft_s": ttft, "tok_s": prompt / ttft}
 
 
 def run_round(url: str, concurrency: int, prompt_tokens: int, max_tokens: int,
@@ -35,6 +66,10 @@ def run_round(url: str, concurrency: int, prompt_tokens: int, max_tokens: int,
             "errors": [r.error for r in results if r.error],
             "ttft": [r.ttft for r in results if r.ttft is not None],
             "itl": [gap for r in results for gap in r.itl]}
+
+
+def prefill_tok_s(rounds: list[dict]) -> float:
+    return median([r["prefill"]["tok_s"] for r in rounds])
 
 
 def main() -> None:
@@ -68,11 +103,15 @@ def main() -> None:
         for round_no in range(args.rounds):
             for concurrency in args.concurrency:
                 for name, target in targets.items():  # alternate: same conditions for both
+                    salt = f"{round_no}.{concurrency}"
+                    prefill = measure_prefill(target, args.prompt_tokens, f"{name} {salt}")
                     result = run_round(target, concurrency, args.prompt_tokens, args.max_tokens,
-                                       salt=f"{round_no}.{concurrency}")
+                                       salt=salt)
+                    result["prefill"] = prefill
                     measured.setdefault((name, concurrency), []).append(result)
                     print(f"{name} x{concurrency}: {result['tok_s']:.1f} tok/s "
-                          f"({result['completed']}/{concurrency} completed)")
+                          f"({result['completed']}/{concurrency} completed); prefill "
+                          f"{prefill['prompt_tokens']} tokens in {prefill['ttft_s']:.2f} s")
     finally:
         if server is not None:
             server.stop()
@@ -83,18 +122,22 @@ def main() -> None:
         latency[f"{name}x{concurrency}"] = latency_summary(*series[f"{name} x{concurrency}"])
     for concurrency in args.concurrency:
         ours = median([r["tok_s"] for r in measured[("kvpark", concurrency)]])
+        our_prefill = prefill_tok_s(measured[("kvpark", concurrency)])
         done = sum(r["completed"] for r in measured[("kvpark", concurrency)])
         row = [concurrency, f"{done}/{concurrency * args.rounds}", f"{ours:.1f}",
-               *latency_cells(latency[f"kvparkx{concurrency}"])]
+               f"{our_prefill:.0f}", *latency_cells(latency[f"kvparkx{concurrency}"])]
         if args.peer:
             theirs = median([r["tok_s"] for r in measured[("peer", concurrency)]])
+            their_prefill = prefill_tok_s(measured[("peer", concurrency)])
             peer_done = sum(r["completed"] for r in measured[("peer", concurrency)])
             row += [f"{peer_done}/{concurrency * args.rounds}", f"{theirs:.1f}",
-                    f"{ours / theirs:.2f}x" if theirs else "n/a"]
+                    f"{their_prefill:.0f}", f"{ours / theirs:.2f}x" if theirs else "n/a",
+                    f"{our_prefill / their_prefill:.2f}x" if their_prefill else "n/a"]
         rows.append(row)
-    headers = ["chats", "completed", "kvpark tok/s", *LATENCY_HEADERS]
+    headers = ["chats", "completed", "kvpark tok/s", "kvpark prefill tok/s", *LATENCY_HEADERS]
     if args.peer:
-        headers += ["peer completed", "peer tok/s", "ratio"]
+        headers += ["peer completed", "peer tok/s", "peer prefill tok/s", "ratio",
+                    "prefill ratio"]
     print(f"\nprompt ~{args.prompt_tokens} tokens, {args.max_tokens} generated per chat, "
           f"median of {args.rounds} round(s)")
     print_table(headers, rows)

@@ -1,5 +1,7 @@
 """Compile and load the C kernels (csrc/) on first use: the system C compiler, no torch headers.
 
+The kernels and their worker pool are one library (`SOURCES`), so a process has one pool.
+
 Built for one instruction set of this CPU (`cpu_features.Isa`: by default the best it has) into a
 cache folder keyed by source, compiler, flags and the CPU's feature flags, then loaded with ctypes
 (which releases the GIL during a call). Where no compiler works, `build` raises
@@ -9,17 +11,20 @@ cache folder keyed by source, compiler, flags and the CPU's feature flags, then 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import shlex
 import subprocess
 import sysconfig
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from .cpu_features import ISA_CFLAGS, Isa, detect, fingerprint
 
 CSRC = Path(__file__).parent / "csrc"
+SOURCES = (CSRC / "worker_pool.c", CSRC / "quant_linear.c", CSRC / "paged_attention.c")
 # -ffp-contract=fast: a*b+c as one fused multiply-add (ISO C mode would keep them apart); the
 # same for every tile and call, so results stay deterministic
 CFLAGS = ("-O3", "-ffp-contract=fast", "-fPIC", "-shared", "-pthread", "-std=c11")
@@ -60,35 +65,40 @@ def pick_isa(isa: Isa | None) -> Isa:
     return isa
 
 
-def build(source: Path, isa: Isa | None = None) -> Path:
-    """The compiled library for this source, ISA, compiler and CPU (built once, then reused)."""
+def build(sources: Path | Sequence[Path], isa: Isa | None = None) -> Path:
+    """One library of these sources for this ISA, compiler and CPU (built once, then reused)."""
+    sources = [sources] if isinstance(sources, Path) else list(sources)
     isa = pick_isa(isa)
     cc = compiler()
     flags = [*CFLAGS, *ISA_CFLAGS[isa]]
+    headers = sorted({h for s in sources for h in s.parent.glob("*.h")})
     # -march=native: a library built on one CPU may not run on another sharing the cache folder
-    key = hashlib.sha256(source.read_bytes() + " ".join(cc + flags).encode()
-                         + fingerprint().encode()).hexdigest()[:16]
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in sources + headers)
+                         + " ".join(cc + flags).encode() + fingerprint().encode()).hexdigest()[:16]
     folder = cache_dir()
-    target = folder / f"{source.stem}-{isa.value}-{key}.so"
+    stem = sources[0].stem if len(sources) == 1 else "kvpark_kernels"
+    target = folder / f"{stem}-{isa.value}-{key}.so"
     if target.exists():
         return target
     folder.mkdir(parents=True, exist_ok=True)
     partial = folder / f".{target.name}.{os.getpid()}"
     try:
-        done = subprocess.run([*cc, *flags, str(source), "-o", str(partial), "-lm"],
+        done = subprocess.run([*cc, *flags, *map(str, sources), "-o", str(partial), "-lm"],
                               capture_output=True, text=True, timeout=120)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise KernelUnavailable(f"C compiler {cc[0]!r} did not run: {exc}") from exc
     if done.returncode != 0:
         partial.unlink(missing_ok=True)
-        raise KernelUnavailable(f"{cc[0]} failed on {source.name}: {done.stderr.strip()[-800:]}")
+        names = ", ".join(s.name for s in sources)
+        raise KernelUnavailable(f"{cc[0]} failed on {names}: {done.stderr.strip()[-800:]}")
     os.replace(partial, target)  # atomic: concurrent builders each publish a whole file
     return target
 
 
-def load_library(source: Path, isa: Isa | None = None) -> ctypes.CDLL:
-    """Build `source` for `isa` (default: the best this CPU has) if needed and load it."""
+@functools.cache
+def load_library(isa: Isa | None = None) -> ctypes.CDLL:
+    """The kernels library for `isa` (default: the best this CPU has), built if needed."""
     try:
-        return ctypes.CDLL(str(build(source, isa)))
+        return ctypes.CDLL(str(build(SOURCES, isa)))
     except OSError as exc:
-        raise KernelUnavailable(f"cannot load the built {source.stem} kernel: {exc}") from exc
+        raise KernelUnavailable(f"cannot load the built kernels library: {exc}") from exc

@@ -21,6 +21,7 @@ import logging
 
 import torch
 
+from . import worker_pool
 from .attention import StepLayout, get_plan_arrays
 from .cbuild import CSRC, KernelUnavailable, load_library
 from .cpu_features import Isa
@@ -34,7 +35,7 @@ SOURCE = CSRC / "paged_attention.c"
 @functools.cache
 def load_kernel(isa: Isa | None = None) -> ctypes.CDLL:
     """The kernel built for `isa` (default: the best this CPU has)."""
-    lib = load_library(SOURCE, isa)
+    lib = load_library(isa)
     fn = lib.kvpark_paged_attention
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     fn.argtypes = [ptr, i64, i64, ptr, ptr, i32, ptr, ptr, ptr, ptr, i32, i32, i32, i32,
@@ -57,12 +58,11 @@ class CpuPagedAttention(TorchPagedAttention):
 
     name = "cpu"
 
-    def __init__(self, device: torch.device | str = "cpu", num_threads: int = 1,
+    def __init__(self, device: torch.device | str = "cpu", num_threads: int | None = None,
                  isa: Isa | None = None) -> None:
         super().__init__(device)
-        # One thread by default: measured on 2 cores, the kernel's own threads lost to torch's
-        # OpenMP workers, which spin on the cores for a while after every GEMM
-        # (benchmarks/README.md, "CPU decode step").
+        # the worker pool's threads (kernels/worker_pool.py) split the (sequence, kv head, row
+        # tile) items; None: the process-wide `--kernel-threads`
         self.num_threads = num_threads
         assert self.device.type == "cpu", "the C kernel runs on the CPU"
         self._kernel = load_kernel(isa).kvpark_paged_attention
@@ -91,7 +91,8 @@ class CpuPagedAttention(TorchPagedAttention):
             q.data_ptr(), q.stride(0), q.stride(1), kv_cache.data_ptr(), out.data_ptr(),
             len(self._kv_lens), a.qo_indptr.data_ptr(), self._kv_lens.data_ptr(),
             a.kv_indptr.data_ptr(), a.kv_indices.data_ptr(), num_heads, kv_cache.shape[-2],
-            head_dim, self._page_size, head_dim ** -0.5, self.num_threads)
+            head_dim, self._page_size, head_dim ** -0.5,
+            self.num_threads or worker_pool.get_num_threads())
         if status != 0:
             raise RuntimeError(f"paged attention kernel failed (status {status})")
         return out

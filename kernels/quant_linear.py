@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from . import worker_pool
 from .cbuild import CSRC, KernelUnavailable, load_library
 from .cpu_features import Isa
 
@@ -32,9 +34,9 @@ BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}  # GGUF: fp16 scale (+ fp16 min), then th
 @functools.cache
 def load_kernel(isa: Isa | None = None):
     """The kernel built for `isa` (default: the best this CPU has)."""
-    fn = load_library(SOURCE, isa).kvpark_quant_linear
+    fn = load_library(isa).kvpark_quant_linear
     i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [i32, ptr, ptr, ptr, i32, i32, ptr, i64, i32, ptr, i64, ptr]
+    fn.argtypes = [i32, ptr, ptr, ptr, i32, i32, ptr, i64, i32, ptr, i64, ptr, i32]
     fn.restype = i32
     return fn
 
@@ -110,17 +112,31 @@ class QuantizedWeight:
         return w.reshape(self.out_features, self.in_features)
 
 
-def quant_linear(x: torch.Tensor, weight: QuantizedWeight, isa: Isa | None = None) -> torch.Tensor:
-    """x [rows, in] float32 (dense rows) -> x W^T [rows, out] float32."""
+_local = threading.local()
+
+
+def get_scratch(num_floats: int) -> torch.Tensor:
+    """The block sums' buffer, kept per thread: one aten op less per linear (120 a decode step
+    of SmolLM2), and decode steps are bound by ops as much as by bytes."""
+    buffer = getattr(_local, "scratch", None)
+    if buffer is None or buffer.numel() < num_floats:
+        buffer = _local.scratch = torch.empty(max(4096, num_floats))
+    return buffer
+
+
+def quant_linear(x: torch.Tensor, weight: QuantizedWeight, isa: Isa | None = None,
+                 num_threads: int | None = None) -> torch.Tensor:
+    """x [rows, in] float32 (dense rows) -> x W^T [rows, out] float32; outputs split between
+    `num_threads` (default: `worker_pool.get_num_threads()`) threads, the bits unchanged."""
     assert x.dtype == torch.float32 and x.stride(-1) == 1, "float32 rows with dense features"
     rows = x.shape[0]
     y = torch.empty(rows, weight.out_features)
-    scratch = torch.empty(max(1, min(rows, 4) * weight.in_features // BLOCK))
+    scratch = get_scratch(rows * weight.in_features // BLOCK)
     mins = weight.mins.data_ptr() if weight.mins is not None else None
     status = load_kernel(isa)(KINDS[weight.kind], weight.scale.data_ptr(), mins,
                            weight.quants.data_ptr(), weight.out_features, weight.in_features,
                            x.data_ptr(), x.stride(0), rows, y.data_ptr(), y.stride(0),
-                           scratch.data_ptr())
+                           scratch.data_ptr(), num_threads or worker_pool.get_num_threads())
     if status != 0:
         raise RuntimeError(f"quantised linear kernel failed (status {status})")
     return y

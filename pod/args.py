@@ -44,6 +44,7 @@ class ServerArgs:
     api_key: str | None = None
     admin_key: str | None = None  # POST /slots actions; they are off without this or api_key
     threads: int = 0  # 0: pick from the machine
+    kernel_threads: int = 0  # C kernels' worker pool; 0: pick from the machine
     max_queue: int = 256
     max_body_bytes: int = 8 << 20
     max_messages: int = 4096  # chat messages per request
@@ -217,7 +218,11 @@ def add_server_flags(g: argparse._ArgumentGroup) -> None:
          text="let browsers on ORIGIN call the API (repeatable or comma-separated; * for any)",
          default="off")
     _add(g, "--threads", "-t", dest="threads", type=_non_negative, metavar="N",
-         text="CPU threads for the model; 0 = half the cores")
+         text="torch threads: prompt GEMMs and the other torch ops; 0 = half the cores")
+    _add(g, "--kernel-threads", dest="kernel_threads", type=_non_negative, metavar="N",
+         text="threads of the C kernels (decode rows from GGUF blocks, paged attention), a "
+         "pool that sleeps when idle; 0 = auto: every core unless the start-up measurement "
+         "finds 1 as fast")
     _add(g, "--log-level", dest="log_level", choices=["debug", "info", "warning", "error"],
          text="log verbosity; /health and /metrics polls are access-logged at debug only")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpark.kernels import cpu_features, quant_linear
+from kvpark.kernels import cpu_features, quant_linear, worker_pool
 from kvpark.kernels.attention import AttentionBackend
 from kvpark.kernels.cpu_features import CpuFeatures
 from kvpark.kernels.kv_copy import make_copy_engine
@@ -24,7 +25,7 @@ from .host_store import HostStore
 from .kv_pool import KVPool
 from .metrics import Metrics
 from .model.config import ModelConfig
-from .model.llama import LlamaModel, WeightFormat
+from .model.llama import MIN_INVARIANT_ROWS, LlamaModel, WeightFormat, pad_rows
 from .model.loader import LoadedModel, load_model_files
 from .model.tokenizer import Tokenizer
 from .prefix_cache import PrefixCache
@@ -91,6 +92,89 @@ def pick_blocks(args: ServerArgs, loaded: LoadedModel, device: torch.device,
     if args.weights == "gguf":
         raise ValueError(f"--weights gguf: {reason}")
     return None
+
+
+@dataclass(frozen=True)
+class DecodeTimings:
+    """Seconds for one decode row through every layer's MLP linears (most of a step's bytes):
+    from the GGUF's blocks by kernel thread count, and float32 oneDNN."""
+
+    blocks: dict[int, float]
+    dense: float
+
+    @property
+    def best_threads(self) -> int:
+        """More threads only where they save 5%: a second thread costs CPU time."""
+        fewest = min(self.blocks)
+        faster = [n for n, t in self.blocks.items() if t < 0.95 * self.blocks[fewest]]
+        return min(faster, key=self.blocks.__getitem__, default=fewest)
+
+
+AUTO_ROUNDS = 8
+AUTO_BUDGET_S = 0.6  # the start-up measurement stops after this much time
+
+
+def measure_decode_linears(model: LlamaModel, thread_counts: list[int]) -> DecodeTimings:
+    """The block kernel at each thread count vs float32 oneDNN on this machine, in alternating
+    rounds (best of each): all layers' MLP weights outgrow the caches, as a decode step does."""
+    layers = [layer for layer in model.layers
+              if layer.gate_up.blocks is not None and layer.down.blocks is not None]
+    x = torch.randn(1, model.config.hidden_size)
+    mid = torch.randn(1, model.config.intermediate_size)
+
+    def run(threads: int) -> float:  # 0: the dense GEMMs
+        worker_pool.set_num_threads(max(1, threads))
+        start = time.perf_counter()
+        for layer in layers:
+            if threads:
+                layer.gate_up.from_blocks(x), layer.down.from_blocks(mid)
+            else:  # the dense decode GEMM pads to MIN_INVARIANT_ROWS rows (see `Linear`)
+                layer.gate_up.dense(pad_rows(x, MIN_INVARIANT_ROWS))
+                layer.down.dense(pad_rows(mid, MIN_INVARIANT_ROWS))
+        return time.perf_counter() - start
+
+    variants = [*dict.fromkeys(thread_counts), 0]
+    before = worker_pool.get_num_threads()
+    with torch.inference_mode():
+        for variant in variants:  # first touches, the pool's workers
+            run(variant)
+        best = dict.fromkeys(variants, math.inf)
+        deadline = time.perf_counter() + AUTO_BUDGET_S
+        for _ in range(AUTO_ROUNDS):
+            best = {variant: min(best[variant], run(variant)) for variant in variants}
+            if time.perf_counter() > deadline:
+                break
+    worker_pool.set_num_threads(before)
+    return DecodeTimings({n: best[n] for n in variants if n}, best[0])
+
+
+def choose_decode_weights(args: ServerArgs, model: LlamaModel) -> None:
+    """By measurement on this machine: `--weights auto` keeps decode rows on the GGUF's blocks
+    only where they are faster than float32 (on an AVX2 EPYC they were 2.4x slower, on AVX-512
+    2.3x faster); `--kernel-threads 0` takes more threads only where they are faster."""
+    auto_threads = args.kernel_threads == 0
+    if not model.has_blocks or (args.weights != "auto" and not auto_threads):
+        return
+    counts = [1, worker_pool.get_num_threads()] if auto_threads else [args.kernel_threads]
+    timings = measure_decode_linears(model, counts)
+    if auto_threads:
+        worker_pool.set_num_threads(timings.best_threads)
+    blocks = timings.blocks[worker_pool.get_num_threads()]
+    keep = args.weights != "auto" or blocks <= timings.dense
+    log.info("--weights %s, --kernel-threads %s: decode rows from %s, kernel threads %d (one row "
+             "through every layer's MLP: GGUF blocks %s, float32 oneDNN %.2f ms)", args.weights,
+             "auto" if auto_threads else args.kernel_threads,
+             "the GGUF's blocks" if keep else "float32 (faster here)",
+             worker_pool.get_num_threads(),
+             ", ".join(f"{t * 1e3:.2f} ms at {n} thread{'s' * (n > 1)}"
+                       for n, t in timings.blocks.items()), timings.dense * 1e3)
+    if not keep:
+        model.drop_blocks()
+
+
+def pick_kernel_threads(args: ServerArgs) -> int:
+    """The count to use, or with 0 (auto) the most to try: every core."""
+    return args.kernel_threads if args.kernel_threads > 0 else worker_pool.default_num_threads()
 
 
 def pick_threads(args: ServerArgs) -> int:
@@ -178,6 +262,7 @@ class Stages:
 def build_stack(args: ServerArgs) -> ServingStack:
     stages = Stages()
     torch.set_num_threads(pick_threads(args))
+    worker_pool.set_num_threads(pick_kernel_threads(args))
     device = pick_device(args)
     dtype = pick_dtype(args, device)
     if device.type == "cpu":
@@ -198,6 +283,9 @@ def build_stack(args: ServerArgs) -> ServingStack:
                        batch_invariant=args.batch_invariant and device.type == "cpu",
                        weight_format=pick_weight_format(args, device, dtype),
                        quantized=blocks)
+    choose_decode_weights(args, model)  # may lower the kernel threads
+    log.info("threads: %d torch (prompt GEMMs), %d C kernel (decode linears, attention)",
+             torch.get_num_threads(), worker_pool.get_num_threads())
     stages.done(f"model built ({model.weight_format.value} linears)")
     cache = None
     if args.prefix_cache:

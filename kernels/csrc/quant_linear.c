@@ -10,10 +10,13 @@
  * 32 inputs, scale[o * nb + b], min[o * nb + b] (Q4_1 only) and the quants at
  * (o * nb + b) * 16 (Q4_1: low nibbles are inputs 0..15, high nibbles 16..31) or
  * (o * nb + b) * 32 (Q8_0, int8). Each row of x is computed on its own, in a fixed order, so its
- * result does not depend on the other rows of the call.
+ * result does not depend on the other rows of the call, nor on the threads: they split the
+ * outputs, never an output's sum.
  */
 #include <stdint.h>
 #include <string.h>
+
+#include "worker_pool.h"
 
 #define ROW_TILE 4 /* input rows per pass over the weights */
 #define BLOCK 32
@@ -67,6 +70,17 @@ static inline vf i8_to_float(vi8 q) {
     memcpy(&v, &q, sizeof q);
     return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
 }
+
+/* x86 has no byte shift: GCC's `q >> 4` on an 8-byte vector went byte by byte through general
+ * registers (~30 instructions per 8 bytes, the AVX2 build 2x slower than the AVX-512 one); a
+ * 16-bit shift and a mask give the same bytes */
+#define HAVE_HIGH_NIBBLES
+static inline vf high_nibbles_to_float(vu8 q) {
+    __m128i v = _mm_setzero_si128();
+    memcpy(&v, &q, sizeof q);
+    v = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(15));
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+}
 #else
 static inline vf u8_to_float(vu8 q) {
     return __builtin_convertvector(__builtin_convertvector(q, vi32), vf);
@@ -75,6 +89,10 @@ static inline vf u8_to_float(vu8 q) {
 static inline vf i8_to_float(vi8 q) {
     return __builtin_convertvector(__builtin_convertvector(q, vi32), vf);
 }
+#endif
+
+#ifndef HAVE_HIGH_NIBBLES
+static inline vf high_nibbles_to_float(vu8 q) { return u8_to_float(q >> 4); }
 #endif
 
 static inline vf load(const float *p) {
@@ -147,7 +165,7 @@ static inline __attribute__((always_inline)) void q4_1_tile(
                 memcpy(&q, quants + at * HALF + p * LANES, sizeof q);
                 /* d * q is exact in float32 (an 11-bit scale times a 4-bit quant) */
                 const vf lo = scale[at] * u8_to_float(q & 15);
-                const vf hi = scale[at] * u8_to_float(q >> 4);
+                const vf hi = scale[at] * high_nibbles_to_float(q);
                 for (int r = 0; r < rows; r++) {
                     lo_acc[j][r] += lo * xl[r];
                     hi_acc[j][r] += hi * xh[r];
@@ -187,37 +205,48 @@ static inline __attribute__((always_inline)) void q8_0_tile(
             y[r * y_stride + o + j] = hsum(lo_acc[j][r] + hi_acc[j][r]);
 }
 
-/* all outputs for a tile of `rows` (1..4) input rows: OUTS_FEW_ROWS outputs at a time for 1-2
- * rows, OUTS_MANY_ROWS for 3-4 (registers), then one at a time */
+/* outputs [begin, end) for a tile of `rows` (1..4) input rows: OUTS_FEW_ROWS outputs at a time
+ * for 1-2 rows, OUTS_MANY_ROWS for 3-4 (registers), then one at a time */
 #define OUTPUTS(kind_call, rows)                                                               \
     do {                                                                                       \
-        int o = 0;                                                                             \
+        int o = begin;                                                                         \
         if ((rows) <= 2)                                                                       \
-            for (; o + OUTS_FEW_ROWS <= out_features; o += OUTS_FEW_ROWS)                      \
-                kind_call(OUTS_FEW_ROWS, rows);                                                \
+            for (; o + OUTS_FEW_ROWS <= end; o += OUTS_FEW_ROWS) kind_call(OUTS_FEW_ROWS, rows); \
         else                                                                                   \
-            for (; o + OUTS_MANY_ROWS <= out_features; o += OUTS_MANY_ROWS)                    \
+            for (; o + OUTS_MANY_ROWS <= end; o += OUTS_MANY_ROWS)                             \
                 kind_call(OUTS_MANY_ROWS, rows);                                               \
-        for (; o < out_features; o++) kind_call(1, rows);                                      \
+        for (; o < end; o++) kind_call(1, rows);                                               \
     } while (0)
 
 #define Q4(n_out, rows)                                                                        \
-    q4_1_tile(scale, mins, quants, nb, xt, x_stride, xsum_scratch, yt, y_stride, o, n_out, rows)
-#define Q8(n_out, rows) q8_0_tile(scale, quants, nb, xt, x_stride, yt, y_stride, o, n_out, rows)
+    q4_1_tile(c->scale, c->mins, quants, nb, xt, c->x_stride, xsum, yt, c->y_stride, o, n_out, \
+              rows)
+#define Q8(n_out, rows)                                                                        \
+    q8_0_tile(c->scale, quants, nb, xt, c->x_stride, yt, c->y_stride, o, n_out, rows)
 
-/* kind 0: Q4_1, 1: Q8_0. x: [rows, in] (row stride x_stride), y: [rows, out] (y_stride).
- * `xsum_scratch` holds rows * in / 32 floats (Q4_1). Returns 0, or 1 on bad arguments. */
-int kvpark_quant_linear(int kind, const float *scale, const float *mins, const void *quants,
-                        int out_features, int in_features, const float *x, int64_t x_stride,
-                        int rows, float *y, int64_t y_stride, float *xsum_scratch) {
-    if (in_features % BLOCK != 0 || rows < 0 || (kind != 0 && kind != 1)) return 1;
-    const int nb = in_features / BLOCK;
-    for (int first = 0; first < rows; first += ROW_TILE) {
-        const int n = rows - first < ROW_TILE ? rows - first : ROW_TILE;
-        const float *xt = x + first * x_stride;
-        float *yt = y + first * y_stride;
-        if (kind == 0) {
-            block_sums(xt, x_stride, n, nb, xsum_scratch);
+typedef struct {
+    int kind, out_features, nb, rows;
+    const float *scale, *mins, *x, *xsums;
+    const void *quants;
+    int64_t x_stride, y_stride;
+    float *y;
+} Call;
+
+/* part `part` of `num_parts`: a contiguous range of output rows (whole cache lines of y) for
+ * every input row; an output's arithmetic is the same whichever part computes it */
+static void run_part(void *arg, int part, int num_parts) {
+    const Call *c = arg;
+    const int per_part = ((c->out_features + num_parts - 1) / num_parts + 15) / 16 * 16;
+    const int begin = part * per_part < c->out_features ? part * per_part : c->out_features;
+    const int end = begin + per_part < c->out_features ? begin + per_part : c->out_features;
+    const int nb = c->nb;
+    for (int first = 0; first < c->rows && begin < end; first += ROW_TILE) {
+        const int n = c->rows - first < ROW_TILE ? c->rows - first : ROW_TILE;
+        const float *xt = c->x + first * c->x_stride;
+        float *yt = c->y + first * c->y_stride;
+        if (c->kind == 0) {
+            const uint8_t *quants = c->quants;
+            const float *xsum = c->xsums + (int64_t)first * nb;
             switch (n) {
             case 1: OUTPUTS(Q4, 1); break;
             case 2: OUTPUTS(Q4, 2); break;
@@ -225,6 +254,7 @@ int kvpark_quant_linear(int kind, const float *scale, const float *mins, const v
             default: OUTPUTS(Q4, 4); break;
             }
         } else {
+            const int8_t *quants = c->quants;
             switch (n) {
             case 1: OUTPUTS(Q8, 1); break;
             case 2: OUTPUTS(Q8, 2); break;
@@ -233,5 +263,27 @@ int kvpark_quant_linear(int kind, const float *scale, const float *mins, const v
             }
         }
     }
+}
+
+/* kind 0: Q4_1, 1: Q8_0. x: [rows, in] (row stride x_stride), y: [rows, out] (y_stride).
+ * `xsum_scratch` holds rows * in / 32 floats (Q4_1). The outputs are split between
+ * `num_threads` threads of the worker pool. Returns 0, or 1 on bad arguments. */
+int kvpark_quant_linear(int kind, const float *scale, const float *mins, const void *quants,
+                        int out_features, int in_features, const float *x, int64_t x_stride,
+                        int rows, float *y, int64_t y_stride, float *xsum_scratch,
+                        int num_threads) {
+    if (in_features % BLOCK != 0 || rows < 0 || (kind != 0 && kind != 1)) return 1;
+    const int nb = in_features / BLOCK;
+    if (kind == 0) block_sums(x, x_stride, rows, nb, xsum_scratch);
+    Call call = {kind, out_features, nb, rows, scale, mins, x, xsum_scratch, quants, x_stride,
+                 y_stride, y};
+    /* 4 parts a thread, so a thread kept off the CPU by other jobs holds up little; at least
+     * 64 outputs and 2^19 weight-rows a part: below that waking a worker costs more than it
+     * saves (a batch-1 step of SmolLM2 splits gate_up and lm_head, not qkv, o, down) */
+    const int64_t by_work = (int64_t)rows * out_features * in_features >> 19;
+    int most = out_features / 64 < by_work ? out_features / 64 : (int)by_work;
+    if (most < 1) most = 1;
+    kvpark_pool_run(run_part, &call, 4 * num_threads < most ? 4 * num_threads : most,
+                    num_threads);
     return 0;
 }

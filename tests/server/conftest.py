@@ -17,6 +17,9 @@ def tiny_server():
 
 @pytest.fixture(scope="session")
 def smollm2_server():
-    """The real default model, loaded once per session."""
-    with ServerProcess(["-np", "4", "-c", "4096"], model="builtin://smollm2-135m") as server:
+    """The real default model, loaded once per session. Decode rows pinned to the GGUF's blocks:
+    `--weights auto` measures at start-up and may pick either, and tests compare this server's
+    bytes with other servers'."""
+    with ServerProcess(["-np", "4", "-c", "4096", "--weights", "gguf"],
+                       model="builtin://smollm2-135m") as server:
         yield server

@@ -103,7 +103,7 @@ def test_greedy_output_is_identical_with_the_cache_on_and_off(smollm2_server):
     """Decode rows read the GGUF's blocks here: generated pages are keyed apart (split_kinds),
     so the later turns reuse the earlier prompts."""
     with_cache = conversation(smollm2_server)
-    with ServerProcess(["-np", "4", "-c", "4096", "--no-prefix-cache"],
+    with ServerProcess(["-np", "4", "-c", "4096", "--no-prefix-cache", "--weights", "gguf"],
                        model="builtin://smollm2-135m") as server:
         without = conversation(server)
     assert with_cache[-1]["timings"]["cache_n"] >= PS

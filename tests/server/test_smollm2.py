@@ -72,7 +72,7 @@ def test_forced_recompute_parks_are_byte_identical_on_the_cpu(smollm2_server):
     from serverproc import ServerProcess
 
     expected = [complete(smollm2_server, p, 64) for p in PROMPTS[:2]]
-    with ServerProcess(["-np", "2", "-c", "4096", "--preempt-ram", "0"],
+    with ServerProcess(["-np", "2", "-c", "4096", "--preempt-ram", "0", "--weights", "gguf"],
                        model="builtin://smollm2-135m",
                        env={"KVPARK_PREEMPT_EVERY": "16"}) as server:
         got = [complete(server, p, 64) for p in PROMPTS[:2]]

@@ -149,3 +149,18 @@ def test_served_names_and_cors_origins_are_repeatable_or_comma_lists():
     assert parse_args([], env=env).served_model_name == ("e1", "e2")
     assert parse_args(["--served-model-name", "f"], env=env).served_model_name == ("f",)
     assert parse_args([], env={}).served_model_name == ()
+
+
+def test_kernel_threads_flag_env_and_default():
+    from kvpark.kernels import worker_pool
+    from kvpark.pod.server import pick_kernel_threads
+
+    assert parse_args([], env={}).kernel_threads == 0
+    assert parse_args(["--kernel-threads", "2"], env={}).kernel_threads == 2
+    assert parse_args([], env={"KVPARK_KERNEL_THREADS": "3"}).kernel_threads == 3
+    with pytest.raises(SystemExit):
+        parse_args(["--kernel-threads", "-1"], env={})
+    with pytest.raises(SystemExit):
+        parse_args([], env={"KVPARK_KERNEL_THREADS": "two"})
+    assert pick_kernel_threads(parse_args(["--kernel-threads", "3"], env={})) == 3
+    assert pick_kernel_threads(parse_args([], env={})) == worker_pool.default_num_threads() >= 1

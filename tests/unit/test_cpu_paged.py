@@ -1,11 +1,14 @@
 """The C paged attention (kernels/cpu_paged.py): bit-level row invariance, strided q, long
 contexts, the build. Its agreement with plain attention is in test_torch_paged.py."""
 
+import threading
+import time
+
 import pytest
 import torch
 from test_torch_paged import plain_causal_attention, relative_error
 
-from kvpark.kernels import cbuild, cpu_paged
+from kvpark.kernels import cbuild, cpu_paged, worker_pool
 from kvpark.kernels.attention import StepLayout
 from kvpark.kernels.cbuild import KernelUnavailable
 from kvpark.kernels.cpu_features import Isa, detect
@@ -40,21 +43,33 @@ def test_a_row_has_the_same_bits_alone_beside_others_and_as_a_prefill_row(isa):
     assert torch.equal(alone, in_prefill)
 
 
-def test_threads_do_not_change_the_bits(isa):
+def test_kernel_threads_do_not_change_the_bits(isa):
+    """The worker pool splits (sequence, kv head, row tile) items: 1, 2 and 3 threads give the
+    same bytes, torch's own thread count aside."""
     gen = torch.Generator().manual_seed(5)
     cache = torch.randn(64, 2, 16, 3, 64, generator=gen)
     tables = [list(range(i * 16, i * 16 + 16)) for i in range(4)]
     q = torch.randn(4 + 30, 9, 64, generator=gen)
     layout_args = (tables, [250, 200, 256, 31], [1, 1, 1, 31])
-    before = torch.get_num_threads()
-    try:
-        outs = []
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
-            outs.append(step_output(CpuPagedAttention(isa=isa), cache, *layout_args, q))
-    finally:
-        torch.set_num_threads(before)
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    outs = [step_output(CpuPagedAttention(isa=isa, num_threads=threads), cache, *layout_args, q)
+            for threads in (1, 2, 3)]
+    assert worker_pool.num_workers(isa) >= 2  # the pool really ran them
+    for out in outs[1:]:
+        assert torch.equal(out.view(torch.int32), outs[0].view(torch.int32))
+
+
+def test_an_idle_pool_sleeps(isa):
+    """Workers spin for at most 100 us after a call, then block: an idle pool takes no CPU."""
+    gen = torch.Generator().manual_seed(6)
+    cache = torch.randn(8, 2, 16, 3, 64, generator=gen)
+    q = torch.randn(24, 9, 64, generator=gen)  # 3 row tiles x 3 KV heads: enough to split
+    step_output(CpuPagedAttention(isa=isa, num_threads=2), cache, [list(range(8))], [100], [24],
+                q)
+    assert worker_pool.num_workers(isa) >= 1
+    before_cpu, before_wall = time.process_time(), time.perf_counter()
+    threading.Event().wait(0.3)  # a window to measure in, not a synchronisation
+    spent = time.process_time() - before_cpu
+    assert spent < 0.1 * (time.perf_counter() - before_wall), f"idle pool used {spent:.3f} s CPU"
 
 
 def test_reads_a_strided_q_like_the_fused_qkv_view(isa):
@@ -99,9 +114,13 @@ def test_the_build_is_cached_per_source(tmp_path, monkeypatch):
     first = cbuild.build(cpu_paged.SOURCE)
     mtime = first.stat().st_mtime_ns
     assert cbuild.build(cpu_paged.SOURCE) == first and first.stat().st_mtime_ns == mtime
+    library = cbuild.build(cbuild.SOURCES)  # kernels and their worker pool: one library
+    assert cbuild.build(cbuild.SOURCES) == library != first
     other = tmp_path / "other.c"
-    other.write_text(cpu_paged.SOURCE.read_text() + "\n/* changed */\n")
-    assert cbuild.build(other) != first
+    other.write_text("int f(void) { return 1; }\n")
+    changed = cbuild.build(other)
+    other.write_text("int f(void) { return 1; }\n/* changed */\n")
+    assert cbuild.build(other) != changed
 
 
 def test_each_isa_is_its_own_build_and_an_unrunnable_one_is_refused(tmp_path, monkeypatch):

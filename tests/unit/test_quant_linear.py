@@ -1,12 +1,20 @@
 """Decode rows from a GGUF's own Q4_1 / Q8_0 blocks (kernels/quant_linear.py + csrc/)."""
 
+import concurrent.futures as cf
+import logging
+import re
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from kvpark.kernels import quant_linear as ql
+from kvpark.kernels import worker_pool
 from kvpark.kernels.attention import StepLayout
 from kvpark.kernels.cpu_paged import CpuPagedAttention
+from kvpark.pod import server
+from kvpark.pod.args import parse_args
 from kvpark.pod.kv_pool import KVPool
 from kvpark.pod.model.llama import BlockRows, LlamaModel
 from kvpark.pod.model.loader import load_model_files
@@ -43,6 +51,35 @@ def test_rows_match_the_float32_linear_and_do_not_depend_on_each_other(smollm2, 
     assert ((y - expected).norm() / expected.norm()).item() < 1e-5
     for rows in (slice(0, 1), slice(3, 5), slice(8, 17), slice(18, 19)):  # across row tiles
         assert torch.equal(ql.quant_linear(x[rows].contiguous(), blocks, isa), y[rows])
+
+
+@pytest.mark.parametrize("name", ["model.layers.2.mlp.down_proj.weight",
+                                  "model.embed_tokens.weight"])
+def test_kernel_threads_split_outputs_and_keep_the_bits(smollm2, name, isa):
+    """1, 2 and 3 threads of the worker pool: byte-identical outputs, for 1 to 7 rows."""
+    blocks = smollm2.quantized[name]
+    x = torch.randn(7, blocks.in_features, generator=torch.Generator().manual_seed(4))
+    for rows in (1, 4, 7):
+        outs = [ql.quant_linear(x[:rows], blocks, isa, num_threads=n) for n in (1, 2, 3)]
+        for out in outs[1:]:
+            assert torch.equal(out.view(torch.int32), outs[0].view(torch.int32))
+    assert worker_pool.num_workers(isa) >= 2
+
+
+def test_the_pool_serves_callers_from_several_threads(smollm2):
+    """Two Python threads calling at once (the engine and, say, a start-up measurement): every
+    call gets its own complete, exact result."""
+    blocks = smollm2.quantized["model.layers.5.self_attn.q_proj.weight"]
+    xs = [torch.randn(r, blocks.in_features, generator=torch.Generator().manual_seed(r))
+          for r in (4, 7)]  # enough work to split (kvpark_quant_linear: 2^19 weight-rows a part)
+    expected = [ql.quant_linear(x, blocks, num_threads=1) for x in xs]
+
+    def calls(i):
+        return all(torch.equal(ql.quant_linear(xs[i], blocks, num_threads=2 + i), expected[i])
+                   for _ in range(300))
+
+    with cf.ThreadPoolExecutor(2) as pool:
+        assert list(pool.map(calls, [0, 1])) == [True, True]
 
 
 def test_cat_and_take_rows_keep_rows_together(smollm2):
@@ -121,3 +158,40 @@ def test_a_recompute_replay_reproduces_the_decoded_bits(models):
                                 [(0, replay[1:])]], [8])
     assert torch.equal(whole[0][0], decoded[-1][0])
     assert torch.equal(chunked[-1][0], decoded[-1][0])
+
+
+def test_auto_measures_then_logs_and_keeps_the_faster(smollm2, caplog, monkeypatch):
+    """--weights auto and --kernel-threads 0 (the defaults): one start-up measurement picks
+    blocks vs float32 and the thread count, and the log shows the timings."""
+    model = LlamaModel(smollm2.config, smollm2.weights, quantized=smollm2.quantized)
+    auto = parse_args([], env={})
+    monkeypatch.setattr(worker_pool, "_num_threads", 2)  # what pick_kernel_threads set: try 2
+    started = time.perf_counter()
+    with caplog.at_level(logging.INFO, logger="kvpark.server"):
+        server.choose_decode_weights(auto, model)
+    assert time.perf_counter() - started < 3.0, "the start-up measurement must stay short"
+    [line] = [r.getMessage() for r in caplog.records if "--weights auto" in r.getMessage()]
+    found = re.search(r"GGUF blocks (\d+\.\d+) ms at 1 thread, (\d+\.\d+) ms at 2 threads, "
+                      r"float32 oneDNN (\d+\.\d+) ms", line)
+    assert found, line
+    one, two, dense = map(float, found.groups())
+    threads = 2 if two < 0.95 * one else 1
+    assert worker_pool.get_num_threads() == threads and f"kernel threads {threads}" in line
+    assert model.has_blocks == ((two if threads == 2 else one) <= dense), line
+    assert model.has_blocks == ("decode rows from the GGUF's blocks" in line), line
+
+    caplog.clear()  # float32 measured faster: every row dense from then on
+    model = LlamaModel(smollm2.config, smollm2.weights, quantized=smollm2.quantized)
+    monkeypatch.setattr(server, "measure_decode_linears",
+                        lambda m, counts: server.DecodeTimings({1: 0.004, 2: 0.003}, 0.001))
+    monkeypatch.setattr(worker_pool, "_num_threads", 2)
+    with caplog.at_level(logging.INFO, logger="kvpark.server"):
+        server.choose_decode_weights(auto, model)
+    assert not model.has_blocks and all(layer.qkv.blocks is None for layer in model.layers)
+    assert "float32 (faster here)" in caplog.text and "4.00 ms at 1 thread" in caplog.text
+    assert worker_pool.get_num_threads() == 2  # 25% faster than 1: worth the second thread
+
+    model = LlamaModel(smollm2.config, smollm2.weights, quantized=smollm2.quantized)
+    server.choose_decode_weights(parse_args(["--weights", "gguf", "--kernel-threads", "1"],
+                                            env={}), model)
+    assert model.has_blocks  # gguf insists: no measurement overrules it
