@@ -75,7 +75,8 @@ def results_run(model: str, ctx: int, budget: str, cache: str, args) -> dict:
         "recomputed_tokens": int(m["kvpark:n_recompute_tokens_total"]),
         "tok_s": tokens / wall,
     }
-    print(f"  -c {ctx} --preempt-ram {budget} cache {cache}: {run}", flush=True)
+    shown = {k: v for k, v in run.items() if k not in ("ttft", "itl")}  # samples: JSON only
+    print(f"  -c {ctx} --preempt-ram {budget} cache {cache}: {shown}", flush=True)
     return run
 
 
