@@ -34,3 +34,11 @@ def test_the_api_sees_the_engine_only():
 
 def test_scheduler_stays_small():
     assert len((POD / "scheduler.py").read_text().splitlines()) <= 250
+
+
+def test_test_file_basenames_are_unique():
+    """pytest's prepend import mode imports test files by basename: two with one name make the
+    whole run fail at collection."""
+    tests = Path(__file__).resolve().parents[1]
+    names = [p.name for p in tests.rglob("test_*.py")]
+    assert sorted({n for n in names if names.count(n) > 1}) == []
