@@ -31,18 +31,20 @@ class Isa(str, enum.Enum):
 
     AVX512 = "avx512"  # -march=native on a CPU with AVX-512 F/BW/VL/DQ
     AVX2 = "avx2"  # -march=native without AVX-512: what an AVX2-only x86 runs
-    GENERIC = "generic"  # -march=native elsewhere (no AVX2, or not x86)
+    GENERIC = "generic"  # portable C: what a CPU without AVX2 (or not x86) runs
 
 
-# gcc flags per ISA; -mno-avx512f also turns off every AVX-512 extension built on it
+X86 = ("x86_64", "amd64", "i686", "i386")
+# gcc flags per ISA; -mno-avx512f also turns off every AVX-512 extension built on it, and
+# -mno-avx2 both (so on x86 the generic build is the portable code, tested there too)
 ISA_CFLAGS = {
     Isa.AVX512: ("-march=native",),
     Isa.AVX2: ("-march=native", "-mno-avx512f"),
-    Isa.GENERIC: ("-march=native",),
+    Isa.GENERIC: ("-march=native", *(("-mno-avx2",) if platform.machine().lower() in X86
+                                     else ())),
 }
 AVX512_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
 AVX2_FLAGS = frozenset({"avx2", "fma"})
-X86 = ("x86_64", "amd64", "i686", "i386")
 
 
 @dataclass(frozen=True)
@@ -57,13 +59,13 @@ class CpuFeatures:
 
     @property
     def isas(self) -> tuple[Isa, ...]:
-        """The C kernel builds this CPU can run, best first (GENERIC only where no other is)."""
+        """The C kernel builds this CPU can run, best first (GENERIC runs everywhere)."""
         runnable = []
         if self.is_x86 and AVX512_FLAGS <= self.flags:
             runnable.append(Isa.AVX512)
         if self.is_x86 and AVX2_FLAGS <= self.flags:
             runnable.append(Isa.AVX2)
-        return tuple(runnable) or (Isa.GENERIC,)
+        return (*runnable, Isa.GENERIC)
 
     @property
     def best_isa(self) -> Isa:

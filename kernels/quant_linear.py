@@ -2,9 +2,10 @@
 
 A CPU decode step reads every weight once: 538 MB in float32 for SmolLM2-135M, against ~100 MB
 for its Q4_1 blocks (repacked with float32 scales) and the Q8_0 embedding. `csrc/quant_linear.c`
-widens a block in registers and multiplies float32 activations: per block sum((d*q) * x) +
-m * sum(x), d*q exact in float32, the float32 dequantisation's sum reassociated. Rows are
-independent (a row's bits never depend on the other rows of a call). Prefill rows keep the
+quantises each row of activations to 8 bits per block of 32 (as llama.cpp does) and sums each
+block in integers: y = sum_b (dw_b dx_b) isum_b (+ sum_b min_b sum(x_b) for Q4_1).
+`reference_quant_linear` below is the same arithmetic in torch. Rows are independent (a row's
+bits never depend on the other rows of a call, nor on the thread count). Prefill rows keep the
 float32 oneDNN GEMMs, which are compute-bound there and much faster than this kernel.
 """
 
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -112,16 +112,28 @@ class QuantizedWeight:
         return w.reshape(self.out_features, self.in_features)
 
 
-_local = threading.local()
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, in] -> (q [rows, in / 32, 32] int8, d [rows, in / 32]): the kernel's 8-bit
+    activations, d = max|x| / 127 per block, q = x * (127 / max|x|) rounded to nearest even."""
+    blocks = x.reshape(x.shape[0], -1, BLOCK)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return torch.round(blocks * inv).to(torch.int8), (amax / 127.0)[..., 0]
 
 
-def get_scratch(num_floats: int) -> torch.Tensor:
-    """The block sums' buffer, kept per thread: one aten op less per linear (120 a decode step
-    of SmolLM2), and decode steps are bound by ops as much as by bytes."""
-    buffer = getattr(_local, "scratch", None)
-    if buffer is None or buffer.numel() < num_floats:
-        buffer = _local.scratch = torch.empty(max(4096, num_floats))
-    return buffer
+def reference_quant_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """What the kernel computes, in float64 from the same integers (the kernel's float sums
+    differ only in rounding order)."""
+    q, dx = quantize_activations(x)
+    if weight.kind == "Q4_1":
+        w = torch.cat([weight.quants & 15, weight.quants >> 4], dim=-1).long()
+    else:
+        w = weight.quants.long()
+    isum = torch.einsum("rbi,obi->rob", q.long(), w).double()  # exact block sums
+    y = (isum * weight.scale.double()[None] * dx.double()[:, None]).sum(-1)
+    if weight.mins is not None:
+        y += x.reshape(x.shape[0], -1, BLOCK).double().sum(-1) @ weight.mins.double().T
+    return y.float()
 
 
 def quant_linear(x: torch.Tensor, weight: QuantizedWeight, isa: Isa | None = None,
@@ -131,12 +143,13 @@ def quant_linear(x: torch.Tensor, weight: QuantizedWeight, isa: Isa | None = Non
     assert x.dtype == torch.float32 and x.stride(-1) == 1, "float32 rows with dense features"
     rows = x.shape[0]
     y = torch.empty(rows, weight.out_features)
-    scratch = get_scratch(rows * weight.in_features // BLOCK)
     mins = weight.mins.data_ptr() if weight.mins is not None else None
     status = load_kernel(isa)(KINDS[weight.kind], weight.scale.data_ptr(), mins,
                            weight.quants.data_ptr(), weight.out_features, weight.in_features,
                            x.data_ptr(), x.stride(0), rows, y.data_ptr(), y.stride(0),
-                           scratch.data_ptr(), num_threads or worker_pool.get_num_threads())
+                           None, num_threads or worker_pool.get_num_threads())
+    if status == 2:
+        raise MemoryError("quantised linear kernel: no memory for the quantised activations")
     if status != 0:
         raise RuntimeError(f"quantised linear kernel failed (status {status})")
     return y

@@ -8,7 +8,7 @@ from kvpark.kernels.cpu_features import Isa, detect
 
 def runnable_isa(isa: Isa) -> Isa:
     """`isa`, or a skip: the AVX2 build runs on every x86 with AVX2 (AVX-512 machines included),
-    the AVX-512 one where the CPU has it."""
+    the AVX-512 one where the CPU has it, the generic (portable C) one everywhere."""
     cpu = detect()
     if isa not in cpu.isas:
         pytest.skip(f"this CPU cannot run the {isa.value} build ({cpu.describe()})")

@@ -1,98 +1,57 @@
 /* y = x W^T for a few rows of float32 x and W kept in a GGUF block format (Q4_1, Q8_0).
  *
- * A decode step on the CPU is bound by reading the weights: float32 is 4 bytes a weight, Q4_1
- * 0.75 here (24 bytes per 32: float32 scale and min, 16 bytes of nibbles), Q8_0 1.125. The
- * weights are the checkpoint's own blocks, widened in registers: per block of 32,
- * sum((d*q) * x) + m * sum(x), with d*q exact in float32, which is the float32 dequantisation's
- * sum of (d*q + m) * x reassociated. Activations stay float32.
+ * A decode step on the CPU reads every weight once; widening each weight to float32 made this
+ * kernel compute-bound (~12 instructions per 32 weights). Like llama.cpp, each row of x is
+ * quantised to 8 bits per block of 32 inputs first (d = max|x| / 127, q = round-to-nearest-even
+ * of x * 127 / max|x|), then each block's dot product is an exact integer sum of 4-bit (or
+ * 8-bit) weights times 8-bit activations (VNNI `vpdpbusd`, or `pmaddubsw` + `pmaddwd`), and
+ * only the per-block scaling is float:
+ *     y = sum_b (dw_b * dx_b) * isum_b  [+ sum_b min_b * sum(x over block b)  for Q4_1]
+ * The Q4_1 mins use the float32 block sums of x itself (not of its quantised values). What this
+ * changes against float32 arithmetic: the activation's rounding, ~0.4% of a block's largest
+ * value per input, as in llama.cpp's own CPU path.
+ *
+ * Determinism: the quantised activations and every block's integer sum are exact and the same
+ * on every ISA; the float accumulation has a fixed order per ISA build. Each row is computed on
+ * its own, so its bits never depend on the other rows of a call, nor on the threads (they split
+ * the outputs, never an output's sum).
  *
  * Layout (kernels/quant_linear.py repacks GGUF blocks into it): for output row o and block b of
  * 32 inputs, scale[o * nb + b], min[o * nb + b] (Q4_1 only) and the quants at
  * (o * nb + b) * 16 (Q4_1: low nibbles are inputs 0..15, high nibbles 16..31) or
- * (o * nb + b) * 32 (Q8_0, int8). Each row of x is computed on its own, in a fixed order, so its
- * result does not depend on the other rows of the call, nor on the threads: they split the
- * outputs, never an output's sum.
+ * (o * nb + b) * 32 (Q8_0, int8).
  */
+#include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "worker_pool.h"
 
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #define ROW_TILE 4 /* input rows per pass over the weights */
 #define BLOCK 32
-#define HALF 16 /* Q4_1: low nibbles are a block's first 16 inputs, high nibbles the last 16 */
+#define HALF 16
+#define GROUP 4 /* Q4_1 activations are laid out in groups of 4 blocks (see quantize_row) */
 
-/* One vector register's worth of floats, and how many (output, row) tiles fit in the registers:
- * AVX-512 has 32 registers of 16 floats, AVX2 16 of 8 (generic vectors wider than the registers
- * spill, which made the kernel 8x slower on AVX2). Per ISA the arithmetic order is fixed: a
- * row's bits do not depend on the tiling or the other rows of a call. */
+/* float vectors for the per-row block sums of x (the Q4_1 mins) */
 #if defined(__AVX512F__)
 #define LANES 16
-#define OUTS_FEW_ROWS 4 /* outputs per tile for 1-2 input rows */
-#define OUTS_MANY_ROWS 2 /* for 3-4 */
 #else
 #define LANES 8
+#endif
+typedef float vf __attribute__((vector_size(LANES * 4)));
+
+/* (output, row) tiles that fit the registers: AVX-512 has 32 of them, AVX2 16 */
+#if defined(__AVX512F__)
+#define OUTS_FEW_ROWS 4
+#define OUTS_MANY_ROWS 2
+#else
 #define OUTS_FEW_ROWS 2
 #define OUTS_MANY_ROWS 1
-#endif
-#define PARTS (HALF / LANES) /* vectors per half block */
-
-typedef float vf __attribute__((vector_size(LANES * 4)));
-typedef uint8_t vu8 __attribute__((vector_size(LANES)));
-typedef int8_t vi8 __attribute__((vector_size(LANES)));
-typedef int32_t vi32 __attribute__((vector_size(LANES * 4)));
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-/* bytes -> floats: one widening and one converting instruction (GCC's generic conversion of a
- * byte vector goes byte by byte) */
-static inline vf u8_to_float(vu8 q) {
-    __m128i v;
-    memcpy(&v, &q, sizeof v);
-    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v));
-}
-
-static inline vf i8_to_float(vi8 q) {
-    __m128i v;
-    memcpy(&v, &q, sizeof v);
-    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v));
-}
-#elif defined(__AVX2__)
-#include <immintrin.h>
-static inline vf u8_to_float(vu8 q) {
-    __m128i v = _mm_setzero_si128();
-    memcpy(&v, &q, sizeof q);
-    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
-}
-
-static inline vf i8_to_float(vi8 q) {
-    __m128i v = _mm_setzero_si128();
-    memcpy(&v, &q, sizeof q);
-    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
-}
-
-/* x86 has no byte shift: GCC's `q >> 4` on an 8-byte vector went byte by byte through general
- * registers (~30 instructions per 8 bytes, the AVX2 build 2x slower than the AVX-512 one); a
- * 16-bit shift and a mask give the same bytes */
-#define HAVE_HIGH_NIBBLES
-static inline vf high_nibbles_to_float(vu8 q) {
-    __m128i v = _mm_setzero_si128();
-    memcpy(&v, &q, sizeof q);
-    v = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(15));
-    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
-}
-#else
-static inline vf u8_to_float(vu8 q) {
-    return __builtin_convertvector(__builtin_convertvector(q, vi32), vf);
-}
-
-static inline vf i8_to_float(vi8 q) {
-    return __builtin_convertvector(__builtin_convertvector(q, vi32), vf);
-}
-#endif
-
-#ifndef HAVE_HIGH_NIBBLES
-static inline vf high_nibbles_to_float(vu8 q) { return u8_to_float(q >> 4); }
 #endif
 
 static inline vf load(const float *p) {
@@ -109,18 +68,7 @@ static inline float hsum(vf v) {
     return lanes[0];
 }
 
-/* sum of each block of 32 inputs of each row (for Q4_1's mins), a fixed order per row */
-static void block_sums(const float *x, int64_t x_stride, int rows, int nb, float *sums) {
-    for (int r = 0; r < rows; r++)
-        for (int b = 0; b < nb; b++) {
-            const float *p = x + r * x_stride + b * BLOCK;
-            vf acc = load(p);
-            for (int k = 1; k < BLOCK / LANES; k++) acc += load(p + k * LANES);
-            sums[r * nb + b] = hsum(acc);
-        }
-}
-
-/* sum over blocks of min * block sum, LANES blocks at a time (a fixed order per row) */
+/* sum over blocks of min * block sum of x, LANES blocks at a time (a fixed order per build) */
 static inline float mins_dot(const float *mins, const float *xsum, int nb) {
     vf acc = (vf){0};
     int b = 0;
@@ -130,80 +78,288 @@ static inline float mins_dot(const float *mins, const float *xsum, int nb) {
     return hsum(acc) + tail;
 }
 
-static inline __attribute__((always_inline)) void zero_accumulators(
-    vf lo_acc[4][4], vf hi_acc[4][4], const int n_out, const int rows) {
-    for (int j = 0; j < n_out; j++)
-        for (int r = 0; r < rows; r++) lo_acc[j][r] = hi_acc[j][r] = (vf){0};
+/* ---- one row of activations, quantised ---------------------------------------------------- */
+
+/* Per row: `nbp` (nb rounded up to GROUP) scales dx, zero past nb; nb float32 block sums of x;
+ * nbp * 32 quants. Q8_0: block b's 32 quants at b * 32, in input order. Q4_1: in groups of
+ * GROUP blocks, 128 bytes a group: the inputs 0..15 of its 4 blocks (64 bytes, block after
+ * block), then their inputs 16..31 - the order of a group's low and high weight nibbles. */
+typedef struct {
+    float *dx, *xsum;
+    int8_t *q;
+} QRow;
+
+static inline int padded_blocks(int nb) { return (nb + GROUP - 1) / GROUP * GROUP; }
+
+static inline size_t row_bytes(int nb) {
+    return (size_t)padded_blocks(nb) * (2 * sizeof(float) + BLOCK);
 }
 
-/* part p of the two 16-input halves of block b of each row */
-static inline __attribute__((always_inline)) void load_block_halves(
-    const float *x, int64_t x_stride, int b, int p, const int rows, vf *xl, vf *xh) {
-    for (int r = 0; r < rows; r++) {
-        xl[r] = load(x + r * x_stride + b * BLOCK + p * LANES);
-        xh[r] = load(x + r * x_stride + b * BLOCK + HALF + p * LANES);
+static QRow qrow_at(void *scratch, int nb, int r) {
+    char *base = (char *)scratch + (size_t)r * row_bytes(nb);
+    const int nbp = padded_blocks(nb);
+    QRow row = {(float *)base, (float *)base + nbp, (int8_t *)((float *)base + 2 * nbp)};
+    return row;
+}
+
+/* block sum of x in the float vector order this build always used (the Q4_1 mins) */
+static float block_sum(const float *p) {
+    vf acc = load(p);
+    for (int k = 1; k < BLOCK / LANES; k++) acc += load(p + k * LANES);
+    return hsum(acc);
+}
+
+static void quantize_row(const float *x, int nb, int kind, QRow row) {
+    const int nbp = padded_blocks(nb);
+    memset(row.q, 0, (size_t)nbp * BLOCK);
+    for (int b = 0; b < nbp; b++) row.dx[b] = 0.0f;
+    for (int b = 0; b < nb; b++) {
+        const float *p = x + b * BLOCK;
+        float amax = 0.0f;
+        for (int i = 0; i < BLOCK; i++) amax = fmaxf(amax, fabsf(p[i]));
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        row.dx[b] = amax / 127.0f;
+        row.xsum[b] = kind == 0 ? block_sum(p) : 0.0f;
+        int8_t *lo, *hi;
+        if (kind == 0) {
+            lo = row.q + (b / GROUP) * GROUP * BLOCK + (b % GROUP) * HALF;
+            hi = lo + GROUP * HALF;
+        } else {
+            lo = row.q + b * BLOCK;
+            hi = lo + HALF;
+        }
+        for (int i = 0; i < HALF; i++) {
+            lo[i] = (int8_t)lrintf(p[i] * inv); /* |.| <= 127: nearest, ties to even */
+            hi[i] = (int8_t)lrintf(p[HALF + i] * inv);
+        }
     }
 }
 
-/* `n_out` output rows from `o` for `rows` input rows, all compile-time constants where called, so
- * the accumulators live in registers. Each (output, row) keeps two chains, the low and the high
- * halves of every block, summed in block order: the same arithmetic whatever the tiling, so a
- * row's result never depends on the rows or outputs computed beside it. */
-static inline __attribute__((always_inline)) void q4_1_tile(
-    const float *scale, const float *mins, const uint8_t *quants, int nb, const float *x,
-    int64_t x_stride, const float *xsum, float *y, int64_t y_stride, int o, const int n_out,
-    const int rows) {
-    vf lo_acc[4][4], hi_acc[4][4];
-    zero_accumulators(lo_acc, hi_acc, n_out, rows);
-    for (int b = 0; b < nb; b++)
-        for (int p = 0; p < PARTS; p++) {
-            vf xl[4], xh[4];
-            load_block_halves(x, x_stride, b, p, rows, xl, xh);
-            for (int j = 0; j < n_out; j++) {
-                const int64_t at = (int64_t)(o + j) * nb + b;
-                vu8 q;
-                memcpy(&q, quants + at * HALF + p * LANES, sizeof q);
-                /* d * q is exact in float32 (an 11-bit scale times a 4-bit quant) */
-                const vf lo = scale[at] * u8_to_float(q & 15);
-                const vf hi = scale[at] * high_nibbles_to_float(q);
-                for (int r = 0; r < rows; r++) {
-                    lo_acc[j][r] += lo * xl[r];
-                    hi_acc[j][r] += hi * xh[r];
-                }
-            }
-        }
-    for (int j = 0; j < n_out; j++)
-        for (int r = 0; r < rows; r++)
-            y[r * y_stride + o + j] = hsum(lo_acc[j][r] + hi_acc[j][r])
-                                      + mins_dot(mins + (int64_t)(o + j) * nb, xsum + r * nb, nb);
+/* ---- integer block dot products, per ISA ---------------------------------------------------
+ * Each tile function computes `n_out` outputs from `o` for `rows` rows; all three arguments are
+ * compile-time constants where called, so the accumulators live in registers. */
+
+#if defined(__AVX512F__)
+/* u8 x s8 -> the int32 lanes, exact (pmaddubsw cannot saturate here: |w| <= 128, |x| <= 127) */
+static inline __m512i dot_u8s8(__m512i acc, __m512i u, __m512i s) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpbusd_epi32(acc, u, s);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s),
+                                                   _mm512_set1_epi16(1)));
+#endif
 }
 
-static inline __attribute__((always_inline)) void q8_0_tile(
-    const float *scale, const int8_t *quants, int nb, const float *x, int64_t x_stride,
+/* Q4_1, one group of 4 blocks per step: lane 4k..4k+3 of the integer sums is block k; the
+ * scales dw * dx spread to the same lanes */
+static inline __attribute__((always_inline)) void q4_1_tile(
+    const float *scale, const float *mins, const uint8_t *quants, int nb, const QRow *xr,
     float *y, int64_t y_stride, int o, const int n_out, const int rows) {
-    vf lo_acc[4][4], hi_acc[4][4];
-    zero_accumulators(lo_acc, hi_acc, n_out, rows);
-    for (int b = 0; b < nb; b++)
-        for (int p = 0; p < PARTS; p++) {
-            vf xl[4], xh[4];
-            load_block_halves(x, x_stride, b, p, rows, xl, xh);
-            for (int j = 0; j < n_out; j++) {
-                const int64_t at = (int64_t)(o + j) * nb + b;
-                vi8 q0, q1;
-                memcpy(&q0, quants + at * BLOCK + p * LANES, sizeof q0);
-                memcpy(&q1, quants + at * BLOCK + HALF + p * LANES, sizeof q1);
-                /* d * q is exact in float32 (an 11-bit scale times an 8-bit quant) */
-                const vf w0 = scale[at] * i8_to_float(q0), w1 = scale[at] * i8_to_float(q1);
-                for (int r = 0; r < rows; r++) {
-                    lo_acc[j][r] += w0 * xl[r];
-                    hi_acc[j][r] += w1 * xh[r];
-                }
+    const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    const __m512i nibble = _mm512_set1_epi8(15);
+    __m512 acc[4][4];
+    for (int j = 0; j < n_out; j++)
+        for (int r = 0; r < rows; r++) acc[j][r] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b += GROUP) {
+        const int n = nb - b < GROUP ? nb - b : GROUP;
+        const __mmask64 byte_mask = n == GROUP ? ~0ULL : (1ULL << (n * HALF)) - 1;
+        const __mmask16 float_mask = (__mmask16)((1u << n) - 1);
+        __m512i xlo[4], xhi[4];
+        __m512 dx[4];
+        for (int r = 0; r < rows; r++) {
+            const int8_t *q = xr[r].q + (int64_t)b * BLOCK;
+            xlo[r] = _mm512_loadu_si512(q);
+            xhi[r] = _mm512_loadu_si512(q + GROUP * HALF);
+            dx[r] = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(
+                                                      _mm_loadu_ps(xr[r].dx + b)));
+        }
+        for (int j = 0; j < n_out; j++) {
+            const int64_t at = (int64_t)(o + j) * nb + b;
+            const __m512i w = _mm512_maskz_loadu_epi8(byte_mask, quants + at * HALF);
+            const __m512i lo = _mm512_and_si512(w, nibble);
+            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
+            const __m512 dw = _mm512_permutexvar_ps(spread, _mm512_maskz_loadu_ps(float_mask,
+                                                                                  scale + at));
+            for (int r = 0; r < rows; r++) {
+                const __m512i isum = dot_u8s8(dot_u8s8(_mm512_setzero_si512(), lo, xlo[r]), hi,
+                                              xhi[r]);
+                acc[j][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, dx[r]),
+                                            acc[j][r]);
             }
         }
+    }
     for (int j = 0; j < n_out; j++)
         for (int r = 0; r < rows; r++)
-            y[r * y_stride + o + j] = hsum(lo_acc[j][r] + hi_acc[j][r]);
+            y[r * y_stride + o + j] = _mm512_reduce_add_ps(acc[j][r])
+                                      + mins_dot(mins + (int64_t)(o + j) * nb, xr[r].xsum, nb);
 }
+
+/* Q8_0, two blocks per step (lanes 0..7 block 0, 8..15 block 1): |w| times x with w's sign */
+static inline __attribute__((always_inline)) void q8_0_tile(
+    const float *scale, const int8_t *quants, int nb, const QRow *xr, float *y,
+    int64_t y_stride, int o, const int n_out, const int rows) {
+    const __m512i spread = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    __m512 acc[4][4];
+    for (int j = 0; j < n_out; j++)
+        for (int r = 0; r < rows; r++) acc[j][r] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b += 2) {
+        const int n = nb - b < 2 ? nb - b : 2;
+        const __mmask64 byte_mask = n == 2 ? ~0ULL : (1ULL << BLOCK) - 1;
+        const __mmask16 float_mask = (__mmask16)((1u << n) - 1);
+        __m512i xq[4];
+        __m512 dx[4];
+        for (int r = 0; r < rows; r++) {
+            xq[r] = _mm512_loadu_si512(xr[r].q + (int64_t)b * BLOCK);
+            dx[r] = _mm512_permutexvar_ps(spread, _mm512_maskz_loadu_ps(float_mask, xr[r].dx + b));
+        }
+        for (int j = 0; j < n_out; j++) {
+            const int64_t at = (int64_t)(o + j) * nb + b;
+            const __m512i w = _mm512_maskz_loadu_epi8(byte_mask, quants + at * BLOCK);
+            const __m512i magnitude = _mm512_abs_epi8(w);
+            const __mmask64 negative = _mm512_movepi8_mask(w);
+            const __m512 dw = _mm512_permutexvar_ps(spread, _mm512_maskz_loadu_ps(float_mask,
+                                                                                  scale + at));
+            for (int r = 0; r < rows; r++) {
+                const __m512i signed_x = _mm512_mask_sub_epi8(xq[r], negative,
+                                                              _mm512_setzero_si512(), xq[r]);
+                const __m512i isum = dot_u8s8(_mm512_setzero_si512(), magnitude, signed_x);
+                acc[j][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, dx[r]),
+                                            acc[j][r]);
+            }
+        }
+    }
+    for (int j = 0; j < n_out; j++)
+        for (int r = 0; r < rows; r++) y[r * y_stride + o + j] = _mm512_reduce_add_ps(acc[j][r]);
+}
+
+#elif defined(__AVX2__)
+static inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s),
+                                                   _mm256_set1_epi16(1)));
+#endif
+}
+
+static inline float reduce_add(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* two blocks' scales (or one, the other zero) spread to lanes 0..3 and 4..7 */
+static inline __m256 spread_pair(const float *p, int n) {
+    const __m128 first = _mm_set1_ps(p[0]), second = _mm_set1_ps(n > 1 ? p[1] : 0.0f);
+    return _mm256_insertf128_ps(_mm256_castps128_ps256(first), second, 1);
+}
+
+/* Q4_1, two blocks per step (lanes 0..3 the first, 4..7 the second) */
+static inline __attribute__((always_inline)) void q4_1_tile(
+    const float *scale, const float *mins, const uint8_t *quants, int nb, const QRow *xr,
+    float *y, int64_t y_stride, int o, const int n_out, const int rows) {
+    const __m256i nibble = _mm256_set1_epi8(15);
+    __m256 acc[4][4];
+    for (int j = 0; j < n_out; j++)
+        for (int r = 0; r < rows; r++) acc[j][r] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b += 2) {
+        const int n = nb - b < 2 ? nb - b : 2;
+        /* the pair's activations inside its group of 4 (see quantize_row) */
+        const int64_t x_at = (int64_t)(b / GROUP) * GROUP * BLOCK + (b % GROUP) * HALF;
+        __m256i xlo[4], xhi[4];
+        __m256 dx[4];
+        for (int r = 0; r < rows; r++) {
+            xlo[r] = _mm256_loadu_si256((const __m256i *)(xr[r].q + x_at));
+            xhi[r] = _mm256_loadu_si256((const __m256i *)(xr[r].q + x_at + GROUP * HALF));
+            dx[r] = spread_pair(xr[r].dx + b, 2); /* past nb: padded with zeros */
+        }
+        for (int j = 0; j < n_out; j++) {
+            const int64_t at = (int64_t)(o + j) * nb + b;
+            const __m256i w = n == 2 ? _mm256_loadu_si256((const __m256i *)(quants + at * HALF))
+                                     : _mm256_zextsi128_si256(
+                                           _mm_loadu_si128((const __m128i *)(quants + at * HALF)));
+            const __m256i lo = _mm256_and_si256(w, nibble);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
+            const __m256 dw = spread_pair(scale + at, n);
+            for (int r = 0; r < rows; r++) {
+                const __m256i isum = dot_u8s8(dot_u8s8(_mm256_setzero_si256(), lo, xlo[r]), hi,
+                                              xhi[r]);
+                acc[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, dx[r]),
+                                            acc[j][r]);
+            }
+        }
+    }
+    for (int j = 0; j < n_out; j++)
+        for (int r = 0; r < rows; r++)
+            y[r * y_stride + o + j] = reduce_add(acc[j][r])
+                                      + mins_dot(mins + (int64_t)(o + j) * nb, xr[r].xsum, nb);
+}
+
+/* Q8_0, one block per step: |w| times x with w's sign */
+static inline __attribute__((always_inline)) void q8_0_tile(
+    const float *scale, const int8_t *quants, int nb, const QRow *xr, float *y,
+    int64_t y_stride, int o, const int n_out, const int rows) {
+    __m256 acc[4][4];
+    for (int j = 0; j < n_out; j++)
+        for (int r = 0; r < rows; r++) acc[j][r] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        __m256i xq[4];
+        for (int r = 0; r < rows; r++)
+            xq[r] = _mm256_loadu_si256((const __m256i *)(xr[r].q + (int64_t)b * BLOCK));
+        for (int j = 0; j < n_out; j++) {
+            const int64_t at = (int64_t)(o + j) * nb + b;
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(quants + at * BLOCK));
+            const __m256i magnitude = _mm256_sign_epi8(w, w);
+            for (int r = 0; r < rows; r++) {
+                const __m256i isum = dot_u8s8(_mm256_setzero_si256(), magnitude,
+                                              _mm256_sign_epi8(xq[r], w));
+                acc[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum),
+                                            _mm256_set1_ps(scale[at] * xr[r].dx[b]), acc[j][r]);
+            }
+        }
+    }
+    for (int j = 0; j < n_out; j++)
+        for (int r = 0; r < rows; r++) y[r * y_stride + o + j] = reduce_add(acc[j][r]);
+}
+
+#else /* any other CPU: the same integer sums, one block at a time */
+static inline void q4_1_tile(const float *scale, const float *mins, const uint8_t *quants,
+                             int nb, const QRow *xr, float *y, int64_t y_stride, int o,
+                             const int n_out, const int rows) {
+    for (int j = 0; j < n_out; j++)
+        for (int r = 0; r < rows; r++) {
+            float acc = 0.0f;
+            for (int b = 0; b < nb; b++) {
+                const int64_t at = (int64_t)(o + j) * nb + b;
+                const int8_t *lo = xr[r].q + (b / GROUP) * GROUP * BLOCK + (b % GROUP) * HALF;
+                int32_t isum = 0;
+                for (int i = 0; i < HALF; i++) {
+                    const uint8_t w = quants[at * HALF + i];
+                    isum += (w & 15) * lo[i] + (w >> 4) * lo[GROUP * HALF + i];
+                }
+                acc += (float)isum * (scale[at] * xr[r].dx[b]);
+            }
+            y[r * y_stride + o + j] = acc + mins_dot(mins + (int64_t)(o + j) * nb, xr[r].xsum,
+                                                     nb);
+        }
+}
+
+static inline void q8_0_tile(const float *scale, const int8_t *quants, int nb, const QRow *xr,
+                             float *y, int64_t y_stride, int o, const int n_out, const int rows) {
+    for (int j = 0; j < n_out; j++)
+        for (int r = 0; r < rows; r++) {
+            float acc = 0.0f;
+            for (int b = 0; b < nb; b++) {
+                const int64_t at = (int64_t)(o + j) * nb + b;
+                int32_t isum = 0;
+                for (int i = 0; i < BLOCK; i++)
+                    isum += quants[at * BLOCK + i] * xr[r].q[(int64_t)b * BLOCK + i];
+                acc += (float)isum * (scale[at] * xr[r].dx[b]);
+            }
+            y[r * y_stride + o + j] = acc;
+        }
+}
+#endif
 
 /* outputs [begin, end) for a tile of `rows` (1..4) input rows: OUTS_FEW_ROWS outputs at a time
  * for 1-2 rows, OUTS_MANY_ROWS for 3-4 (registers), then one at a time */
@@ -218,17 +374,16 @@ static inline __attribute__((always_inline)) void q8_0_tile(
         for (; o < end; o++) kind_call(1, rows);                                               \
     } while (0)
 
-#define Q4(n_out, rows)                                                                        \
-    q4_1_tile(c->scale, c->mins, quants, nb, xt, c->x_stride, xsum, yt, c->y_stride, o, n_out, \
-              rows)
-#define Q8(n_out, rows)                                                                        \
-    q8_0_tile(c->scale, quants, nb, xt, c->x_stride, yt, c->y_stride, o, n_out, rows)
+#define Q4(n_out, rows) \
+    q4_1_tile(c->scale, c->mins, quants, nb, xr, yt, c->y_stride, o, n_out, rows)
+#define Q8(n_out, rows) q8_0_tile(c->scale, quants, nb, xr, yt, c->y_stride, o, n_out, rows)
 
 typedef struct {
     int kind, out_features, nb, rows;
-    const float *scale, *mins, *x, *xsums;
+    const float *scale, *mins;
     const void *quants;
-    int64_t x_stride, y_stride;
+    void *xq; /* the rows' quantised activations (QRow) */
+    int64_t y_stride;
     float *y;
 } Call;
 
@@ -242,11 +397,11 @@ static void run_part(void *arg, int part, int num_parts) {
     const int nb = c->nb;
     for (int first = 0; first < c->rows && begin < end; first += ROW_TILE) {
         const int n = c->rows - first < ROW_TILE ? c->rows - first : ROW_TILE;
-        const float *xt = c->x + first * c->x_stride;
+        QRow xr[ROW_TILE];
+        for (int r = 0; r < n; r++) xr[r] = qrow_at(c->xq, nb, first + r);
         float *yt = c->y + first * c->y_stride;
         if (c->kind == 0) {
             const uint8_t *quants = c->quants;
-            const float *xsum = c->xsums + (int64_t)first * nb;
             switch (n) {
             case 1: OUTPUTS(Q4, 1); break;
             case 2: OUTPUTS(Q4, 2); break;
@@ -265,21 +420,39 @@ static void run_part(void *arg, int part, int num_parts) {
     }
 }
 
+/* the quantised rows, kept per calling thread and grown as needed (the workers only read it) */
+static _Thread_local void *scratch;
+static _Thread_local size_t scratch_bytes;
+
+static void *get_scratch(size_t bytes) {
+    if (bytes > scratch_bytes) {
+        void *grown = realloc(scratch, bytes);
+        if (grown == NULL) return NULL;
+        scratch = grown;
+        scratch_bytes = bytes;
+    }
+    return scratch;
+}
+
 /* kind 0: Q4_1, 1: Q8_0. x: [rows, in] (row stride x_stride), y: [rows, out] (y_stride).
- * `xsum_scratch` holds rows * in / 32 floats (Q4_1). The outputs are split between
- * `num_threads` threads of the worker pool. Returns 0, or 1 on bad arguments. */
+ * `unused_scratch`: kept for callers of the float32 kernel this replaced (the kernel keeps its
+ * own). The outputs are split between `num_threads` threads of the worker pool. Returns 0, 1
+ * on bad arguments, 2 when memory ran out. */
 int kvpark_quant_linear(int kind, const float *scale, const float *mins, const void *quants,
                         int out_features, int in_features, const float *x, int64_t x_stride,
-                        int rows, float *y, int64_t y_stride, float *xsum_scratch,
+                        int rows, float *y, int64_t y_stride, float *unused_scratch,
                         int num_threads) {
+    (void)unused_scratch;
     if (in_features % BLOCK != 0 || rows < 0 || (kind != 0 && kind != 1)) return 1;
+    if (rows == 0) return 0;
     const int nb = in_features / BLOCK;
-    if (kind == 0) block_sums(x, x_stride, rows, nb, xsum_scratch);
-    Call call = {kind, out_features, nb, rows, scale, mins, x, xsum_scratch, quants, x_stride,
-                 y_stride, y};
+    void *xq = get_scratch((size_t)rows * row_bytes(nb) + 64); /* + 64: whole-vector loads */
+    if (xq == NULL) return 2;
+    for (int r = 0; r < rows; r++) quantize_row(x + r * x_stride, nb, kind, qrow_at(xq, nb, r));
+    Call call = {kind, out_features, nb, rows, scale, mins, quants, xq, y_stride, y};
     /* 4 parts a thread, so a thread kept off the CPU by other jobs holds up little; at least
      * 64 outputs and 2^19 weight-rows a part: below that waking a worker costs more than it
-     * saves (a batch-1 step of SmolLM2 splits gate_up and lm_head, not qkv, o, down) */
+     * saves */
     const int64_t by_work = (int64_t)rows * out_features * in_features >> 19;
     int most = out_features / 64 < by_work ? out_features / 64 : (int)by_work;
     if (most < 1) most = 1;

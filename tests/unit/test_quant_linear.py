@@ -42,15 +42,34 @@ def test_blocks_hold_exactly_the_loaded_weights(smollm2, name):
 
 
 @pytest.mark.parametrize("name", ["model.layers.3.mlp.gate_proj.weight",
+                                  "model.layers.3.mlp.down_proj.weight",  # 48 blocks a row
                                   "model.embed_tokens.weight"])
-def test_rows_match_the_float32_linear_and_do_not_depend_on_each_other(smollm2, name, isa):
+def test_rows_match_the_reference_arithmetic_and_do_not_depend_on_each_other(smollm2, name,
+                                                                             isa):
+    """8-bit activations, exact integer block sums: the kernel is the float64 reference of the
+    same integers up to float rounding, and ~1% from the float32 linear (the activations'
+    rounding, as llama.cpp's CPU path)."""
     blocks, dense = smollm2.quantized[name], smollm2.weights[name]
     x = torch.randn(19, dense.shape[1], generator=torch.Generator().manual_seed(1))
+    x[5] *= 1e-3  # a row of small values: its own scales
+    x[6] = 0.0  # an all-zero row: zero scales, no division by zero
     y = ql.quant_linear(x, blocks, isa)
-    expected = F.linear(x.double(), dense.double()).float()
-    assert ((y - expected).norm() / expected.norm()).item() < 1e-5
+    reference = ql.reference_quant_linear(x, blocks)
+    assert ((y - reference).norm() / reference.norm()).item() < 2e-6
+    assert torch.equal(y[6], torch.zeros_like(y[6]))
+    exact = F.linear(x.double(), dense.double()).float()
+    assert ((y - exact).norm() / exact.norm()).item() < 3e-2
     for rows in (slice(0, 1), slice(3, 5), slice(8, 17), slice(18, 19)):  # across row tiles
         assert torch.equal(ql.quant_linear(x[rows].contiguous(), blocks, isa), y[rows])
+
+
+def test_activations_round_to_nearest_even_within_each_block():
+    x = torch.zeros(1, 64)
+    x[0, 0], x[0, 1], x[0, 2] = 127.0, 0.5, 1.5  # block 0: scale 1, ties at 0.5 and 1.5
+    x[0, 32:64] = torch.linspace(-2.0, 1.0, 32)  # block 1: its own scale, max|x| = 2
+    q, d = ql.quantize_activations(x)
+    assert q[0, 0, :3].tolist() == [127, 0, 2] and d[0, 0].item() == 1.0
+    assert q[0, 1, 0].item() == -127 and d[0, 1].item() == pytest.approx(2 / 127)
 
 
 @pytest.mark.parametrize("name", ["model.layers.2.mlp.down_proj.weight",
@@ -144,8 +163,9 @@ def test_decode_from_blocks_is_independent_of_neighbours_and_close_to_float32(mo
     for step, (a, b) in enumerate(zip(alone, neighbours)):
         assert torch.equal(a[0], b[0]), f"step {step}: logits changed with batch neighbours"
     reference = run_steps(dense, [[(0, PROMPT)], *[[(0, t)] for t in GENERATED]], [8])
-    for a, r in zip(alone, reference):
-        assert ((a[0] - r[0]).norm() / r[0].norm()).item() < 1e-4
+    for a, r in zip(alone, reference):  # 8-bit activations: close, the same greedy token
+        assert ((a[0] - r[0]).norm() / r[0].norm()).item() < 5e-2
+        assert a[0].argmax() == r[0].argmax()
 
 
 def test_a_recompute_replay_reproduces_the_decoded_bits(models):
