@@ -3,7 +3,8 @@
 A CPU decode step reads every weight once: 538 MB in float32 for SmolLM2-135M, against ~100 MB
 for its Q4_1 blocks (repacked with float32 scales) and the Q8_0 embedding. `csrc/quant_linear.c`
 quantises each row of activations to 8 bits per block of 32 (as llama.cpp does) and sums each
-block in integers: y = sum_b (dw_b dx_b) isum_b (+ sum_b min_b sum(x_b) for Q4_1).
+block in integers: y = sum_b (dw_b dx_b) isum_b (+ sum_b min_b dx_b sum(qx_b) for Q4_1): the
+dequantised weights times the quantised activations.
 `reference_quant_linear` below is the same arithmetic in torch. Rows are independent (a row's
 bits never depend on the other rows of a call, nor on the thread count). Prefill rows keep the
 float32 oneDNN GEMMs, which are compute-bound there and much faster than this kernel.
@@ -55,8 +56,14 @@ class QuantizedWeight:
 
     kind: str  # "Q4_1" or "Q8_0"
     scale: torch.Tensor  # [out, in / 32] float32
-    mins: torch.Tensor | None  # [out, in / 32] float32 (Q4_1)
+    mins: torch.Tensor | None  # [out, in / 32] float32 (Q4_1), stored block-major (see below)
     quants: torch.Tensor  # [out, in / 32, 16] uint8 nibbles (Q4_1) or [out, in / 32, 32] int8
+
+    def __post_init__(self) -> None:
+        # the kernel adds every output's min term in one vectorised pass over blocks, so it
+        # reads the mins as [in / 32, out]: `mins` is the transposed view of that storage
+        if self.mins is not None and not self.mins.T.is_contiguous():
+            object.__setattr__(self, "mins", self.mins.T.contiguous().T)
 
     @property
     def out_features(self) -> int:
@@ -132,7 +139,8 @@ def reference_quant_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Te
     isum = torch.einsum("rbi,obi->rob", q.long(), w).double()  # exact block sums
     y = (isum * weight.scale.double()[None] * dx.double()[:, None]).sum(-1)
     if weight.mins is not None:
-        y += x.reshape(x.shape[0], -1, BLOCK).double().sum(-1) @ weight.mins.double().T
+        xsum = (dx * q.long().sum(-1).float()).double()  # float32 dx times the integer sum
+        y += xsum @ weight.mins.double().T
     return y.float()
 
 
@@ -141,6 +149,7 @@ def quant_linear(x: torch.Tensor, weight: QuantizedWeight, isa: Isa | None = Non
     """x [rows, in] float32 (dense rows) -> x W^T [rows, out] float32; outputs split between
     `num_threads` (default: `worker_pool.get_num_threads()`) threads, the bits unchanged."""
     assert x.dtype == torch.float32 and x.stride(-1) == 1, "float32 rows with dense features"
+    assert weight.mins is None or weight.mins.T.is_contiguous(), "mins stored block-major"
     rows = x.shape[0]
     y = torch.empty(rows, weight.out_features)
     mins = weight.mins.data_ptr() if weight.mins is not None else None

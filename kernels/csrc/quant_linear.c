@@ -7,9 +7,9 @@
  * 8-bit) weights times 8-bit activations (VNNI `vpdpbusd`, or `pmaddubsw` + `pmaddwd`), and
  * only the per-block scaling is float:
  *     y = sum_b (dw_b * dx_b) * isum_b  [+ sum_b min_b * sum(x over block b)  for Q4_1]
- * The Q4_1 mins use the float32 block sums of x itself (not of its quantised values). What this
- * changes against float32 arithmetic: the activation's rounding, ~0.4% of a block's largest
- * value per input, as in llama.cpp's own CPU path.
+ * The Q4_1 mins multiply dx * sum(qx), so the result is exactly the dequantised weights times
+ * the quantised activations. What this changes against float32 arithmetic: the activations'
+ * rounding, up to 0.4% of a block's largest value per input, as in llama.cpp's own CPU path.
  *
  * Determinism: the quantised activations and every block's integer sum are exact and the same
  * on every ISA; the float accumulation has a fixed order per ISA build. Each row is computed on
@@ -17,9 +17,10 @@
  * the outputs, never an output's sum).
  *
  * Layout (kernels/quant_linear.py repacks GGUF blocks into it): for output row o and block b of
- * 32 inputs, scale[o * nb + b], min[o * nb + b] (Q4_1 only) and the quants at
+ * 32 inputs, scale[o * nb + b] and the quants at
  * (o * nb + b) * 16 (Q4_1: low nibbles are inputs 0..15, high nibbles 16..31) or
- * (o * nb + b) * 32 (Q8_0, int8).
+ * (o * nb + b) * 32 (Q8_0, int8); the Q4_1 mins block-major, min[b * out + o] (all outputs'
+ * min terms are then one vectorised pass, not a dot product per output).
  */
 #include <math.h>
 #include <stdint.h>
@@ -37,7 +38,7 @@
 #define HALF 16
 #define GROUP 4 /* Q4_1 activations are laid out in groups of 4 blocks (see quantize_row) */
 
-/* float vectors for the per-row block sums of x (the Q4_1 mins) */
+/* float vectors for the Q4_1 mins' pass over outputs */
 #if defined(__AVX512F__)
 #define LANES 16
 #else
@@ -60,22 +61,25 @@ static inline vf load(const float *p) {
     return v;
 }
 
-static inline float hsum(vf v) {
-    float lanes[LANES];
-    memcpy(lanes, &v, sizeof lanes);
-    for (int width = LANES / 2; width > 0; width /= 2)
-        for (int l = 0; l < width; l++) lanes[l] += lanes[l + width];
-    return lanes[0];
-}
-
-/* sum over blocks of min * block sum of x, LANES blocks at a time (a fixed order per build) */
-static inline float mins_dot(const float *mins, const float *xsum, int nb) {
-    vf acc = (vf){0};
-    int b = 0;
-    for (; b + LANES <= nb; b += LANES) acc += load(mins + b) * load(xsum + b);
-    float tail = 0.0f;
-    for (; b < nb; b++) tail += mins[b] * xsum[b];
-    return hsum(acc) + tail;
+/* y[r, o] += sum over blocks b of min[b, o] * sum(x[r] over block b), for outputs [begin, end):
+ * LANES outputs at a time, blocks in order (the mins are stored block-major for this), so an
+ * output's sum is the same sequence of multiply-adds on every build, vector or tail */
+static void add_mins(const float *mins, int out_features, int nb, const float *xsum, float *y,
+                     int begin, int end) {
+    int o = begin;
+    for (; o + LANES <= end; o += LANES) {
+        vf acc = (vf){0};
+        for (int b = 0; b < nb; b++) acc += load(mins + (int64_t)b * out_features + o) * xsum[b];
+        vf out;
+        memcpy(&out, y + o, sizeof out);
+        out += acc;
+        memcpy(y + o, &out, sizeof out);
+    }
+    for (; o < end; o++) {
+        float acc = 0.0f;
+        for (int b = 0; b < nb; b++) acc += mins[(int64_t)b * out_features + o] * xsum[b];
+        y[o] += acc;
+    }
 }
 
 /* ---- one row of activations, quantised ---------------------------------------------------- */
@@ -102,24 +106,16 @@ static QRow qrow_at(void *scratch, int nb, int r) {
     return row;
 }
 
-/* block sum of x in the float vector order this build always used (the Q4_1 mins) */
-static float block_sum(const float *p) {
-    vf acc = load(p);
-    for (int k = 1; k < BLOCK / LANES; k++) acc += load(p + k * LANES);
-    return hsum(acc);
-}
-
 static void quantize_row(const float *x, int nb, int kind, QRow row) {
     const int nbp = padded_blocks(nb);
     memset(row.q, 0, (size_t)nbp * BLOCK);
-    for (int b = 0; b < nbp; b++) row.dx[b] = 0.0f;
+    for (int b = 0; b < nbp; b++) row.dx[b] = row.xsum[b] = 0.0f;
     for (int b = 0; b < nb; b++) {
         const float *p = x + b * BLOCK;
         float amax = 0.0f;
         for (int i = 0; i < BLOCK; i++) amax = fmaxf(amax, fabsf(p[i]));
         const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
         row.dx[b] = amax / 127.0f;
-        row.xsum[b] = kind == 0 ? block_sum(p) : 0.0f;
         int8_t *lo, *hi;
         if (kind == 0) {
             lo = row.q + (b / GROUP) * GROUP * BLOCK + (b % GROUP) * HALF;
@@ -128,10 +124,16 @@ static void quantize_row(const float *x, int nb, int kind, QRow row) {
             lo = row.q + b * BLOCK;
             hi = lo + HALF;
         }
+        int32_t qsum = 0;
         for (int i = 0; i < HALF; i++) {
             lo[i] = (int8_t)lrintf(p[i] * inv); /* |.| <= 127: nearest, ties to even */
             hi[i] = (int8_t)lrintf(p[HALF + i] * inv);
+            qsum += lo[i] + hi[i];
         }
+        /* the block's sum as the quantised values give it: the Q4_1 mins then multiply the
+         * same activations as the quants do, y = sum(dequantised w * quantised x), whose
+         * rounding errors partly cancel (w is centred; d*q alone is all positive) */
+        row.xsum[b] = row.dx[b] * (float)qsum;
     }
 }
 
@@ -153,7 +155,7 @@ static inline __m512i dot_u8s8(__m512i acc, __m512i u, __m512i s) {
 /* Q4_1, one group of 4 blocks per step: lane 4k..4k+3 of the integer sums is block k; the
  * scales dw * dx spread to the same lanes */
 static inline __attribute__((always_inline)) void q4_1_tile(
-    const float *scale, const float *mins, const uint8_t *quants, int nb, const QRow *xr,
+    const float *scale, const uint8_t *quants, int nb, const QRow *xr,
     float *y, int64_t y_stride, int o, const int n_out, const int rows) {
     const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
     const __m512i nibble = _mm512_set1_epi8(15);
@@ -190,8 +192,7 @@ static inline __attribute__((always_inline)) void q4_1_tile(
     }
     for (int j = 0; j < n_out; j++)
         for (int r = 0; r < rows; r++)
-            y[r * y_stride + o + j] = _mm512_reduce_add_ps(acc[j][r])
-                                      + mins_dot(mins + (int64_t)(o + j) * nb, xr[r].xsum, nb);
+            y[r * y_stride + o + j] = _mm512_reduce_add_ps(acc[j][r]);
 }
 
 /* Q8_0, two blocks per step (lanes 0..7 block 0, 8..15 block 1): |w| times x with w's sign */
@@ -256,7 +257,7 @@ static inline __m256 spread_pair(const float *p, int n) {
 
 /* Q4_1, two blocks per step (lanes 0..3 the first, 4..7 the second) */
 static inline __attribute__((always_inline)) void q4_1_tile(
-    const float *scale, const float *mins, const uint8_t *quants, int nb, const QRow *xr,
+    const float *scale, const uint8_t *quants, int nb, const QRow *xr,
     float *y, int64_t y_stride, int o, const int n_out, const int rows) {
     const __m256i nibble = _mm256_set1_epi8(15);
     __m256 acc[4][4];
@@ -291,8 +292,7 @@ static inline __attribute__((always_inline)) void q4_1_tile(
     }
     for (int j = 0; j < n_out; j++)
         for (int r = 0; r < rows; r++)
-            y[r * y_stride + o + j] = reduce_add(acc[j][r])
-                                      + mins_dot(mins + (int64_t)(o + j) * nb, xr[r].xsum, nb);
+            y[r * y_stride + o + j] = reduce_add(acc[j][r]);
 }
 
 /* Q8_0, one block per step: |w| times x with w's sign */
@@ -323,8 +323,8 @@ static inline __attribute__((always_inline)) void q8_0_tile(
 }
 
 #else /* any other CPU: the same integer sums, one block at a time */
-static inline void q4_1_tile(const float *scale, const float *mins, const uint8_t *quants,
-                             int nb, const QRow *xr, float *y, int64_t y_stride, int o,
+static inline void q4_1_tile(const float *scale, const uint8_t *quants, int nb,
+                             const QRow *xr, float *y, int64_t y_stride, int o,
                              const int n_out, const int rows) {
     for (int j = 0; j < n_out; j++)
         for (int r = 0; r < rows; r++) {
@@ -339,8 +339,7 @@ static inline void q4_1_tile(const float *scale, const float *mins, const uint8_
                 }
                 acc += (float)isum * (scale[at] * xr[r].dx[b]);
             }
-            y[r * y_stride + o + j] = acc + mins_dot(mins + (int64_t)(o + j) * nb, xr[r].xsum,
-                                                     nb);
+            y[r * y_stride + o + j] = acc;
         }
 }
 
@@ -375,7 +374,7 @@ static inline void q8_0_tile(const float *scale, const int8_t *quants, int nb, c
     } while (0)
 
 #define Q4(n_out, rows) \
-    q4_1_tile(c->scale, c->mins, quants, nb, xr, yt, c->y_stride, o, n_out, rows)
+    q4_1_tile(c->scale, quants, nb, xr, yt, c->y_stride, o, n_out, rows)
 #define Q8(n_out, rows) q8_0_tile(c->scale, quants, nb, xr, yt, c->y_stride, o, n_out, rows)
 
 typedef struct {
@@ -408,6 +407,9 @@ static void run_part(void *arg, int part, int num_parts) {
             case 3: OUTPUTS(Q4, 3); break;
             default: OUTPUTS(Q4, 4); break;
             }
+            for (int r = 0; r < n; r++)
+                add_mins(c->mins, c->out_features, nb, xr[r].xsum, yt + r * c->y_stride, begin,
+                         end);
         } else {
             const int8_t *quants = c->quants;
             switch (n) {

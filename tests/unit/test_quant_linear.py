@@ -164,7 +164,8 @@ def test_decode_from_blocks_is_independent_of_neighbours_and_close_to_float32(mo
         assert torch.equal(a[0], b[0]), f"step {step}: logits changed with batch neighbours"
     reference = run_steps(dense, [[(0, PROMPT)], *[[(0, t)] for t in GENERATED]], [8])
     for a, r in zip(alone, reference):  # 8-bit activations: close, the same greedy token
-        assert ((a[0] - r[0]).norm() / r[0].norm()).item() < 5e-2
+        p, q = r[0].log_softmax(-1), a[0].log_softmax(-1)
+        assert (p.exp() * (p - q)).sum().item() < 0.02  # KL (nats); measured 0.004-0.007
         assert a[0].argmax() == r[0].argmax()
 
 
