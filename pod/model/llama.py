@@ -6,7 +6,9 @@ which sequence owns which page is the runner's business.
 On the CPU a decode step is bound by reading the weights, so the linears are what this file is
 careful about: each weight is packed once for oneDNN (see `Linear`), and with `batch_invariant`
 every GEMM sees at least `MIN_INVARIANT_ROWS` rows, so a row's result never depends on which
-other rows share the step.
+other rows share the step. Rows that read a GGUF's blocks (`BlockRows`) take two C calls a layer
+around the attention (`kernels/layer_ops.py`) instead of ~25 torch ops: at batch 1 the step is
+bound by per-op dispatch as much as by the weights.
 """
 
 from __future__ import annotations
@@ -224,6 +226,7 @@ class DecoderLayer(nn.Module):
         `rows`: which read quantised blocks (see `Linear`). On the fused path the block rows of
         x are updated in place."""
         if rows is not None and rows.num_blocks > 0 and self.fused is not None:
+            assert num_tokens == x.shape[0], "no padding rows with `rows`"
             return self.forward_fused(x, cos, sin, backend, kv_cache, rows)
         c = self.config
         num_rows = x.shape[0]
