@@ -6,7 +6,9 @@ which sequence owns which page is the runner's business.
 On the CPU a decode step is bound by reading the weights, so the linears are what this file is
 careful about: each weight is packed once for oneDNN (see `Linear`), and with `batch_invariant`
 every GEMM sees at least `MIN_INVARIANT_ROWS` rows, so a row's result never depends on which
-other rows share the step.
+other rows share the step. Rows that read a GGUF's blocks (`BlockRows`) take two C calls a layer
+around the attention (`kernels/layer_ops.py`) instead of ~25 torch ops: at batch 1 the step is
+bound by per-op dispatch as much as by the weights.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvpark.kernels import cpu_features
+from kvpark.kernels import cpu_features, layer_ops
 from kvpark.kernels.attention import AttentionBackend
 from kvpark.kernels.quant_linear import QuantizedWeight, quant_linear
 
@@ -70,6 +72,10 @@ class BlockRows:
     @property
     def num_dense(self) -> int:
         return self.dense.shape[0]
+
+    @classmethod
+    def all_dense(cls, num_rows: int) -> BlockRows:
+        return cls(torch.empty(0, dtype=torch.long), torch.arange(num_rows))
 
 
 class Linear:
@@ -197,12 +203,43 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = weights[f"{prefix}.post_attention_layernorm.weight"]
         self.q_norm = weights.get(f"{attn}.q_norm.weight") if config.qk_norm else None
         self.k_norm = weights.get(f"{attn}.k_norm.weight") if config.qk_norm else None
+        self.fused = self.get_fused()
+
+    def get_fused(self) -> layer_ops.FusedLayer | None:
+        """The block rows' C ops (see `forward_fused`), where every linear has blocks and the
+        layer has no q/k norms or attention bias (those keep the torch path)."""
+        c, linears = self.config, (self.qkv, self.o, self.gate_up, self.down)
+        if (any(lin.blocks is None for lin in linears) or self.q_norm is not None
+                or self.qkv.bias is not None or self.input_norm.dtype != torch.float32
+                or not layer_ops.is_available()):
+            return None
+        return layer_ops.FusedLayer(
+            hidden=c.hidden_size, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim, eps=c.rms_norm_eps, input_norm=self.input_norm.contiguous(),
+            post_norm=self.post_attn_norm.contiguous(), qkv=self.qkv.blocks, o=self.o.blocks,
+            gate_up=self.gate_up.blocks, down=self.down.blocks)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 backend: AttentionBackend, kv_cache: torch.Tensor,
                 num_tokens: int, rows: BlockRows | None = None) -> torch.Tensor:
         """x: [rows, hidden], of which the first `num_tokens` are real (the rest pad GEMMs);
-        `rows`: which read quantised blocks (see `Linear`)."""
+        `rows`: which read quantised blocks (see `Linear`). On the fused path the block rows of
+        x are updated in place."""
+        if rows is not None and rows.num_blocks > 0 and self.fused is not None:
+            assert num_tokens == x.shape[0], "no padding rows with `rows`"
+            return self.forward_fused(x, cos, sin, backend, kv_cache, rows)
+        c = self.config
+        num_rows = x.shape[0]
+        q, k, v = self.attention_inputs(x, cos, sin, rows)
+        if num_tokens < num_rows:
+            q, k, v = q[:num_tokens], k[:num_tokens], v[:num_tokens]
+        backend.append_kv(kv_cache, k, v)
+        attn = backend.attend(q, kv_cache).reshape(num_tokens, c.num_heads * c.head_dim)
+        return self.mlp_residual(x, pad_rows(attn, num_rows), rows)
+
+    def attention_inputs(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         rows: BlockRows | None) -> tuple[torch.Tensor, ...]:
+        """q [rows, heads, D], k and v [rows, kv heads, D]: norm, qkv, RoPE in torch ops."""
         c = self.config
         num_rows = x.shape[0]
         h = rms_norm(x, self.input_norm, c.rms_norm_eps)
@@ -221,14 +258,58 @@ class DecoderLayer(nn.Module):
             k = qkv[:, q_size : q_size + kv_size].view(num_rows, c.num_kv_heads, c.head_dim)
             q = apply_rope(rms_norm(q, self.q_norm, c.rms_norm_eps), cos, sin)
             k = apply_rope(rms_norm(k, self.k_norm, c.rms_norm_eps), cos, sin)
-        if num_tokens < num_rows:
-            q, k, v = q[:num_tokens], k[:num_tokens], v[:num_tokens]
-        backend.append_kv(kv_cache, k, v)
-        attn = backend.attend(q, kv_cache).reshape(num_tokens, q_size)
-        x = x + linear(pad_rows(attn, num_rows), self.o, rows)
-        h = rms_norm(x, self.post_attn_norm, c.rms_norm_eps)
+        return q, k, v
+
+    def mlp_residual(self, x: torch.Tensor, attn: torch.Tensor,
+                     rows: BlockRows | None) -> torch.Tensor:
+        """x + attn W_o^T, then plus the MLP of its norm, in torch ops; attn [rows, q_size]."""
+        x = x + linear(attn, self.o, rows)
+        h = rms_norm(x, self.post_attn_norm, self.config.rms_norm_eps)
         gate, up = linear(h, self.gate_up, rows).chunk(2, dim=-1)
         return x + linear(F.silu(gate) * up, self.down, rows)
+
+    def forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      backend: AttentionBackend, kv_cache: torch.Tensor,
+                      rows: BlockRows) -> torch.Tensor:
+        """The block rows in two C calls (`layer_ops`), the dense rows (if any) in torch ops.
+
+        A block row takes the same C arithmetic whether the step is all block rows (decode) or
+        mixes them with dense rows (a recompute replay, a chunked prefill beside decodes): the
+        C ops see only the block rows, each computed on its own."""
+        c, fused = self.config, self.fused
+        num_rows = x.shape[0]  # no padding: `LlamaModel.forward` pads nothing with `rows`
+        heads = (c.num_heads, c.num_kv_heads, c.num_kv_heads)
+        if rows.num_dense == 0:
+            q, k, v = fused.attention_inputs(x, cos, sin).split(heads, dim=1)
+        else:
+            blocks, dense = rows.blocks, rows.dense
+            parts = [
+                (blocks, fused.attention_inputs(x.index_select(0, blocks),
+                                                cos.index_select(0, blocks),
+                                                sin.index_select(0, blocks)).split(heads, 1)),
+                (dense, self.attention_inputs(x.index_select(0, dense),
+                                              cos.index_select(0, dense),
+                                              sin.index_select(0, dense),
+                                              BlockRows.all_dense(rows.num_dense))),
+            ]
+            q, k, v = (torch.empty(num_rows, n, c.head_dim) for n in heads)
+            for index, part in parts:
+                for full, rows_part in zip((q, k, v), part):
+                    full.index_copy_(0, index, rows_part)
+        backend.append_kv(kv_cache, k, v)
+        attn = backend.attend(q, kv_cache)  # [rows, heads, D]
+        if not attn.is_contiguous():  # the torch reference's is a transposed view
+            attn = attn.reshape(num_rows, -1)
+        if rows.num_dense == 0:
+            return fused.mlp_residual(x, attn)
+        out = torch.empty_like(x)
+        out.index_copy_(0, rows.blocks, fused.mlp_residual(x.index_select(0, rows.blocks),
+                                                           attn.index_select(0, rows.blocks)))
+        dense_attn = attn.index_select(0, rows.dense).reshape(rows.num_dense, -1)
+        out.index_copy_(0, rows.dense,
+                        self.mlp_residual(x.index_select(0, rows.dense), dense_attn,
+                                          BlockRows.all_dense(rows.num_dense)))
+        return out
 
 
 class LlamaModel(nn.Module):
@@ -260,6 +341,7 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
                 lin.blocks = None
+            layer.fused = None
         self.head.blocks = None
         self.has_blocks = False
 

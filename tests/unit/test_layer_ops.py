@@ -1,0 +1,169 @@
+"""A decoder layer's block rows in two C calls (kernels/layer_ops.py + csrc/layer_ops.c)."""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvpark.kernels import layer_ops
+from kvpark.kernels import quant_linear as ql
+from kvpark.pod.model.llama import DecoderLayer, LlamaModel, apply_rope, rope_cos_sin
+from kvpark.pod.model.loader import load_model_files
+
+pytestmark = pytest.mark.skipif(not layer_ops.is_available(), reason="no working C compiler")
+ROWS = 7  # across the linears' row tiles of 4
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def randn(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    torch.set_num_threads(1)
+    return load_model_files("builtin://smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def layer(smollm2):
+    """Layer 3 of SmolLM2-135M with its GGUF blocks (Q4_1)."""
+    return DecoderLayer(smollm2.config, smollm2.weights, "model.layers.3",
+                        quantized=smollm2.quantized)
+
+
+def fused_for(layer: DecoderLayer, isa) -> layer_ops.FusedLayer:
+    c = layer.config
+    return layer_ops.FusedLayer(
+        hidden=c.hidden_size, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim, eps=c.rms_norm_eps, input_norm=layer.input_norm,
+        post_norm=layer.post_attn_norm, qkv=layer.qkv.blocks, o=layer.o.blocks,
+        gate_up=layer.gate_up.blocks, down=layer.down.blocks, isa=isa)
+
+
+def cos_sin(config, rows: int):
+    positions = torch.tensor([0, 5, 17, 250, 999, 1000, 4095][:rows])
+    return rope_cos_sin(positions, config.head_dim, config.rope_theta, torch.float32)
+
+
+def test_rms_norm_is_close_to_torch_and_per_row(isa):
+    x, w = randn(ROWS, 576) * 3, randn(576, seed=1)
+    y = layer_ops.rms_norm(x, w, 1e-5, isa)
+    assert rel(y, F.rms_norm(x, (576,), w, 1e-5)) < 1e-6
+    for r in range(ROWS):
+        assert same_bits(layer_ops.rms_norm(x[r : r + 1], w, 1e-5, isa), y[r : r + 1])
+    odd = randn(3, 100, seed=2)  # a length that is no multiple of the vector width
+    assert rel(layer_ops.rms_norm(odd, w[:100], 1e-6, isa),
+               F.rms_norm(odd, (100,), w[:100], 1e-6)) < 1e-6
+
+
+def test_rope_is_close_to_apply_rope_and_per_row(smollm2, isa):
+    c = smollm2.config
+    cos, sin = cos_sin(c, ROWS)
+    x = randn(ROWS, c.num_heads + c.num_kv_heads, c.head_dim)
+    y = layer_ops.rope(x, cos, sin, isa)
+    assert rel(y, apply_rope(x, cos, sin)) < 1e-6
+    for r in range(ROWS):
+        assert same_bits(layer_ops.rope(x[r : r + 1], cos[r : r + 1], sin[r : r + 1], isa),
+                         y[r : r + 1])
+
+
+def test_silu_mul_is_close_to_torch_and_per_row(isa):
+    gu = randn(ROWS, 2 * 1536) * 4
+    y = layer_ops.silu_mul(gu, isa)
+    gate, up = gu.chunk(2, dim=-1)
+    assert rel(y, F.silu(gate) * up) < 1e-6
+    for r in range(ROWS):
+        assert same_bits(layer_ops.silu_mul(gu[r : r + 1], isa), y[r : r + 1])
+
+
+def torch_attention_inputs(layer, x, cos, sin):
+    """The same steps in torch ops over the same blocks (the unfused block-row path)."""
+    c = layer.config
+    qkv = ql.quant_linear(F.rms_norm(x, (c.hidden_size,), layer.input_norm, c.rms_norm_eps),
+                          layer.qkv.blocks)
+    heads = c.num_heads + c.num_kv_heads
+    qk = apply_rope(qkv[:, : heads * c.head_dim].view(x.shape[0], heads, c.head_dim), cos, sin)
+    v = qkv[:, heads * c.head_dim :].view(x.shape[0], c.num_kv_heads, c.head_dim)
+    return torch.cat([qk, v], dim=1)
+
+
+def torch_mlp_residual(layer, x, attn):
+    c = layer.config
+    x = x + ql.quant_linear(attn, layer.o.blocks)
+    h = F.rms_norm(x, (c.hidden_size,), layer.post_attn_norm, c.rms_norm_eps)
+    gate, up = ql.quant_linear(h, layer.gate_up.blocks).chunk(2, dim=-1)
+    return x + ql.quant_linear(F.silu(gate) * up, layer.down.blocks)
+
+
+def test_attention_inputs_match_torch_per_row_and_per_thread_count(layer, isa):
+    c = layer.config
+    fused = fused_for(layer, isa)
+    x = randn(ROWS, c.hidden_size, seed=3)
+    cos, sin = cos_sin(c, ROWS)
+    out = fused.attention_inputs(x, cos, sin, num_threads=1)
+    assert out.shape == (ROWS, c.num_heads + 2 * c.num_kv_heads, c.head_dim)
+    assert rel(out, torch_attention_inputs(layer, x, cos, sin)) < 1e-5
+    for r in range(ROWS):
+        alone = fused.attention_inputs(x[r : r + 1], cos[r : r + 1], sin[r : r + 1], 1)
+        assert same_bits(alone, out[r : r + 1]), f"row {r} changed with its neighbours"
+    for threads in (2, 3):
+        assert same_bits(fused.attention_inputs(x, cos, sin, threads), out)
+
+
+def test_mlp_residual_matches_torch_per_row_and_per_thread_count(layer, isa):
+    c = layer.config
+    fused = fused_for(layer, isa)
+    x = randn(ROWS, c.hidden_size, seed=4)
+    attn = randn(ROWS, c.num_heads, c.head_dim, seed=5)
+    expected = torch_mlp_residual(layer, x, attn.view(ROWS, -1))
+    out = fused.mlp_residual(x.clone(), attn, num_threads=1)
+    assert rel(out, expected) < 1e-5
+    for r in range(ROWS):
+        alone = fused.mlp_residual(x[r : r + 1].clone(), attn[r : r + 1], 1)
+        assert same_bits(alone, out[r : r + 1]), f"row {r} changed with its neighbours"
+    for threads in (2, 3):
+        assert same_bits(fused.mlp_residual(x.clone(), attn, threads), out)
+    strided = torch.cat([attn.view(ROWS, -1), attn.view(ROWS, -1)], dim=1)[:, : attn[0].numel()]
+    assert same_bits(fused.mlp_residual(x.clone(), strided, 1), out)  # rows with a stride
+
+
+def test_the_model_fuses_block_layers_only(smollm2, layer):
+    assert layer.fused is not None
+    assert LlamaModel(smollm2.config, smollm2.weights).layers[0].fused is None  # no blocks
+    # q/k norms (Qwen3) or an attention bias (Qwen2) keep the torch path for the whole layer
+    qk_config = dataclasses.replace(smollm2.config, qk_norm=True)
+    attn = "model.layers.3.self_attn"
+    weights = {**smollm2.weights, f"{attn}.q_norm.weight": torch.ones(smollm2.config.head_dim),
+               f"{attn}.k_norm.weight": torch.ones(smollm2.config.head_dim)}
+    assert DecoderLayer(qk_config, weights, "model.layers.3",
+                        quantized=smollm2.quantized).fused is None
+    bias_config = dataclasses.replace(smollm2.config, attention_bias=True)
+    c = smollm2.config
+    sizes = {"q": c.num_heads, "k": c.num_kv_heads, "v": c.num_kv_heads}
+    weights = {**smollm2.weights, **{f"{attn}.{p}_proj.bias": torch.zeros(n * c.head_dim)
+                                     for p, n in sizes.items()}}
+    assert DecoderLayer(bias_config, weights, "model.layers.3",
+                        quantized=smollm2.quantized).fused is None
+
+
+def test_a_wrong_scratch_or_shape_is_refused(layer):
+    fused = fused_for(layer, None)
+    x = randn(2, layer.config.hidden_size)
+    with pytest.raises(AssertionError):
+        fused.attention_inputs(x.double(), *cos_sin(layer.config, 2))
+    status = fused._lib.kvpark_layer_post(fused._ref, x.data_ptr(), x.stride(0), 2,
+                                          x.data_ptr(), x.stride(0), x.data_ptr(), 8, 1)
+    assert status == 3  # scratch too small: refused before anything is written
