@@ -33,6 +33,7 @@ import kvpark.pod.runner as runner_module
 from kvpark.kernels import cpu_paged, worker_pool
 from kvpark.kernels.attention import AttentionBackend
 from kvpark.kernels.cpu_paged import CpuPagedAttention
+from kvpark.kernels.layer_ops import FusedLayer
 from kvpark.kernels.torch_paged import TorchPagedAttention
 from kvpark.pod.host_store import HostStore
 from kvpark.pod.kv_pool import KVPool
@@ -46,7 +47,7 @@ from kvpark.pod.swap import Swapper
 
 PAGE_SIZE = 16
 STAGES = ("scheduler", "runner", "forward", "lm_head", "sampling", "postprocess")
-PARTS = ("matmul", "attention", "kv_append")  # timed inside the forward
+PARTS = ("matmul", "fused", "attention", "kv_append")  # timed inside the forward
 
 
 def now() -> float:
@@ -180,6 +181,8 @@ def without_matmul(fn: Callable) -> Callable:
 def patch_globals() -> None:
     """Time every linear and sampling: both are module globals looked up at each call."""
     llama_module.linear = CLOCK.wrap("matmul", llama_module.linear)
+    for half in ("attention_inputs", "mlp_residual"):  # linears, norms, RoPE, silu, adds in C
+        setattr(FusedLayer, half, CLOCK.wrap("fused", getattr(FusedLayer, half)))
     runner_module.sample = CLOCK.wrap("sampling", runner_module.sample)
 
 
@@ -245,6 +248,7 @@ def breakdown(wall: dict[str, float], num_ops: float, op_ms: float,
         "runner: tensors, plan": wall["runner rest"],
         "forward": wall["forward"],
         "  linears": wall["matmul"],
+        "  fused C layer halves (block rows)": wall["fused"],
         "  attention": wall["attention"],
         "  KV append": wall["kv_append"],
         "  norms, RoPE, adds, Python": rest,
