@@ -46,14 +46,11 @@
 #endif
 typedef float vf __attribute__((vector_size(LANES * 4)));
 
-/* (output, row) tiles that fit the registers: AVX-512 has 32 of them, AVX2 16 */
-#if defined(__AVX512F__)
-#define OUTS_FEW_ROWS 4
-#define OUTS_MANY_ROWS 2
-#else
-#define OUTS_FEW_ROWS 2
+/* outputs per tile: one. Several outputs per tile share the activations' loads, but interleave
+ * their weight rows' streams from memory: measured on a 2-core EPYC, the lm_head at 1 row took
+ * 2x as long with 2 or 4 outputs a tile (AVX-512 and AVX2 builds), the MLPs no less */
+#define OUTS_FEW_ROWS 1
 #define OUTS_MANY_ROWS 1
-#endif
 
 static inline vf load(const float *p) {
     vf v;
