@@ -51,7 +51,7 @@ def same_bytes(a, b):
 def test_rows_past_a_chunk_have_the_same_bits_whoever_computes_them(isa, hq, hkv, d, page_size):
     """A row's prefix is cut into chunks of 256 positions; a step of few rows hands its chunks to
     different threads. Rows at the chunk edges (255..257, 511..513) and at 700 give the same
-    bytes as decode rows alone on 1 or 2 threads, beside a neighbour, and inside prefill chunks
+    bytes as decode rows alone on 1, 2 or 3 threads, beside a neighbour, and inside prefill chunks
     that straddle an edge (split by chunk or not) - and match plain attention."""
     gen = torch.Generator().manual_seed(13)
     kv_len, other_pages = 701, 8
@@ -73,7 +73,8 @@ def test_rows_past_a_chunk_have_the_same_bits_whoever_computes_them(isa, hq, hkv
     positions = [0, 255, 256, 257, 511, 512, 513, 700]
     alone = {p: run(1, [table], [p + 1], [1], q[p:p + 1]) for p in positions}
     for p in positions:
-        assert same_bytes(run(2, [table], [p + 1], [1], q[p:p + 1]), alone[p])
+        for threads in (2, 3):
+            assert same_bytes(run(threads, [table], [p + 1], [1], q[p:p + 1]), alone[p])
         beside = run(2, [list(range(other_pages)), table], [20, p + 1], [5, 1],
                      torch.cat([other_q, q[p:p + 1]]))
         assert same_bytes(beside[5:], alone[p])
@@ -105,8 +106,8 @@ def test_an_idle_pool_sleeps(isa):
     """Workers spin for at most 100 us after a call, then block: an idle pool takes no CPU."""
     gen = torch.Generator().manual_seed(6)
     cache = torch.randn(8, 2, 16, 3, 64, generator=gen)
-    q = torch.randn(24, 9, 64, generator=gen)  # 3 row tiles x 3 KV heads: enough to split
-    step_output(CpuPagedAttention(isa=isa, num_threads=2), cache, [list(range(8))], [100], [24],
+    q = torch.randn(32, 9, 64, generator=gen)  # 4 row tiles: enough to split
+    step_output(CpuPagedAttention(isa=isa, num_threads=2), cache, [list(range(8))], [100], [32],
                 q)
     assert worker_pool.num_workers(isa) >= 1
     before_cpu, before_wall = time.process_time(), time.perf_counter()
