@@ -61,8 +61,8 @@ class CpuPagedAttention(TorchPagedAttention):
     def __init__(self, device: torch.device | str = "cpu", num_threads: int | None = None,
                  isa: Isa | None = None) -> None:
         super().__init__(device)
-        # the worker pool's threads (kernels/worker_pool.py) split the (sequence, kv head, row
-        # tile) items; None: the process-wide `--kernel-threads`
+        # the worker pool's threads (kernels/worker_pool.py) split the (sequence, row tile)
+        # items, or a long decode row's chunks; None: the process-wide `--kernel-threads`
         self.num_threads = num_threads
         assert self.device.type == "cpu", "the C kernel runs on the CPU"
         self._kernel = load_kernel(isa).kvpark_paged_attention

@@ -6,12 +6,22 @@
  * positions are the last q_len of its kv_len tokens; its pages are
  * kv_indices[kv_indptr[b] .. kv_indptr[b + 1]].
  *
- * Every query row is computed by the same arithmetic in the same order whatever the step holds:
- * its dots, its max, exp and sum, its weighted sum of V depend only on that row's q and the
- * K/V of its own prefix. So a row's bits do not depend on its batch neighbours, on how a prompt
- * was chunked, or on whether it is a decode row or a prefill (or recompute replay) row.
- * Rows are taken in tiles of the same sequence so that one read of a K or V row serves several
- * queries; tiling changes which rows share a read, never a row's arithmetic.
+ * A row's prefix is cut into chunks of CHUNK tokens counted from position 0 (flash-decoding):
+ * per chunk its max score, the sum of e^(s - max) and the sum of V weighted by them; then the
+ * chunks are combined in order. Every query row is computed by the same arithmetic in the same
+ * order whatever the step holds: chunk boundaries depend only on positions, and a chunk's dots,
+ * max, exp, sum and weighted V depend only on that row's q and the K/V of the chunk. So a row's
+ * bits do not depend on its batch neighbours, on how a prompt was chunked, on whether it is a
+ * decode row or a prefill (or recompute replay) row, or on the threads.
+ *
+ * Work items are (sequence, tile of up to ROW_TILE query rows, chunks), all heads: one read of
+ * a K or V block (from L1) serves every query head of every row of the tile, and a chunk's pages
+ * are read whole, K and V together, with software prefetches ahead (a KV head's rows alone are
+ * strided and pages scattered: the hardware prefetchers stream them at a third of the speed).
+ * When a step has few tiles (a decode row is one), each chunk of a tile is an item of its own,
+ * so that the threads share a long row; the item that finishes a tile's last chunk folds its
+ * chunks. Tiling and splitting change which rows share a read and which thread computes a chunk,
+ * never a row's arithmetic.
  */
 #include <math.h>
 #include <stdint.h>
@@ -30,7 +40,11 @@
 #endif
 #define ROW_TILE 8
 #define MAX_GROUP 64
-#define MAX_CHUNKS (256 / LANES) /* head_dim up to 256 on the vector path */
+#define MAX_VECS (256 / LANES) /* head_dim up to 256 on the vector path */
+#define CHUNK 256              /* tokens of one partial softmax: a multiple of LANES */
+#define PREFETCH 32            /* tokens ahead, into L2 */
+#define V_BLOCK 64             /* tokens of V read for all the tile's heads in turn */
+#define SPLIT_BELOW 4          /* tiles a thread: with fewer, tiles are split by chunk */
 
 /* GCC/Clang vector extensions */
 typedef float vf __attribute__((vector_size(LANES * 4)));
@@ -62,9 +76,11 @@ static inline float hmax(vf v) {
     return m;
 }
 
+static inline int min_int(int a, int b) { return a < b ? a : b; }
+
 /* e^x for x <= 0: 2^i * 2^f with |f| <= 0.5, 2^f by its degree-6 Taylor polynomial (relative
  * error ~1.2e-7). x is clamped at -87 (e^-87 is far below anything that matters next to the
- * max's 1). The scalar and vector forms do the same operations. */
+ * max's 1). The scalar and vector forms do the same operations; e^0 is exactly 1. */
 static inline float exp_nonpositive(float x) {
     x = x < -87.0f ? -87.0f : x;
     float t = x * 1.44269504088896341f;
@@ -95,20 +111,46 @@ static inline float dot_scalar(const float *a, const float *b, int n) {
     return acc;
 }
 
+/* a chunk's partial result for one (query row, head): max score, sum of e^(s - max), then
+ * head_dim floats of V weighted by e^(s - max). Folding a row's chunks in order gives the same
+ * form over their union. */
+#define PART_HEADER 2
+
+typedef struct {
+    int32_t seq, first, rows; /* query rows first .. first + rows - 1 of a sequence */
+    int32_t num_chunks;       /* of its longest (last) row */
+    int32_t split;            /* one item a chunk, partials in Job.parts (else one item) */
+    int32_t pending;          /* split: atomic count of its chunks not done yet */
+    int64_t parts;            /* split: offset of its partials in Job.parts, chunk after chunk */
+} Tile;
+
+typedef struct {
+    int32_t tile, chunk_begin, chunk_end;
+} Item;
+
 typedef struct {
     const float *q, *cache;
     float *out;
     int64_t q_row, q_head;
     const int32_t *qo_indptr, *kv_lens, *kv_indptr, *kv_indices;
-    int num_seqs, num_heads, num_kv_heads, head_dim, page_size;
+    int num_heads, num_kv_heads, head_dim, page_size;
     float scale;
-    /* work items: (sequence, kv head, tile of query rows), claimed through `next` */
+    Tile *tiles;
+    const Item *items;
     int num_items;
-    const int32_t *items; /* 3 ints per item: sequence, kv head, first row of the tile */
-    int next;
-    int max_kv_len; /* rounded up to whole blocks of LANES tokens */
+    int next;     /* atomic: the next unclaimed item */
+    float *parts; /* split tiles' partials */
     int failed;
 } Job;
+
+/* a thread's buffers for one call */
+typedef struct {
+    float *q;      /* [ROW_TILE * num_heads, head_dim]: the tile's query vectors */
+    float *scores; /* [ROW_TILE * num_heads, CHUNK] */
+    float *part;   /* [ROW_TILE * num_heads, PART_HEADER + head_dim]: one chunk's partials */
+    float *folded; /* [ROW_TILE * num_heads, PART_HEADER + head_dim]: the chunks so far */
+    const float *k[CHUNK], *v[CHUNK]; /* the chunk's token rows (all KV heads) */
+} Scratch;
 
 /* LANES vectors of partial sums -> one vector of their LANES totals, in order. Each total
  * is added up by the same tree, ((l0+l1)+(l2+l3))+... , whichever slot its vector is in. */
@@ -130,34 +172,57 @@ static inline vf reduce_lanes(vf *a) {
     return a[0];
 }
 
-/* q . k for LANES consecutive tokens (blocks of LANES from the sequence's start, padded with a
- * zero row past the tile), `nc` vectors of head_dim each: a compile-time constant where it can
- * be, so the chunks stay in registers */
+/* q . k[j][off ..] for LANES consecutive tokens (blocks of LANES from the chunk's start, padded
+ * past the tile with rows whose dots are not used), `nc` vectors of head_dim each: a
+ * compile-time constant where it can be, so the vectors stay in registers */
 static inline __attribute__((always_inline)) vf block_dots(const float *qv,
-                                                           const float *const *k, const int nc) {
+                                                           const float *const *k, int64_t off,
+                                                           const int nc) {
     vf acc[LANES];
     for (int j = 0; j < LANES; j++) {
-        vf sum = load(qv) * load(k[j]);
-        for (int c = 1; c < nc; c++) sum += load(qv + c * LANES) * load(k[j] + c * LANES);
+        vf sum = load(qv) * load(k[j] + off);
+        for (int c = 1; c < nc; c++) sum += load(qv + c * LANES) * load(k[j] + off + c * LANES);
         acc[j] = sum;
     }
     return reduce_lanes(acc);
 }
 
-static inline __attribute__((always_inline)) void weighted_v(float *o, const float *p,
-                                                             const float *const *v, int n,
-                                                             const int nc) {
-    vf acc[MAX_CHUNKS];
-    for (int c = 0; c < nc; c++) acc[c] = splat(0.0f);
-    for (int t = 0; t < n; t++) {
+static vf dots(const float *qv, const float *const *k, int64_t off, int d) {
+    const int nc = d / LANES;
+    if (d % LANES == 0 && nc == 4) return block_dots(qv, k, off, 4);
+    if (d % LANES == 0 && nc == 8) return block_dots(qv, k, off, 8);
+    if (d % LANES == 0 && nc <= MAX_VECS) return block_dots(qv, k, off, nc);
+    float lanes[LANES];
+    for (int j = 0; j < LANES; j++) lanes[j] = dot_scalar(qv, k[j] + off, d);
+    return load(lanes);
+}
+
+/* o += sum of p[t] v[t][off ..] over t in order */
+static inline __attribute__((always_inline)) void block_weighted_v(
+    float *o, const float *p, const float *const *v, int64_t off, int begin, int end,
+    const int nc) {
+    vf acc[MAX_VECS];
+    for (int c = 0; c < nc; c++) acc[c] = load(o + c * LANES);
+    for (int t = begin; t < end; t++) {
         const vf w = splat(p[t]);
-        for (int c = 0; c < nc; c++) acc[c] += w * load(v[t] + c * LANES);
+        for (int c = 0; c < nc; c++) acc[c] += w * load(v[t] + off + c * LANES);
     }
     for (int c = 0; c < nc; c++) store(o + c * LANES, acc[c]);
 }
 
-/* scores -> e^(s - max) in place; returns 1 / sum */
-static float softmax_numerators(float *s, int n) {
+static void weighted_v(float *o, const float *p, const float *const *v, int64_t off, int begin,
+                       int end, int d) {
+    const int nc = d / LANES;
+    if (d % LANES == 0 && nc == 4) block_weighted_v(o, p, v, off, begin, end, 4);
+    else if (d % LANES == 0 && nc == 8) block_weighted_v(o, p, v, off, begin, end, 8);
+    else if (d % LANES == 0 && nc <= MAX_VECS) block_weighted_v(o, p, v, off, begin, end, nc);
+    else
+        for (int t = begin; t < end; t++)
+            for (int i = 0; i < d; i++) o[i] += p[t] * v[t][off + i];
+}
+
+/* scores -> e^(s - max) in place; part[0] = max, part[1] = the sum */
+static void softmax_numerators(float *s, int n, float *part) {
     vf mv = splat(-INFINITY);
     int t = 0;
     for (; t + LANES <= n; t += LANES) {
@@ -178,68 +243,135 @@ static float softmax_numerators(float *s, int n) {
         s[t] = exp_nonpositive(s[t] - m);
         tail += s[t];
     }
-    return 1.0f / (hsum(sum) + tail);
+    part[0] = m;
+    part[1] = hsum(sum) + tail;
 }
 
-static const float ZERO_ROW[MAX_CHUNKS * LANES];
+/* the partials of one (row, head) so far += the next chunk's: both rescaled to the larger max */
+static void fold(float *acc, const float *part, int d) {
+    const float m = part[0] > acc[0] ? part[0] : acc[0];
+    const float a = exp_nonpositive(acc[0] - m), b = exp_nonpositive(part[0] - m);
+    acc[0] = m;
+    acc[1] = acc[1] * a + part[1] * b;
+    const int nc = d / LANES;
+    if (d % LANES == 0 && nc <= MAX_VECS)
+        for (int i = 0; i < nc; i++) {
+            float *o = acc + PART_HEADER + i * LANES;
+            store(o, load(o) * a + load(part + PART_HEADER + i * LANES) * b);
+        }
+    else
+        for (int i = PART_HEADER; i < PART_HEADER + d; i++) acc[i] = acc[i] * a + part[i] * b;
+}
 
-static void run_item(const Job *job, const int32_t *item, float *scores, float *qbuf,
-                     const float **rows_k, const float **rows_v) {
-    const int b = item[0], h = item[1], first = item[2];
-    const int group = job->num_heads / job->num_kv_heads, d = job->head_dim;
-    const int ps = job->page_size, nc = d / LANES;
-    const int vector_path = d % LANES == 0 && nc <= MAX_CHUNKS;
-    const int q_len = job->qo_indptr[b + 1] - job->qo_indptr[b];
-    const int kv_len = job->kv_lens[b];
-    const int rows = q_len - first < ROW_TILE ? q_len - first : ROW_TILE;
+/* a row's folded chunks -> its attention output (one chunk: o / sum, as a one-pass softmax) */
+static void finish(const float *acc, int d, float *o) {
+    const float inv_sum = 1.0f / acc[1];
+    const int nc = d / LANES;
+    if (d % LANES == 0 && nc <= MAX_VECS)
+        for (int i = 0; i < nc; i++)
+            store(o + i * LANES, load(acc + PART_HEADER + i * LANES) * inv_sum);
+    else
+        for (int i = 0; i < d; i++) o[i] = acc[PART_HEADER + i] * inv_sum;
+}
+
+/* the cache lines of rows[begin .. min(end, n)), `len` floats each, into L2 */
+static inline void prefetch_rows(const float *const *rows, int begin, int end, int n,
+                                 int64_t len) {
+    for (int t = begin; t < end && t < n; t++)
+        for (int64_t i = 0; i < len; i += 16) __builtin_prefetch(rows[t] + i, 0, 2); /* 64 B */
+}
+
+static inline int prefix_len(const Job *job, const Tile *tile) { /* of the tile's first row */
+    const int b = tile->seq;
+    return job->kv_lens[b] - (job->qo_indptr[b + 1] - job->qo_indptr[b]) + tile->first + 1;
+}
+
+/* chunk c of a tile: the partials of each (row, head) whose prefix reaches into the chunk, at
+ * part[(r * num_heads + head) * (PART_HEADER + d)]. Scores for the whole chunk, then V. */
+static void run_chunk(const Job *job, const Tile *tile, int c, Scratch *s, float *part) {
+    const int hq = job->num_heads, group = hq / job->num_kv_heads, d = job->head_dim;
+    const int ps = job->page_size, first_len = prefix_len(job, tile), start = c * CHUNK;
+    const int n = min_int(CHUNK, first_len + tile->rows - 1 - start); /* tokens any row needs */
+    const int padded = (n + LANES - 1) / LANES * LANES;
     const int64_t token_stride = (int64_t)job->num_kv_heads * d;
-    const int32_t *pages = job->kv_indices + job->kv_indptr[b];
-    const int tile_len = kv_len - q_len + first + rows;
-    const int padded = (tile_len + LANES - 1) / LANES * LANES;
-    for (int t = 0; t < padded; t++) {
-        if (t < tile_len) {
-            const float *k = job->cache + ((int64_t)pages[t / ps] * 2 * ps + t % ps)
-                             * token_stride + (int64_t)h * d;
-            rows_k[t] = k;
-            rows_v[t] = k + (int64_t)ps * token_stride;
-        } else {
-            rows_k[t] = rows_v[t] = ZERO_ROW;
+    const int32_t *pages = job->kv_indices + job->kv_indptr[tile->seq];
+    for (int t = 0, page = start / ps, slot = start % ps; t < n; t++) {
+        s->k[t] = job->cache + ((int64_t)pages[page] * 2 * ps + slot) * token_stride;
+        s->v[t] = s->k[t] + (int64_t)ps * token_stride;
+        if (++slot == ps) slot = 0, page++;
+    }
+    for (int t = n; t < padded; t++) s->k[t] = s->k[0]; /* dots past the tile are not used */
+    /* i = r * hq + head: every head of the rows from the first whose prefix reaches the chunk */
+    const int begin = (start < first_len ? 0 : start - first_len + 1) * hq;
+    const int end = tile->rows * hq;
+    for (int t = 0; t < padded; t += LANES) {
+        prefetch_rows(s->k, t + PREFETCH, t + PREFETCH + LANES, n, token_stride);
+        prefetch_rows(s->v, t + PREFETCH, t + PREFETCH + LANES, n, token_stride);
+        for (int i = begin; i < end; i++)
+            if (first_len + i / hq > start + t) /* the row needs this block */
+                store(s->scores + i * CHUNK + t,
+                      dots(s->q + i * d, s->k + t, (int64_t)(i % hq / group) * d, d)
+                      * job->scale);
+    }
+    { /* the pages of the next chunk's first blocks, whole (its V too) */
+        const int64_t page_floats = 2 * (int64_t)ps * token_stride;
+        const int next = start + CHUNK;
+        const int stop = min_int(next + PREFETCH, first_len + tile->rows - 1);
+        for (int p = next / ps; p * ps < stop; p++)
+            for (int64_t i = 0; i < page_floats; i += 16)
+                __builtin_prefetch(job->cache + pages[p] * page_floats + i, 0, 2);
+    }
+    for (int i = begin; i < end; i++) {
+        float *p = part + i * (PART_HEADER + d);
+        softmax_numerators(s->scores + i * CHUNK, min_int(CHUNK, first_len + i / hq - start), p);
+        memset(p + PART_HEADER, 0, sizeof(float) * d);
+    }
+    for (int t = 0; t < n; t += V_BLOCK)
+        for (int i = begin; i < end; i++) {
+            const int len = min_int(CHUNK, first_len + i / hq - start);
+            if (len > t)
+                weighted_v(part + i * (PART_HEADER + d) + PART_HEADER, s->scores + i * CHUNK,
+                           s->v, (int64_t)(i % hq / group) * d, t, min_int(t + V_BLOCK, len), d);
+        }
+}
+
+static void run_item(Job *job, const Item *item, Scratch *s) {
+    Tile *tile = job->tiles + item->tile;
+    const int hq = job->num_heads, d = job->head_dim, stride = PART_HEADER + d;
+    const int64_t row0 = job->qo_indptr[tile->seq] + tile->first;
+    for (int r = 0; r < tile->rows; r++)
+        for (int h = 0; h < hq; h++)
+            memcpy(s->q + (r * hq + h) * d, job->q + (row0 + r) * job->q_row + h * job->q_head,
+                   sizeof(float) * d);
+    const int first_len = prefix_len(job, tile);
+    const int64_t chunk_floats = (int64_t)tile->rows * hq * stride;
+    if (tile->split) {
+        float *parts = job->parts + tile->parts;
+        for (int c = item->chunk_begin; c < item->chunk_end; c++)
+            run_chunk(job, tile, c, s, parts + c * chunk_floats);
+        /* the last of the tile's items folds its chunks (acquiring the others' partials) */
+        if (__atomic_sub_fetch(&tile->pending, 1, __ATOMIC_ACQ_REL) != 0) return;
+        memcpy(s->folded, parts, sizeof(float) * chunk_floats);
+        for (int c = 1; c < tile->num_chunks; c++)
+            for (int r = 0; r < tile->rows; r++)
+                if (first_len + r > c * CHUNK)
+                    for (int h = 0; h < hq; h++)
+                        fold(s->folded + (r * hq + h) * stride,
+                             parts + c * chunk_floats + (r * hq + h) * stride, d);
+    } else {
+        for (int c = item->chunk_begin; c < item->chunk_end; c++) {
+            run_chunk(job, tile, c, s, c == 0 ? s->folded : s->part);
+            for (int r = 0; c > 0 && r < tile->rows; r++)
+                if (first_len + r > c * CHUNK)
+                    for (int h = 0; h < hq; h++)
+                        fold(s->folded + (r * hq + h) * stride, s->part + (r * hq + h) * stride,
+                             d);
         }
     }
-    for (int r = 0; r < rows; r++) {
-        const int len = kv_len - q_len + first + r + 1; /* causal: up to its own position */
-        const int64_t row = job->qo_indptr[b] + first + r;
-        for (int g = 0; g < group; g++) {
-            const float *q = job->q + row * job->q_row + (int64_t)(h * group + g) * job->q_head;
-            memcpy(qbuf, q, sizeof(float) * d);
-            float *s = scores;
-            for (int t = 0; t < len; t += LANES) {
-                vf dots;
-                if (vector_path && nc == 4) dots = block_dots(qbuf, rows_k + t, 4);
-                else if (vector_path && nc == 8) dots = block_dots(qbuf, rows_k + t, 8);
-                else if (vector_path) dots = block_dots(qbuf, rows_k + t, nc);
-                else {
-                    float lanes[LANES];
-                    for (int j = 0; j < LANES; j++)
-                        lanes[j] = rows_k[t + j] == ZERO_ROW ? 0.0f
-                                                             : dot_scalar(qbuf, rows_k[t + j], d);
-                    dots = load(lanes);
-                }
-                store(s + t, dots * job->scale);
-            }
-            const float inv_sum = softmax_numerators(s, len);
-            float *o = job->out + (row * job->num_heads + h * group + g) * d;
-            if (vector_path && nc == 4) weighted_v(o, s, rows_v, len, 4);
-            else if (vector_path && nc == 8) weighted_v(o, s, rows_v, len, 8);
-            else if (vector_path) weighted_v(o, s, rows_v, len, nc);
-            else {
-                memset(o, 0, sizeof(float) * d);
-                for (int t = 0; t < len; t++)
-                    for (int i = 0; i < d; i++) o[i] += s[t] * rows_v[t][i];
-            }
-            for (int i = 0; i < d; i++) o[i] *= inv_sum;
-        }
-    }
+    for (int r = 0; r < tile->rows; r++)
+        for (int h = 0; h < hq; h++)
+            finish(s->folded + (r * hq + h) * stride, d,
+                   job->out + ((row0 + r) * hq + h) * d);
 }
 
 /* one thread's share: work items claimed one at a time (an item's arithmetic is the same
@@ -248,24 +380,25 @@ static void run_part(void *arg, int part, int num_parts) {
     (void)part;
     (void)num_parts;
     Job *job = arg;
-    const size_t padded = (size_t)job->max_kv_len;
-    float *scores = malloc(sizeof(float) * padded);
-    float *qbuf = malloc(sizeof(float) * job->head_dim);
-    const float **rows_k = malloc(sizeof(float *) * padded);
-    const float **rows_v = malloc(sizeof(float *) * padded);
-    if (scores == NULL || qbuf == NULL || rows_k == NULL || rows_v == NULL) {
+    const size_t heads = (size_t)ROW_TILE * job->num_heads, d = (size_t)job->head_dim;
+    Scratch *s = malloc(sizeof(Scratch));
+    float *buf = malloc(sizeof(float) * (heads * d + heads * CHUNK
+                                         + 2 * heads * (PART_HEADER + d)));
+    if (s == NULL || buf == NULL) {
         __atomic_store_n(&job->failed, 1, __ATOMIC_RELAXED);
     } else {
+        s->q = buf;
+        s->scores = s->q + heads * d;
+        s->part = s->scores + heads * CHUNK;
+        s->folded = s->part + heads * (PART_HEADER + d);
         for (;;) {
             const int i = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
             if (i >= job->num_items) break;
-            run_item(job, job->items + 3 * i, scores, qbuf, rows_k, rows_v);
+            run_item(job, job->items + i, s);
         }
     }
-    free(scores);
-    free(qbuf);
-    free(rows_k);
-    free(rows_v);
+    free(buf);
+    free(s);
 }
 
 /* Returns 0 on success, 1 on bad arguments, 2 when memory ran out. */
@@ -276,38 +409,55 @@ int kvpark_paged_attention(const float *q, int64_t q_row_stride, int64_t q_head_
                            int head_dim, int page_size, float scale, int num_threads) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > MAX_GROUP)
         return 1;
-    Job job = {q, cache, out, q_row_stride, q_head_stride, qo_indptr, kv_lens, kv_indptr,
-               kv_indices, num_seqs, num_heads, num_kv_heads, head_dim, page_size, scale,
-               0, NULL, 0, 1, 0};
-    int num_items = 0;
+    int num_tiles = 0;
     for (int b = 0; b < num_seqs; b++) {
         const int q_len = qo_indptr[b + 1] - qo_indptr[b];
         if (q_len <= 0 || q_len > kv_lens[b]) return 1;
-        num_items += num_kv_heads * ((q_len + ROW_TILE - 1) / ROW_TILE);
-        if (kv_lens[b] > job.max_kv_len) job.max_kv_len = kv_lens[b];
+        num_tiles += (q_len + ROW_TILE - 1) / ROW_TILE;
     }
-    job.max_kv_len = (job.max_kv_len + LANES - 1) / LANES * LANES; /* whole blocks of tokens */
-    int32_t *items = malloc(sizeof(int32_t) * 3 * (size_t)(num_items > 0 ? num_items : 1));
-    if (items == NULL) return 2;
-    int n = 0;
+    /* few tiles (decode rows): one item a chunk, so that the threads share long rows */
+    const int split = num_threads > 1 && num_tiles < SPLIT_BELOW * num_threads;
+    Tile *tiles = malloc(sizeof(Tile) * (size_t)(num_tiles > 0 ? num_tiles : 1));
+    if (tiles == NULL) return 2;
+    int n = 0, num_items = 0;
+    int64_t num_parts = 0; /* (row, head, chunk) partials of the split tiles */
     for (int b = 0; b < num_seqs; b++) {
         const int q_len = qo_indptr[b + 1] - qo_indptr[b];
-        for (int first = 0; first < q_len; first += ROW_TILE)
-            for (int h = 0; h < num_kv_heads; h++) {
-                items[3 * n] = b;
-                items[3 * n + 1] = h;
-                items[3 * n + 2] = first;
-                n++;
-            }
+        for (int first = 0; first < q_len; first += ROW_TILE, n++) {
+            const int rows = min_int(ROW_TILE, q_len - first);
+            const int chunks = (kv_lens[b] - q_len + first + rows + CHUNK - 1) / CHUNK;
+            tiles[n] = (Tile){b, first, rows, chunks, split && chunks > 1, chunks,
+                              num_parts * (PART_HEADER + head_dim)};
+            if (tiles[n].split) num_parts += (int64_t)rows * num_heads * chunks;
+            num_items += tiles[n].split ? chunks : 1;
+        }
     }
-    job.items = items;
-    job.num_items = num_items;
-    /* 4 items a thread at least: a decode row of a 3-KV-head model is 3 items of ~30 us, less
-     * than waking a worker and waiting for the slower half saves */
-    if (num_threads > num_items / 4) num_threads = num_items / 4;
+    Item *items = malloc(sizeof(Item) * (size_t)(num_items > 0 ? num_items : 1));
+    float *parts = num_parts > 0 ? malloc(sizeof(float) * (size_t)num_parts
+                                          * (PART_HEADER + (size_t)head_dim))
+                                 : NULL;
+    if (items == NULL || (num_parts > 0 && parts == NULL)) {
+        free(tiles);
+        free(items);
+        free(parts);
+        return 2;
+    }
+    for (int t = 0, i = 0; t < num_tiles; t++) {
+        if (!tiles[t].split) items[i++] = (Item){t, 0, tiles[t].num_chunks};
+        else
+            for (int c = 0; c < tiles[t].num_chunks; c++) items[i++] = (Item){t, c, c + 1};
+    }
+    Job job = {q, cache, out, q_row_stride, q_head_stride, qo_indptr, kv_lens, kv_indptr,
+               kv_indices, num_heads, num_kv_heads, head_dim, page_size, scale, tiles, items,
+               num_items, 0, parts, 0};
+    /* 2 items a thread at least: a short decode row is 1 or 2 items of a few us, less than
+     * waking a worker and waiting for the slower half saves (the bits do not change) */
+    if (num_threads > num_items / 2) num_threads = num_items / 2;
     if (num_threads < 1) num_threads = 1;
     /* each part claims items until none is left: one part a thread */
     kvpark_pool_run(run_part, &job, num_threads, num_threads);
+    free(tiles);
     free(items);
+    free(parts);
     return job.failed ? 2 : 0;
 }

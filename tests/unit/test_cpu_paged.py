@@ -43,9 +43,53 @@ def test_a_row_has_the_same_bits_alone_beside_others_and_as_a_prefill_row(isa):
     assert torch.equal(alone, in_prefill)
 
 
+def same_bytes(a, b):
+    return torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@pytest.mark.parametrize("hq,hkv,d,page_size", [(9, 3, 64, 16), (4, 2, 24, 4)])
+def test_rows_past_a_chunk_have_the_same_bits_whoever_computes_them(isa, hq, hkv, d, page_size):
+    """A row's prefix is cut into chunks of 256 positions; a step of few rows hands its chunks to
+    different threads. Rows at the chunk edges (255..257, 511..513) and at 700 give the same
+    bytes as decode rows alone on 1, 2 or 3 threads, beside a neighbour, and inside prefill chunks
+    that straddle an edge (split by chunk or not) - and match plain attention."""
+    gen = torch.Generator().manual_seed(13)
+    kv_len, other_pages = 701, 8
+    pages = -(-kv_len // page_size)
+    k, v = torch.randn(kv_len, hkv, d, generator=gen), torch.randn(kv_len, hkv, d, generator=gen)
+    cache = torch.randn(pages + other_pages, 2, page_size, hkv, d, generator=gen)
+    table = (torch.randperm(pages, generator=gen) + other_pages).tolist()  # scattered pages
+    padding = torch.zeros(pages * page_size - kv_len, hkv, d)
+    cache[table, 0] = torch.cat([k, padding]).view(pages, page_size, hkv, d)
+    cache[table, 1] = torch.cat([v, padding]).view(pages, page_size, hkv, d)
+    q = torch.randn(kv_len, hq, d, generator=gen)  # the query of every position
+    other_q = torch.randn(5, hq, d, generator=gen)
+
+    def run(threads, tables, kv_lens, q_lens, rows):
+        backend = CpuPagedAttention(isa=isa, num_threads=threads)
+        backend.plan(StepLayout(tables, kv_lens, q_lens, page_size))
+        return backend.attend(rows, cache)
+
+    positions = [0, 255, 256, 257, 511, 512, 513, 700]
+    alone = {p: run(1, [table], [p + 1], [1], q[p:p + 1]) for p in positions}
+    for p in positions:
+        for threads in (2, 3):
+            assert same_bytes(run(threads, [table], [p + 1], [1], q[p:p + 1]), alone[p])
+        beside = run(2, [list(range(other_pages)), table], [20, p + 1], [5, 1],
+                     torch.cat([other_q, q[p:p + 1]]))
+        assert same_bytes(beside[5:], alone[p])
+    for first, q_len in [(250, 16), (500, 20), (0, kv_len)]:
+        for threads in (1, 2):
+            out = run(threads, [table], [first + q_len], [q_len], q[first:first + q_len])
+            for p in positions:
+                if first <= p < first + q_len:
+                    assert same_bytes(out[p - first:p - first + 1], alone[p]), (first, p)
+    assert relative_error(out, plain_causal_attention(q, k, v, 0)) < 1e-5
+
+
 def test_kernel_threads_do_not_change_the_bits(isa):
-    """The worker pool splits (sequence, kv head, row tile) items: 1, 2 and 3 threads give the
-    same bytes, torch's own thread count aside."""
+    """The worker pool splits (sequence, row tile) items, and a step of few tiles by chunks of
+    positions: 1, 2 and 3 threads give the same bytes, torch's own thread count aside."""
     gen = torch.Generator().manual_seed(5)
     cache = torch.randn(64, 2, 16, 3, 64, generator=gen)
     tables = [list(range(i * 16, i * 16 + 16)) for i in range(4)]
@@ -62,8 +106,8 @@ def test_an_idle_pool_sleeps(isa):
     """Workers spin for at most 100 us after a call, then block: an idle pool takes no CPU."""
     gen = torch.Generator().manual_seed(6)
     cache = torch.randn(8, 2, 16, 3, 64, generator=gen)
-    q = torch.randn(24, 9, 64, generator=gen)  # 3 row tiles x 3 KV heads: enough to split
-    step_output(CpuPagedAttention(isa=isa, num_threads=2), cache, [list(range(8))], [100], [24],
+    q = torch.randn(32, 9, 64, generator=gen)  # 4 row tiles: enough to split
+    step_output(CpuPagedAttention(isa=isa, num_threads=2), cache, [list(range(8))], [100], [32],
                 q)
     assert worker_pool.num_workers(isa) >= 1
     before_cpu, before_wall = time.process_time(), time.perf_counter()
