@@ -164,6 +164,18 @@ static inline __m512i dot_u8s8(__m512i acc, __m512i u, __m512i s) {
 #endif
 }
 
+/* u1 . s1 + u2 . s2 per lane, for nibbles (< 16): without VNNI the two 16-bit products are
+ * added before widening (|sum| <= 4 * 15 * 127 fits), the same lane sums either way */
+static inline __m512i dot_nibbles(__m512i u1, __m512i s1, __m512i u2, __m512i s2) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u1, s1), u2, s2);
+#else
+    return _mm512_madd_epi16(_mm512_add_epi16(_mm512_maddubs_epi16(u1, s1),
+                                              _mm512_maddubs_epi16(u2, s2)),
+                             _mm512_set1_epi16(1));
+#endif
+}
+
 /* Q4_1, one group of 4 blocks per step: lane 4k..4k+3 of the integer sums is block k; the
  * scales dw * dx spread to the same lanes */
 static inline __attribute__((always_inline)) void q4_1_tile(
@@ -196,8 +208,7 @@ static inline __attribute__((always_inline)) void q4_1_tile(
             const __m512 dw = _mm512_permutexvar_ps(spread, _mm512_maskz_loadu_ps(float_mask,
                                                                                   scale + at));
             for (int r = 0; r < rows; r++) {
-                const __m512i isum = dot_u8s8(dot_u8s8(_mm512_setzero_si512(), lo, xlo[r]), hi,
-                                              xhi[r]);
+                const __m512i isum = dot_nibbles(lo, xlo[r], hi, xhi[r]);
                 acc[j][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, dx[r]),
                                             acc[j][r]);
             }
@@ -277,6 +288,18 @@ static inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 
+/* as the AVX-512 dot_nibbles */
+static inline __m256i dot_nibbles(__m256i u1, __m256i s1, __m256i u2, __m256i s2) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u1, s1), u2,
+                                   s2);
+#else
+    return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(u1, s1),
+                                              _mm256_maddubs_epi16(u2, s2)),
+                             _mm256_set1_epi16(1));
+#endif
+}
+
 static inline float reduce_add(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -285,8 +308,9 @@ static inline float reduce_add(__m256 v) {
 
 /* two blocks' scales (or one, the other zero) spread to lanes 0..3 and 4..7 */
 static inline __m256 spread_pair(const float *p, int n) {
-    const __m128 first = _mm_set1_ps(p[0]), second = _mm_set1_ps(n > 1 ? p[1] : 0.0f);
-    return _mm256_insertf128_ps(_mm256_castps128_ps256(first), second, 1);
+    const __m128 pair = n > 1 ? _mm_castpd_ps(_mm_load_sd((const double *)p)) : _mm_load_ss(p);
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(pair),
+                                    _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0));
 }
 
 /* Q4_1, two blocks per step (lanes 0..3 the first, 4..7 the second) */
@@ -318,8 +342,7 @@ static inline __attribute__((always_inline)) void q4_1_tile(
             const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
             const __m256 dw = spread_pair(scale + at, n);
             for (int r = 0; r < rows; r++) {
-                const __m256i isum = dot_u8s8(dot_u8s8(_mm256_setzero_si256(), lo, xlo[r]), hi,
-                                              xhi[r]);
+                const __m256i isum = dot_nibbles(lo, xlo[r], hi, xhi[r]);
                 acc[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, dx[r]),
                                             acc[j][r]);
             }
