@@ -90,7 +90,7 @@ def test_the_pool_serves_callers_from_several_threads(smollm2):
     call gets its own complete, exact result."""
     blocks = smollm2.quantized["model.layers.5.self_attn.q_proj.weight"]
     xs = [torch.randn(r, blocks.in_features, generator=torch.Generator().manual_seed(r))
-          for r in (4, 7)]  # enough work to split (kvpark_quant_linear: 2^19 weight-rows a part)
+          for r in (4, 7)]  # enough work to split (kvpark_quant_linear: 2^17 weight-rows a part)
     expected = [ql.quant_linear(x, blocks, num_threads=1) for x in xs]
 
     def calls(i):
