@@ -41,6 +41,9 @@ def load_kernel(isa: Isa | None = None) -> ctypes.CDLL:
     fn.argtypes = [ptr, i64, i64, ptr, ptr, i32, ptr, ptr, ptr, ptr, i32, i32, i32, i32,
                    ctypes.c_float, i32]
     fn.restype = i32
+    append = lib.kvpark_append_kv
+    append.argtypes = [ptr, ptr, i64, ptr, i64, ptr, ptr, i32, i32]
+    append.restype = None
     return lib
 
 
@@ -66,6 +69,7 @@ class CpuPagedAttention(TorchPagedAttention):
         self.num_threads = num_threads
         assert self.device.type == "cpu", "the C kernel runs on the CPU"
         self._kernel = load_kernel(isa).kvpark_paged_attention
+        self._append = load_kernel(isa).kvpark_append_kv
         self._arrays = None
         self._layout: StepLayout | None = None
         self._views = None
@@ -76,6 +80,17 @@ class CpuPagedAttention(TorchPagedAttention):
         self._page_size = layout.page_size
         self._plan_append(self._arrays, layout.page_size)  # the reference's KV append
         self._layout, self._views = layout, None  # the reference's views: only if it attends
+
+    def append_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """One C call (a memcpy a row) where k and v are float32 rows of whole heads."""
+        num_tokens, num_kv_heads, head_dim = k.shape
+        if not (kv_cache.dtype == k.dtype == v.dtype == torch.float32
+                and kv_cache.is_contiguous() and self._append_rows.shape[0] == num_tokens
+                and k.stride()[1:] == v.stride()[1:] == (head_dim, 1)):
+            return super().append_kv(kv_cache, k, v)
+        self._append(kv_cache.data_ptr(), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                     self._append_rows.data_ptr(), self._append_rows_v.data_ptr(), num_tokens,
+                     num_kv_heads * head_dim)
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         if q.dtype != torch.float32 or kv_cache.dtype != torch.float32:

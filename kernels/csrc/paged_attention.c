@@ -461,3 +461,16 @@ int kvpark_paged_attention(const float *q, int64_t q_row_stride, int64_t q_head_
     free(parts);
     return job.failed ? 2 : 0;
 }
+
+/* The step's new K and V rows into the pool, one call a layer instead of five torch ops: row t
+ * of k (and v), `row_floats` contiguous floats at k + t * k_row_stride, goes to row rows_k[t]
+ * (rows_v[t]) of the cache viewed as [pages * 2 * page_size, row_floats]. */
+void kvpark_append_kv(float *cache, const float *k, int64_t k_row_stride, const float *v,
+                      int64_t v_row_stride, const int64_t *rows_k, const int64_t *rows_v,
+                      int num_tokens, int row_floats) {
+    const size_t bytes = sizeof(float) * (size_t)row_floats;
+    for (int t = 0; t < num_tokens; t++) {
+        memcpy(cache + rows_k[t] * row_floats, k + t * k_row_stride, bytes);
+        memcpy(cache + rows_v[t] * row_floats, v + t * v_row_stride, bytes);
+    }
+}

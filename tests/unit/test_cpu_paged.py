@@ -128,6 +128,34 @@ def test_reads_a_strided_q_like_the_fused_qkv_view(isa):
     assert relative_error(got, want) < 1e-5
 
 
+def test_append_kv_writes_the_rows_the_torch_reference_writes(isa, monkeypatch):
+    """The C append (one call a layer) and the reference's index_copy_ leave the same bytes,
+    k and v strided like views of the fused qkv output; other dtypes take the reference."""
+    hq, hkv, d, ps = 9, 3, 64, 16
+    layout = StepLayout([[5, 2], [7], [0, 3, 4]], [20, 1, 40], [20, 1, 3], ps)
+    qkv = torch.randn(24, (hq + 2 * hkv) * d, generator=torch.Generator().manual_seed(3))
+    k = qkv[:, hq * d:(hq + hkv) * d].view(24, hkv, d)
+    v = qkv[:, (hq + hkv) * d:].view(24, hkv, d)
+    caches = []
+    for backend in (CpuPagedAttention(isa=isa), TorchPagedAttention()):
+        cache = torch.zeros(8, 2, ps, hkv, d)
+        backend.plan(layout)
+        if isinstance(backend, CpuPagedAttention):  # float32: the C call, not the reference's
+            with monkeypatch.context() as m:
+                m.setattr(TorchPagedAttention, "append_kv", None)
+                backend.append_kv(cache, k, v)
+        else:
+            backend.append_kv(cache, k, v)
+        caches.append(cache)
+    assert torch.equal(caches[0].view(torch.int32), caches[1].view(torch.int32))
+    assert caches[0].abs().sum() > 0
+    half = torch.zeros(8, 2, ps, hkv, d, dtype=torch.float16)
+    backend = CpuPagedAttention(isa=isa)
+    backend.plan(layout)
+    backend.append_kv(half, k, v)  # not float32: the reference's path, converted
+    assert torch.equal(half, caches[1].half())
+
+
 def test_long_context_matches_plain_attention(isa):
     gen = torch.Generator().manual_seed(11)
     hq, hkv, d, kv_len = 9, 3, 64, 3000
