@@ -218,7 +218,9 @@ def add_server_flags(g: argparse._ArgumentGroup) -> None:
          text="let browsers on ORIGIN call the API (repeatable or comma-separated; * for any)",
          default="off")
     _add(g, "--threads", "-t", dest="threads", type=_non_negative, metavar="N",
-         text="torch threads: prompt GEMMs and the other torch ops; 0 = half the cores")
+         text="torch threads: prompt GEMMs and the other torch ops; 0 = auto: every core where "
+              "a start-up measurement finds prompt GEMMs 30%% faster with them and decode rows "
+              "run in the C kernels, else half the cores")
     _add(g, "--kernel-threads", dest="kernel_threads", type=_non_negative, metavar="N",
          text="threads of the C kernels (decode rows from GGUF blocks, paged attention), a "
          "pool that sleeps when idle; 0 = auto: every core unless the start-up measurement "

@@ -216,3 +216,35 @@ def test_auto_measures_then_logs_and_keeps_the_faster(smollm2, caplog, monkeypat
     server.choose_decode_weights(parse_args(["--weights", "gguf", "--kernel-threads", "1"],
                                             env={}), model)
     assert model.has_blocks  # gguf insists: no measurement overrules it
+
+
+def test_threads_auto_takes_every_core_only_where_prompt_gemms_gain(smollm2, caplog,
+                                                                    monkeypatch):
+    """--threads 0 (the default): the start-up measurement of a prompt chunk's GEMMs picks every
+    core only when they are 30% faster, and only where decode rows run in the C kernels."""
+    model = LlamaModel(smollm2.config, smollm2.weights, quantized=smollm2.quantized)
+    auto = parse_args([], env={})
+    monkeypatch.setattr(server.os, "cpu_count", lambda: 2)
+    try:
+        started = time.perf_counter()
+        with caplog.at_level(logging.INFO, logger="kvpark.server"):
+            server.choose_torch_threads(auto, model)  # measured for real
+        assert time.perf_counter() - started < 3.0, "the start-up measurement must stay short"
+        found = re.search(r"--threads auto: (\d) torch threads? .* (\d+\.\d+) ms at 1 thread, "
+                          r"(\d+\.\d+) ms at 2", caplog.text)
+        assert found, caplog.text
+        chosen, one, two = int(found[1]), float(found[2]), float(found[3])
+        assert chosen == (2 if two * 1.3 < one else 1) == torch.get_num_threads()
+
+        for timings, expected in (({1: 0.010, 2: 0.005}, 2), ({1: 0.010, 2: 0.009}, 1)):
+            monkeypatch.setattr(server, "measure_prompt_gemms", lambda m, counts, t=timings: t)
+            server.choose_torch_threads(auto, model)
+            assert torch.get_num_threads() == expected
+
+        torch.set_num_threads(1)
+        server.choose_torch_threads(parse_args(["--threads", "1"], env={}), model)
+        dense = LlamaModel(smollm2.config, smollm2.weights)  # float32 decode in torch ops
+        server.choose_torch_threads(auto, dense)
+        assert torch.get_num_threads() == 1  # neither measured nor changed
+    finally:
+        torch.set_num_threads(1)
