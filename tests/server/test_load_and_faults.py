@@ -23,7 +23,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import threading
-import time
 from dataclasses import dataclass
 
 import httpx
@@ -36,16 +35,17 @@ ROOMY_POOL = 4096
 MAX_QUEUE = 12
 POISON = 49151  # KVPARK_INJECT_FAULT_TOKEN: a step holding this prompt token id fails
 CLIENT_TIMEOUT = 45.0  # a request that takes longer has hung (the whole load takes seconds)
-# RSS after the 64-client round may sit this far above the baseline read after two warm-up
-# rounds of the same load. Measured here: RSS climbs in 2-5 MiB steps over the first three or
-# four rounds (allocator arenas, oneDNN's primitive cache for new GEMM shapes) and then stays
-# flat to 0.1 MiB a round; after two warm-up rounds the next round added 0-2.5 MiB. 8 MiB is 3x
-# that. A round accepts ~16 requests (4 slots + --max-queue 12), so this catches anything that
-# keeps >= 512 KiB per request (a host KV copy of a real model, logits, a buffered stream: a
-# 512 KiB-per-request leak grows RSS 8 MiB a round). Smaller per-request leaks hide in one
-# round's noise: the pages / parked-bytes metrics are the exact checks, and
-# benchmarks/soak.py prints RSS over minutes.
+# RSS may grow this much in a round of the 64-client load once warm. Measured here: RSS climbs
+# in 2-10 MiB steps over the first two or three rounds (allocator arenas, oneDNN's primitive
+# cache for new GEMM shapes) and then stays flat to 0.1 MiB a round, with a rare one-off step of
+# 3-10 MiB later (CI once saw 9.6 MiB in the first round after two warm-ups). A leak grows RSS
+# in every round, a one-off step in one: so three rounds are measured after the warm-up and their
+# median growth is held to 8 MiB. A round accepts ~16 requests (4 slots + --max-queue 12), so
+# this catches anything that keeps >= 512 KiB per request (a host KV copy of a real model,
+# logits, a buffered stream). Smaller per-request leaks hide in one round's noise: the pages /
+# parked-bytes metrics are the exact checks, and benchmarks/soak.py prints RSS over minutes.
 RSS_TOLERANCE_BYTES = 8 << 20
+MEASURED_ROUNDS = 3
 WARMUP_ROUNDS = 2
 
 COMMON = ["-np", "4", "-b", "16", "--max-queue", str(MAX_QUEUE)]
@@ -233,12 +233,15 @@ def test_64_clients_nothing_lost_and_everything_returns_to_baseline(server_name,
     for _ in range(WARMUP_ROUNDS):
         check_outcomes(run_clients(server, 64))
     before = assert_idle_and_clean(server)
-    baseline_rss = rss_bytes(server)
 
-    started = time.monotonic()
-    results = run_clients(server, 64)
-    wall = time.monotonic() - started
-    accepted, rejected = check_outcomes(results)
+    accepted = rejected = 0
+    growth = []
+    for _ in range(MEASURED_ROUNDS):
+        baseline_rss = rss_bytes(server)
+        round_accepted, round_rejected = check_outcomes(run_clients(server, 64))
+        accepted, rejected = accepted + round_accepted, rejected + round_rejected
+        assert_idle_and_clean(server)
+        growth.append(rss_bytes(server) - baseline_rss)
 
     after = assert_idle_and_clean(server)
     rejected_metric = (counter(after, "kvpark:requests_rejected_total")
@@ -259,10 +262,10 @@ def test_64_clients_nothing_lost_and_everything_returns_to_baseline(server_name,
               - counter(before, 'kvpark:requests_total{outcome="error"}'))
     assert finished_ok + errors == accepted
 
-    grown = rss_bytes(server) - baseline_rss
-    assert grown <= RSS_TOLERANCE_BYTES, (
-        f"RSS grew {grown / 2**20:.1f} MiB over the warm baseline "
-        f"({baseline_rss / 2**20:.0f} MiB) after {accepted} requests in {wall:.1f}s")
+    median_growth = sorted(growth)[len(growth) // 2]
+    assert median_growth <= RSS_TOLERANCE_BYTES, (
+        f"RSS grew in every round: {[round(g / 2**20, 1) for g in growth]} MiB after "
+        f"{accepted} requests in {MEASURED_ROUNDS} rounds")
 
 
 # ---- clients that hang up ---------------------------------------------------------------------
