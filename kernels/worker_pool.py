@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 _num_threads = 1
+MAX_THREADS = 64  # csrc/worker_pool.c: MAX_WORKERS (63) and the calling thread
 
 
 def default_num_threads() -> int:
@@ -22,7 +23,7 @@ def default_num_threads() -> int:
 
 def set_num_threads(num_threads: int) -> None:
     global _num_threads
-    assert num_threads >= 1, f"kernel threads must be >= 1, got {num_threads}"
+    assert 1 <= num_threads <= MAX_THREADS, f"kernel threads must be 1..{MAX_THREADS}"
     _num_threads = num_threads
 
 

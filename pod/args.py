@@ -15,6 +15,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import NoReturn
 
+from kvpark.kernels.worker_pool import MAX_THREADS as MAX_KERNEL_THREADS
+
 ALIASES = {
     "preempt_ram": ("LLAMA_ARG_PREEMPT_RAM",),
     "preempt": ("LLAMA_ARG_PREEMPT",),
@@ -22,6 +24,7 @@ ALIASES = {
 }
 TRUE_WORDS = {"1", "true", "yes", "on", "enabled"}
 FALSE_WORDS = {"0", "false", "no", "off", "disabled"}
+MAX_TORCH_THREADS = 512  # llama.cpp's GGML_MAX_N_THREADS
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,17 @@ def _non_negative(value: str) -> int:
     if number < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {number}")
     return number
+
+
+def _thread_count(most: int):
+    """0 (auto) up to `most`: a count far past the cores cannot help, and OpenMP asked for
+    99999 threads hung the start-up"""
+    def parse(value: str) -> int:
+        number = _non_negative(value)
+        if number > most:
+            raise argparse.ArgumentTypeError(f"must be 0..{most}, got {number}")
+        return number
+    return parse
 
 
 def _port(value: str) -> int:
@@ -217,11 +231,12 @@ def add_server_flags(g: argparse._ArgumentGroup) -> None:
     _add(g, "--cors-origin", dest="cors_origin", action=_Names, metavar="ORIGIN",
          text="let browsers on ORIGIN call the API (repeatable or comma-separated; * for any)",
          default="off")
-    _add(g, "--threads", "-t", dest="threads", type=_non_negative, metavar="N",
+    _add(g, "--threads", "-t", dest="threads", type=_thread_count(MAX_TORCH_THREADS), metavar="N",
          text="torch threads: prompt GEMMs and the other torch ops; 0 = auto: every core where "
               "a start-up measurement finds prompt GEMMs 30%% faster with them and decode rows "
               "run in the C kernels, else half the cores")
-    _add(g, "--kernel-threads", dest="kernel_threads", type=_non_negative, metavar="N",
+    _add(g, "--kernel-threads", dest="kernel_threads", type=_thread_count(MAX_KERNEL_THREADS),
+         metavar="N",
          text="threads of the C kernels (decode rows from GGUF blocks, paged attention), a "
          "pool that sleeps when idle; 0 = auto: every core unless the start-up measurement "
          "finds 1 as fast")

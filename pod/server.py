@@ -224,6 +224,16 @@ def choose_torch_threads(args: ServerArgs, model: LlamaModel) -> None:
              cores)
 
 
+def warn_if_oversubscribed(torch_threads: int, kernel_threads: int) -> None:
+    """More threads than cores only slows a step down: each one waits for its slowest thread,
+    and a thread off the CPU holds it up for a whole time slice."""
+    cores = worker_pool.default_num_threads()
+    if max(torch_threads, kernel_threads) > cores:
+        log.warning("%d torch and %d C kernel threads on %d cores this process may run on: "
+                    "steps run slower than with at most %d (--threads, --kernel-threads)",
+                    torch_threads, kernel_threads, cores, cores)
+
+
 def pick_kernel_threads(args: ServerArgs) -> int:
     """The count to use, or with 0 (auto) the most to try: every core."""
     return args.kernel_threads if args.kernel_threads > 0 else worker_pool.default_num_threads()
@@ -339,6 +349,7 @@ def build_stack(args: ServerArgs) -> ServingStack:
     choose_torch_threads(args, model)  # may raise the torch threads (prompt GEMMs)
     log.info("threads: %d torch (prompt GEMMs), %d C kernel (decode linears, attention)",
              torch.get_num_threads(), worker_pool.get_num_threads())
+    warn_if_oversubscribed(torch.get_num_threads(), worker_pool.get_num_threads())
     stages.done(f"model built ({model.weight_format.value} linears)")
     cache = None
     if args.prefix_cache:

@@ -151,6 +151,34 @@ def test_served_names_and_cors_origins_are_repeatable_or_comma_lists():
     assert parse_args([], env={}).served_model_name == ()
 
 
+@pytest.mark.parametrize("flag, most", [("--threads", 512), ("--kernel-threads", 64)])
+def test_thread_counts_past_the_limit_are_refused_with_the_range(flag, most, capsys):
+    """--threads 99999 hung the start-up in OpenMP; the C pool has 64 threads at most."""
+    dest = flag.lstrip("-").replace("-", "_")
+    assert getattr(parse_args([flag, str(most)], env={}), dest) == most
+    with pytest.raises(SystemExit) as exc:
+        parse_args([flag, str(most + 1)], env={})
+    assert exc.value.code == 2
+    assert f"must be 0..{most}, got {most + 1}" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args([], env={f"KVPARK_{dest.upper()}": "99999"})
+
+
+def test_more_threads_than_cores_is_warned(monkeypatch, caplog):
+    import logging
+
+    from kvpark.kernels import worker_pool
+    from kvpark.pod import server
+
+    monkeypatch.setattr(worker_pool, "default_num_threads", lambda: 2)
+    with caplog.at_level(logging.WARNING, logger="kvpark.server"):
+        server.warn_if_oversubscribed(2, 2)
+        assert not caplog.records
+        server.warn_if_oversubscribed(1, 8)
+    [record] = caplog.records
+    assert "1 torch and 8 C kernel threads on 2 cores" in record.getMessage()
+
+
 def test_kernel_threads_flag_env_and_default():
     from kvpark.kernels import worker_pool
     from kvpark.pod.server import pick_kernel_threads
