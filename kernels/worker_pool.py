@@ -8,17 +8,17 @@ KV head x row tile), never an output's sum: the bits do not depend on the count.
 
 from __future__ import annotations
 
-import os
+from .cores import usable_cores
 
 _num_threads = 1
 MAX_THREADS = 64  # csrc/worker_pool.c: MAX_WORKERS (63) and the calling thread
 
 
 def default_num_threads() -> int:
-    """Every core this process may run on: the most `--kernel-threads 0` tries; the server's
-    start-up measurement keeps it only where 5% faster than 1 (benchmarks/README.md, Round 3)."""
-    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-               else os.cpu_count() or 1)
+    """Every core this process may keep busy (`cores.usable_cores`), up to the pool's size: the
+    most `--kernel-threads 0` tries; the server's start-up measurement keeps it only where 5%
+    faster than 1 (benchmarks/README.md, Round 3)."""
+    return min(MAX_THREADS, usable_cores().count)
 
 
 def set_num_threads(num_threads: int) -> None:

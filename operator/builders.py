@@ -28,6 +28,8 @@ GRACE_MARGIN_SECONDS = 15
 UID = 10001  # the image's unprivileged user
 TMP_SIZE = "2Gi"  # the /tmp emptyDir (caches: HF, Triton, FlashInfer JIT)
 GPU = "nvidia.com/gpu"
+MAX_TORCH_THREADS = 512  # kvpark-server's --threads and --kernel-threads accept at most these
+MAX_KERNEL_THREADS = 64
 POD_MONITORS = "monitoring.coreos.com/v1/podmonitors"
 SCALED_OBJECTS = "keda.sh/v1alpha1/scaledobjects"
 # the Gateway API Inference Extension, GA group first: the operator makes its pool in the first
@@ -237,7 +239,8 @@ def get_fetch_container(model: Mapping[str, Any], repo: str, path: str, folder: 
 
 
 def get_threads(spec: Mapping[str, Any]) -> int | None:
-    """CPU serving: as many torch threads as the CPU request, not the node's core count."""
+    """CPU serving: as many threads as the CPU request, not the node's core count (the pod sets
+    no CPU limit, so the server would see every core of the node)."""
     cpu = spec["resources"].get("cpu")
     if spec["resources"]["gpus"] or cpu is None:
         return None
@@ -254,8 +257,9 @@ def get_server_args(spec: Mapping[str, Any], sizing: Sizing, model_flag: str) ->
     else:
         args += ["--no-preempt"]
     threads = get_threads(spec)
-    if threads is not None:
-        args += ["--threads", str(threads)]
+    if threads is not None:  # the server's limits: 512 torch threads, 64 C kernel threads
+        args += ["--threads", str(min(threads, MAX_TORCH_THREADS)),
+                 "--kernel-threads", str(min(threads, MAX_KERNEL_THREADS))]
     return args + list(spec["server"].get("args", []))
 
 

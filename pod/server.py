@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -13,12 +12,13 @@ import torch
 
 from kvpark.kernels import cpu_features, quant_linear, worker_pool
 from kvpark.kernels.attention import AttentionBackend
+from kvpark.kernels.cores import usable_cores
 from kvpark.kernels.cpu_features import CpuFeatures
 from kvpark.kernels.kv_copy import make_copy_engine
 from kvpark.kernels.quant_linear import QuantizedWeight
 from kvpark.kernels.torch_paged import TorchPagedAttention
 
-from .args import ServerArgs
+from .args import MAX_TORCH_THREADS, ServerArgs
 from .budget import Budget, resolve_budget
 from .engine import Engine
 from .host_store import HostStore
@@ -212,7 +212,7 @@ def choose_torch_threads(args: ServerArgs, model: LlamaModel) -> None:
     Decode steps of block rows make few torch calls, so the extra OpenMP thread costs them
     nothing measurable; without blocks (float32 decode in torch ops) half the cores stay, as
     `pick_threads` says why."""
-    cores = os.cpu_count() or 1
+    cores = min(usable_cores().count, MAX_TORCH_THREADS)
     if args.threads != 0 or not model.has_blocks or model.device.type != "cpu" or cores < 2:
         return
     timings = measure_prompt_gemms(model, [1, cores])
@@ -227,11 +227,11 @@ def choose_torch_threads(args: ServerArgs, model: LlamaModel) -> None:
 def warn_if_oversubscribed(torch_threads: int, kernel_threads: int) -> None:
     """More threads than cores only slows a step down: each one waits for its slowest thread,
     and a thread off the CPU holds it up for a whole time slice."""
-    cores = worker_pool.default_num_threads()
-    if max(torch_threads, kernel_threads) > cores:
-        log.warning("%d torch and %d C kernel threads on %d cores this process may run on: "
-                    "steps run slower than with at most %d (--threads, --kernel-threads)",
-                    torch_threads, kernel_threads, cores, cores)
+    cores = usable_cores()
+    if max(torch_threads, kernel_threads) > cores.count:
+        log.warning("%d torch and %d C kernel threads on %d cores this process may keep busy "
+                    "(%s): steps run slower than with at most %d (--threads, --kernel-threads)",
+                    torch_threads, kernel_threads, cores.count, cores.source, cores.count)
 
 
 def pick_kernel_threads(args: ServerArgs) -> int:
@@ -244,7 +244,7 @@ def pick_threads(args: ServerArgs) -> int:
     # "CPU decode step"): with 2 threads a batch-4 decode step was ~15% faster in wall time but
     # took ~55% more CPU, and a batch-1 step was 2x slower; a GEMM pass that must wait for a
     # descheduled thread waits for all. Batch invariance holds at any count (oneDNN linears).
-    return args.threads if args.threads > 0 else max(1, (os.cpu_count() or 2) // 2)
+    return args.threads if args.threads > 0 else max(1, usable_cores().count // 2)
 
 
 CPU_DEFAULT_CTX = 8192
@@ -323,6 +323,8 @@ class Stages:
 
 def build_stack(args: ServerArgs) -> ServingStack:
     stages = Stages()
+    cores = usable_cores()
+    log.info("cores: %d (%s)", cores.count, cores.source)
     torch.set_num_threads(pick_threads(args))
     worker_pool.set_num_threads(pick_kernel_threads(args))
     device = pick_device(args)

@@ -115,6 +115,9 @@ def test_gpu_and_memory_resources() -> None:
     assert container["resources"]["limits"]["memory"] == "6Gi"
     assert container["resources"]["requests"]["cpu"] == "2500m"
     assert arg(container, "--threads") == "3"  # the CPU request, rounded up
+    assert arg(container, "--kernel-threads") == "3"
+    big = server_container(deployment_of({"resources": {"gpus": 0, "cpu": "600"}}))
+    assert (arg(big, "--threads"), arg(big, "--kernel-threads")) == ("512", "64")
     tolerations = cpu["spec"]["template"]["spec"]["tolerations"]
     assert all(t.get("key") != "nvidia.com/gpu" for t in tolerations)
 

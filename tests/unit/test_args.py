@@ -167,16 +167,17 @@ def test_thread_counts_past_the_limit_are_refused_with_the_range(flag, most, cap
 def test_more_threads_than_cores_is_warned(monkeypatch, caplog):
     import logging
 
-    from kvpark.kernels import worker_pool
+    from kvpark.kernels.cores import Cores
     from kvpark.pod import server
 
-    monkeypatch.setattr(worker_pool, "default_num_threads", lambda: 2)
+    monkeypatch.setattr(server, "usable_cores", lambda: Cores(2, "CPU quota 1.5 in cpu.max"))
     with caplog.at_level(logging.WARNING, logger="kvpark.server"):
         server.warn_if_oversubscribed(2, 2)
         assert not caplog.records
         server.warn_if_oversubscribed(1, 8)
     [record] = caplog.records
-    assert "1 torch and 8 C kernel threads on 2 cores" in record.getMessage()
+    assert "1 torch and 8 C kernel threads on 2 cores this process may keep busy (CPU quota 1.5" \
+        in record.getMessage()
 
 
 def test_kernel_threads_flag_env_and_default():

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from kvpark.kernels import quant_linear as ql
 from kvpark.kernels import worker_pool
 from kvpark.kernels.attention import StepLayout
+from kvpark.kernels.cores import Cores
 from kvpark.kernels.cpu_paged import CpuPagedAttention
 from kvpark.pod import server
 from kvpark.pod.args import parse_args
@@ -251,7 +252,7 @@ def test_threads_auto_takes_every_core_only_where_prompt_gemms_gain(smollm2, cap
     core only when they are 30% faster, and only where decode rows run in the C kernels."""
     model = LlamaModel(smollm2.config, smollm2.weights, quantized=smollm2.quantized)
     auto = parse_args([], env={})
-    monkeypatch.setattr(server.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(server, "usable_cores", lambda: Cores(2, "a test"))
     try:
         with caplog.at_level(logging.INFO, logger="kvpark.server"):
             server.choose_torch_threads(auto, model)  # measured for real
