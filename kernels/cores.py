@@ -40,6 +40,8 @@ def own_cgroups(proc_cgroup: Path = PROC_CGROUP) -> tuple[str | None, str | None
     """This process's cgroup v2 path and cgroup v1 cpu-controller path, where it has them."""
     v2 = v1 = None
     for line in (_read(proc_cgroup) or "").splitlines():
+        if line.count(":") < 2:
+            continue
         hierarchy, controllers, path = line.split(":", 2)
         if hierarchy == "0" and not controllers:
             v2 = path
@@ -55,14 +57,22 @@ def _up_to(root: Path, path: str | None) -> list[Path]:
     return [f for f in (folder, *folder.parents) if f.is_relative_to(root) and f.is_dir()]
 
 
+def _cpus(quota: str | None, period: str | None) -> float | None:
+    """quota / period in CPUs; None for no quota ("max", -1) or text that is not one"""
+    try:
+        cpus = int(quota or "") / int(period or "")
+    except (ValueError, ZeroDivisionError):
+        return None
+    return cpus if cpus > 0 else None
+
+
 def _v2_quota(folder: Path) -> float | None:
     quota, _, period = (_read(folder / "cpu.max") or "max").partition(" ")
-    return int(quota) / int(period) if quota != "max" and period else None
+    return _cpus(quota, period)
 
 
 def _v1_quota(folder: Path) -> float | None:
-    quota, period = _read(folder / "cpu.cfs_quota_us"), _read(folder / "cpu.cfs_period_us")
-    return int(quota) / int(period) if quota and period and int(quota) > 0 else None
+    return _cpus(_read(folder / "cpu.cfs_quota_us"), _read(folder / "cpu.cfs_period_us"))
 
 
 def quota_cpus(root: Path = CGROUP_ROOT,

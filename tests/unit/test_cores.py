@@ -44,6 +44,13 @@ def test_v1_cpu_controller_quota(tmp_path):
     assert cores.quota_cpus(tmp_path / "cg", tmp_path / "proc") is None
 
 
+@pytest.mark.parametrize("text", ["", "max", "abc 100000", "100000 0", "0 100000"])
+def test_unreadable_quota_text_is_no_quota(tmp_path, text):
+    write(tmp_path / "proc", "0::/\n")
+    write(tmp_path / "cg/cpu.max", text)
+    assert cores.quota_cpus(tmp_path / "cg", tmp_path / "proc") is None
+
+
 def test_no_cgroup_files_no_quota(tmp_path):
     assert cores.quota_cpus(tmp_path / "absent", tmp_path / "absent-proc") is None
     write(tmp_path / "proc", "0::/\n")
