@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
-import math
+import os
+import statistics
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +21,7 @@ from kvpark.kernels.quant_linear import QuantizedWeight
 from kvpark.kernels.torch_paged import TorchPagedAttention
 
 from .args import MAX_TORCH_THREADS, ServerArgs
+from .batch_invariance import cap_onednn, check_gemm_kernels
 from .budget import Budget, resolve_budget
 from .engine import Engine
 from .host_store import HostStore
@@ -94,6 +97,65 @@ def pick_blocks(args: ServerArgs, loaded: LoadedModel, device: torch.device,
     return None
 
 
+AUTO_ROUNDS = 8
+AUTO_BUDGET_S = 0.6  # the start-up measurement stops after this much time
+BUSY_SPREAD = 0.15  # a variant's median round this much slower than its best: others ran too
+
+
+@dataclass(frozen=True)
+class Conditions:
+    """What the machine was like while a start-up measurement ran: a loaded machine measures
+    thread counts wrong (a second thread waits for a core), and the log must say so."""
+
+    load_average: float  # the 1-minute load average as the measurement ended
+    cores: int
+    spread: float  # the largest median/best - 1 of any variant's rounds
+    rounds: int
+
+    @property
+    def busy(self) -> bool:
+        return self.load_average >= self.cores or self.spread > BUSY_SPREAD
+
+    def describe(self) -> str:
+        text = (f"{self.rounds} round{'s' * (self.rounds > 1)}, median {self.spread:.0%} over "
+                f"the best; load average {self.load_average:.2f} on {self.cores} cores")
+        if self.busy:
+            text += ("; the machine was busy while measuring, so on an idle one this may "
+                     "choose otherwise (set the flag to decide)")
+        return text
+
+
+@dataclass(frozen=True)
+class Rounds:
+    times: dict[int, list[float]]  # seconds of each timed round, by variant
+
+    @property
+    def best(self) -> dict[int, float]:
+        return {variant: min(times) for variant, times in self.times.items()}
+
+    def conditions(self) -> Conditions:
+        spread = max((statistics.median(t) / min(t) - 1 for t in self.times.values() if min(t)),
+                     default=0.0)
+        return Conditions(os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0,
+                          usable_cores().count, spread,
+                          min(len(t) for t in self.times.values()))
+
+
+def timed_rounds(run: Callable[[int], float], variants: list[int]) -> Rounds:
+    """`run(variant)` once each to warm up, then in alternating rounds (so that a change in the
+    machine's load hits every variant alike) until AUTO_ROUNDS or AUTO_BUDGET_S."""
+    for variant in variants:  # first touches: caches, the pools' workers
+        run(variant)
+    times: dict[int, list[float]] = {variant: [] for variant in variants}
+    deadline = time.perf_counter() + AUTO_BUDGET_S
+    for _ in range(AUTO_ROUNDS):
+        for variant in variants:
+            times[variant].append(run(variant))
+        if time.perf_counter() > deadline:
+            break
+    return Rounds(times)
+
+
 @dataclass(frozen=True)
 class DecodeTimings:
     """Seconds for one decode row through every layer's MLP linears (most of a step's bytes):
@@ -101,6 +163,7 @@ class DecodeTimings:
 
     blocks: dict[int, float]
     dense: float
+    conditions: Conditions
 
     @property
     def best_threads(self) -> int:
@@ -108,10 +171,6 @@ class DecodeTimings:
         fewest = min(self.blocks)
         faster = [n for n, t in self.blocks.items() if t < 0.95 * self.blocks[fewest]]
         return min(faster, key=self.blocks.__getitem__, default=fewest)
-
-
-AUTO_ROUNDS = 8
-AUTO_BUDGET_S = 0.6  # the start-up measurement stops after this much time
 
 
 def measure_decode_linears(model: LlamaModel, thread_counts: list[int]) -> DecodeTimings:
@@ -136,16 +195,10 @@ def measure_decode_linears(model: LlamaModel, thread_counts: list[int]) -> Decod
     variants = [*dict.fromkeys(thread_counts), 0]
     before = worker_pool.get_num_threads()
     with torch.inference_mode():
-        for variant in variants:  # first touches, the pool's workers
-            run(variant)
-        best = dict.fromkeys(variants, math.inf)
-        deadline = time.perf_counter() + AUTO_BUDGET_S
-        for _ in range(AUTO_ROUNDS):
-            best = {variant: min(best[variant], run(variant)) for variant in variants}
-            if time.perf_counter() > deadline:
-                break
+        rounds = timed_rounds(run, variants)
     worker_pool.set_num_threads(before)
-    return DecodeTimings({n: best[n] for n in variants if n}, best[0])
+    best = rounds.best
+    return DecodeTimings({n: best[n] for n in variants if n}, best[0], rounds.conditions())
 
 
 def choose_decode_weights(args: ServerArgs, model: LlamaModel) -> None:
@@ -162,12 +215,13 @@ def choose_decode_weights(args: ServerArgs, model: LlamaModel) -> None:
     blocks = timings.blocks[worker_pool.get_num_threads()]
     keep = args.weights != "auto" or blocks <= timings.dense
     log.info("--weights %s, --kernel-threads %s: decode rows from %s, kernel threads %d (one row "
-             "through every layer's MLP: GGUF blocks %s, float32 oneDNN %.2f ms)", args.weights,
-             "auto" if auto_threads else args.kernel_threads,
+             "through every layer's MLP: GGUF blocks %s, float32 oneDNN %.2f ms; %s)",
+             args.weights, "auto" if auto_threads else args.kernel_threads,
              "the GGUF's blocks" if keep else "float32 (faster here)",
              worker_pool.get_num_threads(),
              ", ".join(f"{t * 1e3:.2f} ms at {n} thread{'s' * (n > 1)}"
-                       for n, t in timings.blocks.items()), timings.dense * 1e3)
+                       for n, t in timings.blocks.items()), timings.dense * 1e3,
+             timings.conditions.describe())
     if not keep:
         model.drop_blocks()
 
@@ -177,7 +231,15 @@ PROMPT_PROBE_LAYERS = 4
 PROMPT_THREADS_GAIN = 1.3  # more torch threads only where a prompt GEMM is 30% faster
 
 
-def measure_prompt_gemms(model: LlamaModel, thread_counts: list[int]) -> dict[int, float]:
+@dataclass(frozen=True)
+class PromptTimings:
+    """Seconds for a prompt chunk's GEMMs by torch thread count."""
+
+    by_threads: dict[int, float]
+    conditions: Conditions
+
+
+def measure_prompt_gemms(model: LlamaModel, thread_counts: list[int]) -> PromptTimings:
     """Seconds for a prompt chunk through a few layers' MLP GEMMs (float32 oneDNN, as prompt rows
     take them) at each torch thread count, alternating rounds, best of each."""
     layers = model.layers[:PROMPT_PROBE_LAYERS]
@@ -192,17 +254,10 @@ def measure_prompt_gemms(model: LlamaModel, thread_counts: list[int]) -> dict[in
         return time.perf_counter() - start
 
     before = torch.get_num_threads()
-    best = dict.fromkeys(thread_counts, math.inf)
     with torch.inference_mode():
-        for count in thread_counts:  # first touches, OpenMP's workers
-            run(count)
-        deadline = time.perf_counter() + AUTO_BUDGET_S
-        for _ in range(AUTO_ROUNDS):
-            best = {count: min(best[count], run(count)) for count in thread_counts}
-            if time.perf_counter() > deadline:
-                break
+        rounds = timed_rounds(run, thread_counts)
     torch.set_num_threads(before)
-    return best
+    return PromptTimings(rounds.best, rounds.conditions())
 
 
 def choose_torch_threads(args: ServerArgs, model: LlamaModel) -> None:
@@ -216,12 +271,13 @@ def choose_torch_threads(args: ServerArgs, model: LlamaModel) -> None:
     if args.threads != 0 or not model.has_blocks or model.device.type != "cpu" or cores < 2:
         return
     timings = measure_prompt_gemms(model, [1, cores])
-    chosen = cores if timings[cores] * PROMPT_THREADS_GAIN < timings[1] else 1
+    one, every = timings.by_threads[1], timings.by_threads[cores]
+    chosen = cores if every * PROMPT_THREADS_GAIN < one else 1
     torch.set_num_threads(chosen)
     log.info("--threads auto: %d torch thread%s for prompt GEMMs (a %d-row chunk through %d "
-             "layers' MLPs: %.2f ms at 1 thread, %.2f ms at %d)", chosen, "s" * (chosen > 1),
-             PROMPT_PROBE_ROWS, PROMPT_PROBE_LAYERS, timings[1] * 1e3, timings[cores] * 1e3,
-             cores)
+             "layers' MLPs: %.2f ms at 1 thread, %.2f ms at %d; %s)", chosen, "s" * (chosen > 1),
+             PROMPT_PROBE_ROWS, PROMPT_PROBE_LAYERS, one * 1e3, every * 1e3, cores,
+             timings.conditions.describe())
 
 
 def warn_if_oversubscribed(torch_threads: int, kernel_threads: int) -> None:
@@ -323,11 +379,13 @@ class Stages:
 
 def build_stack(args: ServerArgs) -> ServingStack:
     stages = Stages()
+    device = pick_device(args)
+    # first: oneDNN reads its ISA cap once, when anything first asks (cpu_features.detect does)
+    cap_onednn(args.batch_invariant and device.type == "cpu")
     cores = usable_cores()
     log.info("cores: %d (%s)", cores.count, cores.source)
     torch.set_num_threads(pick_threads(args))
     worker_pool.set_num_threads(pick_kernel_threads(args))
-    device = pick_device(args)
     dtype = pick_dtype(args, device)
     if device.type == "cpu":
         cpu_features.detect()  # logs what the CPU paths below are chosen from
@@ -352,6 +410,7 @@ def build_stack(args: ServerArgs) -> ServingStack:
     log.info("threads: %d torch (prompt GEMMs), %d C kernel (decode linears, attention)",
              torch.get_num_threads(), worker_pool.get_num_threads())
     warn_if_oversubscribed(torch.get_num_threads(), worker_pool.get_num_threads())
+    check_gemm_kernels(model, args.batch_size)  # at the threads the steps will run with
     stages.done(f"model built ({model.weight_format.value} linears)")
     cache = None
     if args.prefix_cache:

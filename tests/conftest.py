@@ -8,6 +8,12 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
+from kvpark.pod.batch_invariance import cap_onednn  # noqa: E402
+
+# as the server does at start, before anything asks oneDNN which ISA it may use: the in-process
+# tests build batch-invariant models, which need AMX kept out of oneDNN where the CPU has it
+cap_onednn(batch_invariant=True)
+
 import pytest  # noqa: E402
 from cpu_isa import runnable_isa  # noqa: E402
 

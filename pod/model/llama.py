@@ -90,6 +90,7 @@ class Linear:
                  fmt: WeightFormat = WeightFormat.FP32,
                  blocks: QuantizedWeight | None = None) -> None:
         self.blocks = blocks  # the checkpoint's quantised blocks: decode rows read these
+        self.out_features, self.in_features = weight.shape
         self.compute_dtype = torch.bfloat16 if fmt is WeightFormat.BF16 else weight.dtype
         weight = weight.to(self.compute_dtype)
         self.bias = None if bias is None else bias.to(self.compute_dtype)

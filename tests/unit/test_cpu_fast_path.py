@@ -3,6 +3,7 @@ batch-invariance they promise (a row's bits never depend on which other rows sha
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -11,8 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvpark.kernels import cpu_features, onednn_isa
 from kvpark.kernels.attention import StepLayout
 from kvpark.kernels.torch_paged import TorchPagedAttention
+from kvpark.pod.batch_invariance import probe_gemm_kernels
 from kvpark.pod.kv_pool import KVPool
 from kvpark.pod.model.config import ModelConfig
 from kvpark.pod.model.llama import (
@@ -192,6 +195,23 @@ def cumulative(values: list[int]) -> list[int]:
         total += v
         out.append(total)
     return out
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_every_row_count_runs_the_same_onednn_kernel(small_weights, fmt, threads):
+    """The mechanism under the row-invariance tests: a row's bits can only be independent of the
+    row count while oneDNN dispatches every count to the same kernel. On a CPU with AMX that
+    holds for bf16 only with AMX kept out (`onednn_isa`; conftest caps as the server does), so
+    no AMX kernel may show up; on AVX2 and AVX-512 CPUs there is none to begin with."""
+    torch.set_num_threads(threads)
+    model = LlamaModel(SMALL, small_weights, batch_invariant=True, weight_format=fmt)
+    found = probe_gemm_kernels(model, ROW_COUNTS[2:])  # from MIN_INVARIANT_ROWS on
+    assert found.kernels, "the packed linears ran no oneDNN kernel"
+    assert found.is_uniform, f"oneDNN's kernel depends on the row count: {found.by_rows}"
+    assert not any("amx" in name for name in found.kernels), found.kernels
+    if fmt is WeightFormat.BF16 and onednn_isa.AMX_FLAG in cpu_features.read_cpuinfo_flags():
+        assert os.environ.get(onednn_isa.ENV) in onednn_isa.WITHOUT_AMX
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

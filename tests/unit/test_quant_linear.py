@@ -202,7 +202,7 @@ def test_auto_measures_then_logs_and_keeps_the_faster(smollm2, caplog, monkeypat
     caplog.clear()  # float32 measured faster: every row dense from then on
     model = LlamaModel(smollm2.config, smollm2.weights, quantized=smollm2.quantized)
     monkeypatch.setattr(server, "measure_decode_linears",
-                        lambda m, counts: server.DecodeTimings({1: 0.004, 2: 0.003}, 0.001))
+                        lambda m, counts: server.DecodeTimings({1: 0.004, 2: 0.003}, 0.001, IDLE))
     monkeypatch.setattr(worker_pool, "_num_threads", 2)
     with caplog.at_level(logging.INFO, logger="kvpark.server"):
         server.choose_decode_weights(auto, model)
@@ -214,6 +214,34 @@ def test_auto_measures_then_logs_and_keeps_the_faster(smollm2, caplog, monkeypat
     server.choose_decode_weights(parse_args(["--weights", "gguf", "--kernel-threads", "1"],
                                             env={}), model)
     assert model.has_blocks  # gguf insists: no measurement overrules it
+
+
+IDLE = server.Conditions(load_average=0.1, cores=2, spread=0.02, rounds=8)
+
+
+@pytest.mark.parametrize("load,spread,busy", [(0.1, 0.02, False), (2.5, 0.02, True),
+                                              (0.5, 0.4, True)])
+def test_a_busy_machine_during_the_measurement_is_said_in_the_log(load, spread, busy):
+    """A loaded machine measures thread counts wrong (a chosen 1 thread where an idle machine
+    picks 2): the start-up line shows the load average and the rounds' spread, and says so."""
+    conditions = server.Conditions(load_average=load, cores=2, spread=spread, rounds=8)
+    text = conditions.describe()
+    assert conditions.busy == busy
+    assert f"load average {load:.2f} on 2 cores" in text and f"{spread:.0%}" in text
+    assert ("the machine was busy" in text) == busy
+
+
+def test_the_measured_choice_logs_the_machines_load(smollm2, caplog, monkeypatch):
+    model = LlamaModel(smollm2.config, smollm2.weights, quantized=smollm2.quantized)
+    monkeypatch.setattr(server, "usable_cores", lambda: Cores(2, "a test"))
+    monkeypatch.setattr(server.os, "getloadavg", lambda: (3.5, 1.0, 0.5))
+    try:
+        with caplog.at_level(logging.INFO, logger="kvpark.server"):
+            server.choose_torch_threads(parse_args([], env={}), model)
+    finally:
+        torch.set_num_threads(1)
+    assert "load average 3.50 on 2 cores" in caplog.text
+    assert "the machine was busy while measuring" in caplog.text
 
 
 class SlowClock:
@@ -242,7 +270,8 @@ def test_start_up_measurements_stop_at_their_budget(smollm2, monkeypatch, measur
     else:
         timings = server.measure_prompt_gemms(model, [1, 2])
         variants = 2
-        assert set(timings) == {1, 2}
+        assert set(timings.by_threads) == {1, 2}
+    assert timings.conditions.rounds == 1
     assert clock.reads == 2 * variants + 1 + 2 * variants + 1, clock.reads
 
 
@@ -263,7 +292,8 @@ def test_threads_auto_takes_every_core_only_where_prompt_gemms_gain(smollm2, cap
         assert chosen == (2 if two * 1.3 < one else 1) == torch.get_num_threads()
 
         for timings, expected in (({1: 0.010, 2: 0.005}, 2), ({1: 0.010, 2: 0.009}, 1)):
-            monkeypatch.setattr(server, "measure_prompt_gemms", lambda m, counts, t=timings: t)
+            measured = server.PromptTimings(timings, IDLE)
+            monkeypatch.setattr(server, "measure_prompt_gemms", lambda m, c, t=measured: t)
             server.choose_torch_threads(auto, model)
             assert torch.get_num_threads() == expected
 
