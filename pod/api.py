@@ -46,8 +46,9 @@ OPEN_PATHS = {"/health", "/metrics", "/openapi.json"}
 QUIET_PATHS = {"/health", "/metrics"}  # polled every few seconds: access-logged at DEBUG only
 DRAIN_GRACE_SECONDS = 5.0  # after the shutdown timeout: for the final error events to go out
 SHUT_DOWN = "the server shut down before this request finished"
-NOTICES = {StreamEvent.PARKED: "preempted", StreamEvent.RESUMED: "resumed",
-           StreamEvent.RECOMPUTED: "recomputed", StreamEvent.KEEPALIVE: "keepalive"}
+NOTICES = {StreamEvent.QUEUED: "queued", StreamEvent.PARKED: "preempted",
+           StreamEvent.RESUMED: "resumed", StreamEvent.RECOMPUTED: "recomputed",
+           StreamEvent.KEEPALIVE: "keepalive"}
 
 
 def has_key(request: Request, key: str) -> bool:

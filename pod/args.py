@@ -43,7 +43,7 @@ class ServerArgs:
     preempt_low: float = 80.0  # % of the pool: restore only below it
     preempt_resume: str = "spec"  # restore order: spec (measured lower worst wait) or fair
     prefix_cache: bool = True  # keep full KV pages across requests, shared by hash
-    sse_keepalive: float = 2.0  # seconds between ": keepalive" comments to a parked stream
+    sse_keepalive: float = 2.0  # seconds between ": keepalive" comments: parked or queued
     api_key: str | None = None
     admin_key: str | None = None  # POST /slots actions; they are off without this or api_key
     threads: int = 0  # 0: pick from the machine
@@ -307,7 +307,7 @@ def add_preemption_flags(g: argparse._ArgumentGroup) -> None:
     _add(g, "--preempt-async", dest="preempt_async", action=argparse.BooleanOptionalAction,
          text="CUDA: swap copies run on their own stream while other slots decode")
     _add(g, "--sse-keepalive", dest="sse_keepalive", type=_seconds, metavar="SECONDS",
-         text="seconds between ': keepalive' comments to a parked stream")
+         text="seconds between ': keepalive' comments to a parked or queued stream")
 
 
 def add_limit_flags(g: argparse._ArgumentGroup) -> None:

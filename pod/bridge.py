@@ -24,11 +24,16 @@ from .text_output import TextOutput
 
 class StreamEvent(str, enum.Enum):
     TEXT = "text"  # visible text of one sequence
+    QUEUED = "queued"  # waiting for a slot
     PARKED = "parked"
     RESUMED = "resumed"
     RECOMPUTED = "recomputed"
     FINISHED = "finished"
-    KEEPALIVE = "keepalive"  # nothing happened for a while and a sequence is parked
+    KEEPALIVE = "keepalive"  # nothing happened for a while and a sequence queues or is parked
+
+
+# after these a sequence sends nothing until it runs again; TEXT, RESUMED or its end says it does
+QUIET = frozenset({StreamEvent.QUEUED, StreamEvent.PARKED})
 
 
 @dataclass
@@ -85,15 +90,21 @@ class RequestStream:
     # asyncio side
     async def events(self, keepalive: float | None = None) -> AsyncIterator[Event]:
         """The sequences' events until all finished; a KEEPALIVE every `keepalive` seconds of
-        silence while one of them is parked."""
+        silence while one of them waits for a slot or is parked (known from the events
+        themselves, not from the engine's live state)."""
         remaining = len(self.seqs)
+        quiet: set[int] = set()  # sequences queued or parked, by index
         while remaining:
-            parked = keepalive and any(s.is_parked for s in self.seqs)
             try:
-                event = await asyncio.wait_for(self.queue.get(), keepalive if parked else None)
+                event = await asyncio.wait_for(self.queue.get(),
+                                               keepalive if keepalive and quiet else None)
             except asyncio.TimeoutError:  # noqa: UP041 (a distinct class before Python 3.11)
                 yield Event(StreamEvent.KEEPALIVE, -1)
                 continue
+            if event.kind in QUIET:
+                quiet.add(event.index)
+            elif event.kind is not StreamEvent.RECOMPUTED:
+                quiet.discard(event.index)
             if event.kind is StreamEvent.FINISHED:
                 remaining -= 1
             yield event

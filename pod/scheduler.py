@@ -41,6 +41,7 @@ class Scheduler:
         self.stats: PreemptStats = swapper.stats
         self.on_finish: Callable[[Sequence], None] = lambda seq: None  # metrics hook
         self.waiting: deque[Sequence] = deque()
+        self.arrived: list[Sequence] = []  # added since the last admission: told if they wait
         self.slots: list[Sequence | None] = [None] * config.num_slots
         # the watermarks in pages: park before a step passes HIGH, restore only below LOW
         self.high_pages = int(self.pool.num_pages * config.preempt_high)
@@ -71,6 +72,7 @@ class Scheduler:
     # ---- admission and endings ---------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        self.arrived.append(seq)
 
     def finish(self, seq: Sequence, reason: FinishReason | str,
                error: str | None = None) -> None:
@@ -109,6 +111,14 @@ class Scheduler:
             else:
                 self.pool.take_cached_prefix(seq)
 
+    def _announce_queued(self) -> None:
+        """Once, to each newcomer that admission left without a slot: a stream's owner then
+        says so and keeps a quiet connection alive until it runs."""
+        for seq in self.arrived:
+            if seq.phase is Phase.WAITING:
+                self.notify(seq, SeqEvent.QUEUED)
+        self.arrived = []
+
     def _sibling_prefilling(self, seq: Sequence) -> bool:
         """With a prefix cache, an `n > 1` sibling waits while another computes their shared
         prompt, then takes its full pages from the cache instead of computing them again."""
@@ -119,6 +129,7 @@ class Scheduler:
     def schedule(self) -> list[ScheduledSeq]:
         self.reap_copies()
         self._admit()
+        self._announce_queued()
         if self.config.preempt:
             self._restore_parked()
             self._force_parks()

@@ -36,6 +36,7 @@ class SeqEvent(str, enum.Enum):
     """What the engine tells a sequence's owner through `Sequence.on_event` (engine thread)."""
 
     TOKEN = "token"  # a token was sampled; the text is what it adds to the visible output
+    QUEUED = "queued"  # submitted, and the step after found no slot for it: it waits
     PARKED = "parked"
     RESUMED = "resumed"
     RECOMPUTED = "recomputed"  # a recompute replay caught up with where it was parked

@@ -92,6 +92,30 @@ def test_request_parked_before_its_first_token_opens_with_a_notice_and_keepalive
     assert lines[-1] == "data: [DONE]"
 
 
+def test_a_queued_stream_says_so_and_gets_keepalives_until_it_runs():
+    """A stream waiting for a slot has its 200 headers at once; without a byte after them a
+    proxy's idle timeout would cut it before it is admitted."""
+    with ServerProcess(["-np", "1", "-c", "1024", "--sse-keepalive", "0.05"]) as server, \
+            cf.ThreadPoolExecutor(1) as pool:
+        first = pool.submit(server.post, "/completion",
+                            {"prompt": "hold the only slot", "n_predict": 400, "ignore_eos": True})
+        poll(lambda: any(s["n_generated"] > 5 for s in server.slots()), "the slot taken")
+        lines = raw_stream(server.url, "/v1/chat/completions",
+                           {"messages": [{"role": "user", "content": "queued"}],
+                            "stream": True, "max_tokens": 5, "ignore_eos": True})
+        assert first.result().status_code == 200
+    first_data = next(i for i, line in enumerate(lines) if line.startswith("data:"))
+    assert lines[0] == ": queued"
+    assert lines[1:first_data] and set(lines[1:first_data]) == {": keepalive"}
+    assert ": keepalive" not in lines[first_data:]  # running: it has data to send
+    assert lines[-1] == "data: [DONE]"
+
+
+def test_an_admitted_stream_is_never_told_it_queues(plain):
+    lines = raw_stream(plain.url, "/completion", {**LLAMA, "n_predict": 5})
+    assert not [line for line in lines if line.startswith(":")]
+
+
 def test_priority_parks_only_the_low_tier(plain):
     with ServerProcess(["-np", "2", "-c", "1024"]) as server, cf.ThreadPoolExecutor(2) as pool:
         body = {"prompt": "tiers", "n_predict": 700, "ignore_eos": True, "temperature": 0,
