@@ -17,6 +17,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import partial_json
 from .grammar import Grammar
 
 MAX_TOOLS = 128
@@ -212,12 +213,12 @@ class ParsedOutput:
 
 
 def parse_output(text: str) -> ParsedOutput:
-    """The model's generic-format JSON -> OpenAI's message parts. Text that is not that JSON
-    (cut short by max_tokens) is returned as content."""
+    """The model's generic-format JSON -> OpenAI's message parts; cut short by max_tokens, as
+    far as it got (`parse_cut_short`)."""
     try:
         value = json.loads(text)
     except ValueError:
-        return ParsedOutput(text)
+        return parse_cut_short(text)
     if isinstance(value, dict) and isinstance(value.get("tool_calls"), list):
         calls = [_openai_call(c) for c in value["tool_calls"] if isinstance(c, dict)]
         return ParsedOutput(None, [c for c in calls if c is not None])
@@ -231,6 +232,42 @@ def parse_output(text: str) -> ParsedOutput:
 def _openai_call(call: dict[str, Any]) -> dict[str, Any] | None:
     if not isinstance(call.get("name"), str):
         return None
+    return _call(call["name"], json.dumps(call.get("arguments", {}), ensure_ascii=False))
+
+
+def _call(name: str, arguments: str) -> dict[str, Any]:
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": call["name"],
-                         "arguments": json.dumps(call.get("arguments", {}), ensure_ascii=False)}}
+            "function": {"name": name, "arguments": arguments}}
+
+
+def parse_cut_short(text: str) -> ParsedOutput:
+    """Output that ended before its JSON closed: the grammar kept it a prefix of the generic
+    format, so it is read as far as it goes. The client gets what OpenAI gives for a call cut
+    short — each call whose name is whole, its arguments as the text so far — or the answer's
+    text so far; never kvpark's wire format itself."""
+    try:
+        root = partial_json.parse_prefix(text)
+    except ValueError:  # not the generic format at all (no grammar held it): the model's text
+        return ParsedOutput(text)
+    if root is None or root.kind != "object":
+        return ParsedOutput(text.strip() if root is None else text)
+    calls, response = root.members.get("tool_calls"), root.members.get("response")
+    if calls is not None and calls.kind == "array":
+        whole_names = [call for node in calls.items if (call := _call_so_far(node, text))]
+        return ParsedOutput(None, whole_names) if whole_names else ParsedOutput("")
+    if response is not None:
+        return ParsedOutput(response.text if response.kind == "string"
+                            else text[response.start:response.end].strip())
+    return ParsedOutput("")  # cut before the first key was whole: nothing said yet
+
+
+def _call_so_far(node: partial_json.Node, text: str) -> dict[str, Any] | None:
+    name = node.members.get("name")
+    if node.kind != "object" or name is None or not name.complete or name.kind != "string":
+        return None
+    arguments = node.members.get("arguments")
+    if arguments is None:
+        return _call(name.text, "")
+    if arguments.complete:
+        return _call(name.text, json.dumps(arguments.value(text), ensure_ascii=False))
+    return _call(name.text, text[arguments.start:arguments.end].rstrip())
