@@ -13,7 +13,13 @@ import uvicorn
 
 from .api import DRAIN_GRACE_SECONDS, Server, create_app
 from .args import parse_args
-from .connections import AcceptErrorLog, get_limits, make_protocol, raise_fd_limit
+from .connections import (
+    AcceptErrorLog,
+    get_limits,
+    make_protocol,
+    raise_fd_limit,
+    redact_access_log,
+)
 
 log = logging.getLogger("kvpark")
 
@@ -67,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             http=make_protocol(limits), backlog=limits.backlog,
                             timeout_graceful_shutdown=graceful_timeout(args.shutdown_timeout))
+    redact_access_log()  # after uvicorn.Config: it configures uvicorn's loggers
     server = DrainingServer(config, api, args.shutdown_timeout)
 
     def exit_on_load_failure() -> None:

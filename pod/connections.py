@@ -1,6 +1,6 @@
 """HTTP connection guards uvicorn does not have: a header read timeout, a cap on open
-connections that sheds idle ones first, the open-file limit, and a quiet log when accept()
-runs out of file descriptors.
+connections that sheds idle ones first, the open-file limit, a quiet log when accept()
+runs out of file descriptors, and query values kept out of the access log.
 
 uvicorn's `limit_concurrency` is not used: it answers every request (/health included) with
 503 once the cap is reached and still accepts the connections, so it neither frees file
@@ -35,6 +35,7 @@ LOG_EVERY_SECONDS = 10.0  # one report per this long for floods of the same trou
 FD_RESERVE = 256  # model files, pipes, threads, the listening socket, log files
 MAX_BACKLOG = 2048  # uvicorn's default; accepted-but-unseen connections hold fds too
 OUT_OF_FDS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+REDACTED = "[redacted]"
 
 
 @dataclass(frozen=True)
@@ -198,3 +199,40 @@ class AcceptErrorLog:
         if held is not None:
             log.error("%s: %s%s", context.get("message", "socket error"), exc.strerror,
                       f" ({held} more in the last {self.throttle.seconds:g} s)" if held else "")
+
+
+class RedactedQueries(logging.Filter):
+    """Writes every query value in uvicorn's access log as [redacted], keeping the names.
+    Clients put keys in query strings (`?api_key=...`, `?key=...`) although only the
+    Authorization header is read, and keys are never logged; which names carry one cannot be
+    known, so no value is written."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        # uvicorn's access record: (client, method, path with query, HTTP version, status)
+        args = record.args
+        if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str):
+            record.args = (*args[:2], redact_query(args[2]), *args[3:])
+        return True
+
+
+def redact_query(path: str) -> str:
+    """`/v1/models?api_key=K&x` -> `/v1/models?api_key=[redacted]&[redacted]`: a part without
+    `=` may itself be the key."""
+    path, mark, query = path.partition("?")
+    if not mark:
+        return path
+    return f"{path}?" + "&".join(_redact_part(part) for part in query.split("&"))
+
+
+def _redact_part(part: str) -> str:
+    name, eq, _ = part.partition("=")
+    if eq:
+        return f"{name}={REDACTED}"
+    return REDACTED if part else part
+
+
+def redact_access_log() -> None:
+    """Once uvicorn has configured its loggers (its Config does)."""
+    access = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, RedactedQueries) for f in access.filters):
+        access.addFilter(RedactedQueries())

@@ -5,7 +5,7 @@ import threading
 import httpx
 import openai
 import pytest
-from serverproc import ServerProcess
+from serverproc import ServerProcess, poll
 
 KEY = "s3cret-key"
 ADMIN = "adm1n-key"
@@ -74,3 +74,18 @@ def test_admin_key_guards_slot_actions(keyed_server):
     idle = httpx.post(url, headers={"Authorization": f"Bearer {ADMIN}"})
     assert idle.status_code == 409 and "idle" in idle.json()["error"]["message"]
     assert ADMIN not in keyed_server.log()
+
+
+def test_a_key_sent_in_the_query_string_never_reaches_the_access_log(keyed_server):
+    """Only the Authorization header is read, but clients put keys in URLs too: the access log
+    keeps each query's names and writes every value as [redacted]."""
+    url = keyed_server.url
+    assert httpx.get(f"{url}/v1/models?api_key={KEY}").status_code == 401
+    assert httpx.get(f"{url}/v1/models?key={ADMIN}&{KEY}",
+                     headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+    # uvicorn writes the line after the response: wait for it
+    log = poll(lambda: "GET /v1/models?key=" in keyed_server.log() and keyed_server.log(),
+               "the access log line")
+    assert '"GET /v1/models?api_key=[redacted] HTTP/1.1" 401' in log
+    assert '"GET /v1/models?key=[redacted]&[redacted] HTTP/1.1" 200' in log
+    assert KEY not in log and ADMIN not in log

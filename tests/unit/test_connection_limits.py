@@ -1,4 +1,5 @@
-"""The pure parts of the connection guards: the throttled accept-error log, the limits."""
+"""The pure parts of the connection guards: the throttled accept-error log, the limits, the
+access log's redacted query values."""
 
 import errno
 import logging
@@ -7,7 +8,13 @@ import resource
 from kvpark.pod.__main__ import graceful_timeout
 from kvpark.pod.api import DRAIN_GRACE_SECONDS
 from kvpark.pod.args import parse_args
-from kvpark.pod.connections import AcceptErrorLog, get_limits, raise_fd_limit
+from kvpark.pod.connections import (
+    AcceptErrorLog,
+    RedactedQueries,
+    get_limits,
+    raise_fd_limit,
+    redact_query,
+)
 
 
 class FakeClock:
@@ -75,3 +82,15 @@ def test_soft_open_file_limit_is_raised_to_the_hard_one():
 def test_uvicorn_waits_longer_than_the_drain():
     for timeout in (0.0, 1.0, 8.0, 30.0):
         assert graceful_timeout(timeout) >= timeout + DRAIN_GRACE_SECONDS
+
+
+def test_access_log_query_values_are_redacted_and_names_kept():
+    assert redact_query("/v1/models") == "/v1/models"
+    assert redact_query("/v1/models?api_key=K&x&&y=") == \
+        "/v1/models?api_key=[redacted]&[redacted]&&y=[redacted]"
+    # uvicorn's access record: (client, method, path with query, HTTP version, status)
+    record = logging.LogRecord("uvicorn.access", logging.INFO, __file__, 1,
+                               '%s - "%s %s HTTP/%s" %d',
+                               ("127.0.0.1:1", "GET", "/v1/models?key=K", "1.1", 401), None)
+    assert RedactedQueries().filter(record)
+    assert record.getMessage() == '127.0.0.1:1 - "GET /v1/models?key=[redacted] HTTP/1.1" 401'
