@@ -369,6 +369,10 @@ def _include_usage(body: dict) -> bool:
         return False
     if not isinstance(options, dict):
         raise _bad("stream_options", "expected an object")
+    # OpenAI and vLLM refuse it, so a client that thinks it asked for a streamed usage chunk
+    # learns it gets none; null or {} asks for nothing (vLLM's rule)
+    if options and body.get("stream") is not True:
+        raise _bad("stream_options", "stream options can only be defined when `stream=True`")
     return _boolean(options, "include_usage", False)
 
 

@@ -143,7 +143,7 @@ HARMLESS = {
     "parallel_tool_calls": True, "response_format": {"type": "text"}, "logprobs": False,
     "top_logprobs": 0, "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {},
     "tools": None, "tool_choice": "none", "functions": None, "function_call": None,
-    "stream_options": {"include_usage": False}, "n": 1, "seed": None, "modalities": ["text"],
+    "stream_options": None, "n": 1, "seed": None, "modalities": ["text"],
 }
 
 
@@ -157,6 +157,24 @@ def test_harmless_and_null_fields_still_work(server):
     assert server.post("/v1/completions", body).status_code == 200
     assert server.post("/completion", {"prompt": "hi", "n_predict": 2, "cache_prompt": True,
                                        "repeat_penalty": 1.0, "n_probs": 0}).status_code == 200
+
+
+@pytest.mark.parametrize("path,base", [
+    (CHAT, {"messages": MSG}), ("/v1/completions", {"prompt": "hi"}),
+    ("/v1/completions", {"prompt": ["hi", "ho"]})], ids=["chat", "completions", "batch"])
+def test_stream_options_without_stream_is_refused_as_openai_and_vllm_do(server, path, base):
+    """A client asking for a streamed usage chunk on a plain answer would get none."""
+    for extra in ({}, {"stream": False}, {"stream": None}):
+        for options in ({"include_usage": True}, {"include_usage": False}):
+            body = {**base, "max_tokens": 2, **extra, "stream_options": options}
+            response = server.post(path, body)
+            assert_error(response, 400, "stream_options")
+            assert "stream=True" in response.json()["error"]["message"]
+    for options in (None, {}):  # they ask for nothing: vLLM takes them too
+        body = {**base, "max_tokens": 2, "stream_options": options}
+        assert server.post(path, body).status_code == 200
+    streamed = {**base, "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}}
+    assert server.post(path, streamed).status_code == 200
 
 
 def test_unknown_fields_are_ignored_and_logged_once_by_name(server):
