@@ -1,11 +1,13 @@
 """`python -m kvpark.operator` as the image runs it: a separate process, configured by env,
 against an EMULATED Kubernetes API (kmock on 127.0.0.1, see kmock_harness.py): it serves kopf's
-liveness endpoint, reconciles, and stops cleanly on SIGTERM."""
+liveness endpoint, reconciles, and stops cleanly on SIGTERM; and it starts from the repository
+root, whose `operator/` folder would shadow the standard library's `operator`."""
 
 from __future__ import annotations
 
 import os
 import signal
+import site
 import socket
 import subprocess
 import sys
@@ -59,3 +61,27 @@ def test_the_operator_process(tmp_path: Path) -> None:
             log.close()
         output = (tmp_path / "operator.log").read_text()
         assert code == 0, output[-3000:]
+
+
+def installed_layout(root: Path) -> Path:
+    """kvpark laid out as its wheel installs it (pyproject's package-dir), as links to here."""
+    package = root / "kvpark"
+    package.mkdir(parents=True)
+    (package / "__init__.py").symlink_to(REPO / "kvpark_pkg" / "__init__.py")
+    for name in ("pod", "kernels", "operator"):
+        (package / name).symlink_to(REPO / name, target_is_directory=True)
+    return root
+
+
+def test_the_operator_starts_from_the_repository_root(tmp_path: Path) -> None:
+    """`python -m` puts the current directory first on sys.path: there the checkout's
+    `operator/` was found as the standard library's `operator` (which runpy's own imports
+    need), so it failed before kvpark ran. This venv's editable install hides that (its .pth
+    imports the real one first), so a wheel's layout is used, without site's .pth files (-S)."""
+    path = [str(installed_layout(tmp_path / "site")), *site.getsitepackages()]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+    for argv, says in ((["--help"], "Usage: kvpark-operator run"),
+                       (["crd"], "kind: CustomResourceDefinition")):
+        done = subprocess.run([sys.executable, "-S", "-m", "kvpark.operator", *argv], cwd=REPO,
+                              env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and says in done.stdout, done.stderr[-3000:]
