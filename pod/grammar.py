@@ -33,6 +33,17 @@ ANY_JSON_OBJECT = {"type": "object"}  # response_format json_object, as llama.cp
 JSON_OPTIONS = {"whitespace_pattern": r"(?: |\n[ \t]{0,20})"}
 
 
+# what a grammar that no output can match is told, by source
+NOTHING_MATCHES = {
+    "json_schema": "Unsatisfiable schema: no JSON value can even begin (a $ref that only "
+                   "leads back to itself?)",
+    "gbnf": "no text can match it: no first token fits (rules that only lead back to "
+            "themselves?)",
+    "lark": "no text can match it: no first token fits (rules that only lead back to "
+            "themselves?)",
+}
+
+
 class GrammarError(ValueError):
     """The grammar or schema does not compile; the message says where."""
 
@@ -138,6 +149,8 @@ class Grammars:
         matcher = llguidance.LLMatcher(lltok, grammar.text, log_level=0)
         if matcher.is_error():
             raise GrammarError(matcher.get_error().strip().splitlines()[0][:300])
+        if not can_start(matcher):
+            raise GrammarError(NOTHING_MATCHES[grammar.source])
         with self._lock:
             self._compiled[grammar.text] = matcher
             while len(self._compiled) > self.cache_size:
@@ -149,6 +162,17 @@ class Grammars:
         matcher = self.compile(grammar).deep_copy()
         return GrammarConstraint(matcher, self.tokenizer.vocab_size,
                                  self.tokenizer.eos_token_ids)
+
+
+def can_start(matcher: llguidance.LLMatcher) -> bool:
+    """Whether some output can begin: a token fits, or the empty output is complete. llguidance
+    compiles a grammar whose rules only lead back to themselves (`{"$ref": "#"}`, a `$defs`
+    cycle) without complaint, and only its first mask finds that nothing fits; a sequence would
+    then end at once with EOS and an empty "answer" that is not JSON. Probed on a copy: the
+    cached matcher must stay at its start."""
+    probe = matcher.deep_copy()
+    probe.compute_bitmask()
+    return not probe.is_error()
 
 
 _by_tokenizer: dict[int, Grammars] = {}

@@ -104,6 +104,53 @@ def test_a_bad_grammar_is_a_400_naming_the_field(server, path, extra, param):
     assert server.chat("still there?", max_tokens=2).status_code == 200
 
 
+SELF_REFERENCES = [
+    {"$ref": "#"},
+    {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+    {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+]
+
+
+def as_format(schema: dict) -> dict:
+    return {"response_format": {"type": "json_schema",
+                                "json_schema": {"name": "x", "schema": schema}}}
+
+
+@pytest.mark.parametrize("schema", SELF_REFERENCES, ids=["ref-root", "defs-self", "defs-mutual"])
+@pytest.mark.parametrize("path,field,param", [
+    ("/v1/chat/completions", as_format, "response_format.json_schema.schema"),
+    ("/v1/completions", as_format, "response_format.json_schema.schema"),
+    ("/completion", lambda schema: {"json_schema": schema}, "json_schema"),
+], ids=["chat", "completions", "llama"])
+def test_a_schema_that_only_refers_to_itself_is_a_400_not_an_empty_answer(
+        server, schema, path, field, param):
+    """No JSON value can even begin: the answer was "" ending on EOS, as if it were valid."""
+    base = {"messages": ASK} if path.endswith("chat/completions") else {"prompt": "hi"}
+    response = server.post(path, {**base, "max_tokens": 8, **field(schema)})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and "itself" in error["message"], error
+
+
+TREE = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12},
+    "children": {"type": "array", "items": {"$ref": "#"}, "maxItems": 2}},
+    "required": ["name"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("path,field", [
+    ("/v1/completions", as_format(TREE)), ("/completion", {"json_schema": TREE})])
+def test_a_recursive_schema_with_a_way_out_still_answers_valid_json(server, path, field):
+    # a few shots, so greedy SmolLM2 closes the tree instead of nesting until max_tokens
+    prompt = '{"name": "Ann", "children": []}\n{"name": "Bob", "children": [{"name": "Cy"}]}\n'
+    response = server.post(path, {"prompt": prompt, "max_tokens": 60, "temperature": 0,
+                                  **field})
+    assert response.status_code == 200, response.text
+    out = response.json()
+    text = out["choices"][0]["text"] if "choices" in out else out["content"]
+    jsonschema.validate(json.loads(text), TREE)
+
+
 def test_a_park_mid_output_keeps_the_grammar_state():
     """A recompute park (--preempt-ram 0) replays the output so far: those tokens must not
     reach the grammar a second time. The seeded tiny model (its random logits make the grammar
@@ -174,6 +221,36 @@ def test_streamed_tool_calls_accumulate_in_the_openai_helper(client):
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     assert choice.message.tool_calls[0].function.name == "get_weather"
     assert json.loads(choice.message.tool_calls[0].function.arguments)["city"]
+
+
+def test_a_tool_call_cut_short_by_max_tokens_is_still_a_tool_call(client):
+    """As OpenAI answers a call cut short: finish_reason "length", the call with its arguments
+    as far as they got; never kvpark's internal {"tool_calls": ...} text as content."""
+    ask = {"model": "x", "messages": ASK, "tools": [WEATHER], "tool_choice": "required",
+           "temperature": 0}
+    whole = client.chat.completions.create(**ask, max_tokens=80)
+    name = whole.choices[0].message.tool_calls[0].function.name
+    arguments = whole.choices[0].message.tool_calls[0].function.arguments
+    for limit in range(whole.usage.completion_tokens - 1, 0, -1):  # the last cut inside them
+        choice = client.chat.completions.create(**ask, max_tokens=limit).choices[0]
+        assert choice.finish_reason == "length" and choice.message.content is None, choice
+        call = choice.message.tool_calls[0]
+        assert call.function.name == name and call.id.startswith("call_")
+        if call.function.arguments != arguments:
+            break
+    assert call.function.arguments.startswith("{") and "tool_calls" not in call.function.arguments
+    with pytest.raises(ValueError):
+        json.loads(call.function.arguments)  # not whole: the client can tell
+
+    chunks = [c.choices[0] for c in client.chat.completions.create(
+        **ask, max_tokens=limit, stream=True) if c.choices]
+    streamed = [d for c in chunks for d in c.delta.tool_calls or []]
+    assert chunks[-1].finish_reason == "length" and not any(c.delta.content for c in chunks)
+    assert [d.function.arguments for d in streamed] == [call.function.arguments]
+
+    early = client.chat.completions.create(**ask, max_tokens=3).choices[0]
+    assert early.finish_reason == "length" and not early.message.tool_calls
+    assert early.message.content == ""  # nothing whole yet, and no wire format
 
 
 def test_tool_choice_none_and_named(client):
