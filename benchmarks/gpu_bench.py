@@ -8,8 +8,11 @@
    recompute (a prefill of the same tokens);
 4. the results table of benchmarks/preemption.py, in process: four concurrent chats of ~1000-token
    prompts through the real Engine and Scheduler on a pool that cannot hold them, per host budget
-   (ample / inside the park-size range / 0): completed, parks by mode, aggregate tokens/s, time
-   parked, and the latency from resume to the next token (swap: copy-in; recompute: the replay).
+   (ample / inside the park-size range / 0) and prefix cache (on, the server's default, and off):
+   completed, parks by mode (and of them resumed entirely from the cache), the full pages resumes
+   took back from the cache, aggregate tokens/s, time parked, and the latency from resume to the
+   next token (swap: the copy-in, of only the pages evicted meanwhile when the cache is on;
+   recompute: the replay; cached: nothing to copy or replay).
    In process because the GPU machine has no server dependencies (HTTP, tokenizer) and the GGUF
    is too large to travel; the token ids are random, the model synthetic.
 
@@ -57,6 +60,7 @@ from kvpark.pod.host_store import HostStore  # noqa: E402
 from kvpark.pod.kv_pool import KVPool  # noqa: E402
 from kvpark.pod.model.llama import LlamaModel  # noqa: E402
 from kvpark.pod.model.synthetic import synthetic_config, synthetic_weights  # noqa: E402
+from kvpark.pod.prefix_cache import PrefixCache  # noqa: E402
 from kvpark.pod.runner import ModelRunner  # noqa: E402
 from kvpark.pod.sampling import SamplingParams  # noqa: E402
 from kvpark.pod.scheduler import Scheduler, SchedulerConfig  # noqa: E402
@@ -88,6 +92,7 @@ class ChatsConfig:
     pool: int  # tokens the KV pool holds: less than the four chats need together
     runs: int
     timeout_s: float
+    caches: tuple[str, ...] = ("on", "off")  # prefix cache modes, run alternately
 
 
 @dataclass
@@ -362,18 +367,23 @@ NUM_CHATS = 4
 
 class ChatRecorder:
     """The chats' event stream (what an SSE client sees), timed: resume-to-next-token latency
-    by park mode, and a signal when all have finished."""
+    by park mode ("cached": a resume that found every full page in the prefix cache), the full
+    pages resumes took back from the cache, and a signal when all have finished."""
 
     def __init__(self, count: int) -> None:
         self.remaining = count
         self.done = threading.Event()
         self.resumed_at: dict[int, tuple[str, float]] = {}
-        self.resume_latency: dict[str, list[float]] = {"swap": [], "recompute": []}
+        self.resume_latency: dict[str, list[float]] = {"swap": [], "recompute": [], "cached": []}
+        self.pages_from_cache = 0  # full pages resumes found still cached
+        self.pages_released = 0  # of the full pages their parks left in the cache
 
     def on_event(self, seq: Sequence, kind: str, text: str) -> None:
         now = time.perf_counter()
         if kind == "resumed":
             self.resumed_at[seq.seq_id] = (seq.parking.mode.value, now)
+            self.pages_from_cache += seq.parking.restored_pages
+            self.pages_released += len(seq.parking.cached_pages)
         elif kind == "token" and seq.seq_id in self.resumed_at:
             mode, at = self.resumed_at.pop(seq.seq_id)
             self.resume_latency[mode].append(now - at)
@@ -424,14 +434,26 @@ def ms(values: list[float], pick: Callable[[list[float]], float]) -> float | Non
     return round(pick(values) * 1e3, 2) if values else None
 
 
+def use_prefix_cache(pool: KVPool, on: bool) -> None:
+    """A fresh prefix cache on the pool (or none): a run must not find the previous run's
+    prompts. Call between runs, when only cached pages are left: they are evicted to the free
+    list first."""
+    if pool.cache is not None:
+        pool.free(pool.allocate(pool.num_free_pages))
+    pool.cache = PrefixCache("gpu_bench", PAGE_SIZE) if on else None
+
+
 def chats_row(label: str, budget: int, seqs: list[Sequence], scheduler: Scheduler,
               recorder: ChatRecorder, wall: float, cfg: BenchConfig) -> dict:
     stats = scheduler.stats
     parked = [s.parking.seconds for s in seqs]
     return {
         "budget": label, "budget_mib": "unbounded" if budget < 0 else round(budget / 2**20, 3),
+        "prefix_cache": "off" if scheduler.pool.cache is None else "on",
         "completed": f"{sum(s.num_generated == cfg.chats.output for s in seqs)}/{len(seqs)}",
         "swap": stats.n_preempt_swap, "recompute": stats.n_preempt_recompute,
+        "cached": stats.n_preempt_cached,
+        "pages_from_cache": f"{recorder.pages_from_cache}/{recorder.pages_released}",
         "recomputed_tokens": stats.n_recompute_tokens,
         "agg_tok_s": round(sum(s.num_generated for s in seqs) / wall, 1),
         "wall_s": round(wall, 2),
@@ -441,6 +463,7 @@ def chats_row(label: str, budget: int, seqs: list[Sequence], scheduler: Schedule
         "resume_to_token_ms_swap": ms(recorder.resume_latency["swap"], statistics.median),
         "resume_to_token_ms_recompute": ms(recorder.resume_latency["recompute"],
                                            statistics.median),
+        "resume_to_token_ms_cached": ms(recorder.resume_latency["cached"], statistics.median),
     }
 
 
@@ -451,8 +474,10 @@ def chat_backend(model: LlamaModel, cfg: BenchConfig) -> AttentionBackend:
         return TorchPagedAttention(cfg.device)
 
 
-def bench_chats(model: LlamaModel, cfg: BenchConfig, report: Report) -> None:
-    """As the server runs on CUDA: FlashInfer, decode graphs, asynchronous swap copies."""
+def bench_chats(model: LlamaModel, cfg: BenchConfig, report: Report,
+                save: Callable[[], None] = lambda: None) -> None:
+    """As the server runs on CUDA: FlashInfer, decode graphs, asynchronous swap copies, the
+    prefix cache on (and off, to compare). `save` after each row: a run cut short keeps them."""
     c = model.config
     pool = KVPool(c.num_layers, cfg.chats.pool // PAGE_SIZE, PAGE_SIZE, c.num_kv_heads,
                   c.head_dim, cfg.dtype, cfg.device)
@@ -467,15 +492,21 @@ def bench_chats(model: LlamaModel, cfg: BenchConfig, report: Report) -> None:
                            "cuda_graphs": graphs is not None,
                            "copy_engine": type(make_copy_engine(pool)).__name__}
     for label, budget in chat_budgets(pool, cfg):
-        rows = []
+        rows: dict[str, list[dict]] = {cache: [] for cache in cfg.chats.caches}
         for _ in range(cfg.chats.runs):
-            seqs, scheduler, recorder, wall = run_chats(model, runner, cfg, pool, budget)
-            assert pool.num_free_pages == free_pages, "pages leaked"
-            rows.append(chats_row(label, budget, seqs, scheduler, recorder, wall, cfg))
-        row = min(rows, key=lambda r: r["wall_s"])  # the least disturbed run
-        row["runs_tok_s"] = [r["agg_tok_s"] for r in rows]
-        report.chats.append(row)
-        print_row("chats", row)
+            for cache in cfg.chats.caches:  # alternating, so the modes share the machine
+                use_prefix_cache(pool, cache == "on")
+                seqs, scheduler, recorder, wall = run_chats(model, runner, cfg, pool, budget)
+                assert pool.num_free_pages == free_pages, "pages leaked"
+                rows[cache].append(chats_row(label, budget, seqs, scheduler, recorder, wall,
+                                             cfg))
+        for runs in rows.values():
+            row = min(runs, key=lambda r: r["wall_s"])  # the least disturbed run
+            row["runs_tok_s"] = [r["agg_tok_s"] for r in runs]
+            report.chats.append(row)
+            print_row("chats", row)
+            save()
+    use_prefix_cache(pool, False)
     if graphs is not None:
         graphs.close()
 
@@ -545,19 +576,24 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, Path]:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--chat-output", type=int, default=256, help="tokens each chat generates")
+    p.add_argument("--chat-cache", default="on,off",
+                   help="prefix cache modes of the chats, comma-separated (on, off)")
     args = p.parse_args(argv)
+    caches = tuple(args.chat_cache.split(","))
+    if not set(caches) <= {"on", "off"}:
+        p.error(f"--chat-cache takes on, off or both, got {args.chat_cache!r}")
     if args.dry_run:
         cfg = BenchConfig("synthetic:tiny", torch.device("cpu"), torch.float32, [1, 2], 40, 2, 1,
                           park_tokens=100, prefill_seqs=2, copy_bytes=16 << 20,
                           chats=ChatsConfig(prompt=60, output=24, pool=240, runs=1,
-                                            timeout_s=120))
+                                            timeout_s=120, caches=caches))
     else:
         assert torch.cuda.is_available(), "the GPU benchmark needs CUDA (or use --dry-run)"
         cfg = BenchConfig(args.model, torch.device("cuda"), torch.bfloat16,
                           [int(b) for b in args.batches.split(",")], args.context, args.steps,
                           warmup=3, park_tokens=1000, prefill_seqs=4, copy_bytes=2 << 30,
                           chats=ChatsConfig(prompt=1000, output=args.chat_output, pool=3072,
-                                            runs=2, timeout_s=60))
+                                            runs=2, timeout_s=60, caches=caches))
     return cfg, Path(args.out)
 
 
@@ -571,11 +607,18 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model(cfg)
     report.env["model_build_s"] = round(time.perf_counter() - started, 1)
     report.env["weight_bytes_per_step_b1"] = weight_bytes_per_step(model, 1)
+
+    def save() -> None:  # after every section: a run cut short by its time limit keeps these
+        write_report(report, out)
+
     run_section("decode", lambda: bench_decode(model, cfg, bandwidth, report), report)
+    save()
     run_section("attention", lambda: bench_attention(model, cfg, report), report)
+    save()
     run_section("parks", lambda: bench_parks(model, cfg, report), report)
-    run_section("chats", lambda: bench_chats(model, cfg, report), report)
-    write_report(report, out)
+    save()
+    run_section("chats", lambda: bench_chats(model, cfg, report, save), report)
+    save()
     return 1 if report.errors else 0
 
 

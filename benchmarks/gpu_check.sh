@@ -74,9 +74,10 @@ if ! run_step "fi_smoke (prebuilt kernels)" 240 "$OUT/fi_smoke.log" "$PY" .gpu/f
     run_step "fi_smoke (JIT)" 480 "$OUT/fi_smoke_jit.log" "$PY" .gpu/fi_smoke.py
 fi
 
-# 4. the GPU tests (-P: the working directory stays off sys.path, see step 2)
+# 4. the GPU tests (-P: the working directory stays off sys.path, see step 2; -rsP: skip reasons,
+#    and what passing tests print: the measured logits errors and greedy agreements)
 run_step "pytest tests/gpu" 200 "$OUT/gpu_tests.log" "$PY" -P -m pytest -m gpu tests/gpu -q \
-    -rs -p no:cacheprovider --junitxml "$OUT/gpu_tests.xml"
+    -rsP -p no:cacheprovider --junitxml "$OUT/gpu_tests.xml"
 
 # 5. benchmarks
 run_step "gpu_bench" 200 "$OUT/gpu_bench.log" "$PY" benchmarks/gpu_bench.py --out "$OUT"

@@ -4,6 +4,7 @@ kernels run without a graph, and stay close to the plain eager FlashInfer path."
 import pytest
 import torch
 from gpu_common import DEVICE, DTYPE
+from gpu_stack import no_graph_capture
 
 from kvpark.kernels.attention import StepLayout
 from kvpark.kernels.flashinfer_paged import AttentionShape, FlashInferPagedAttention
@@ -17,17 +18,6 @@ PROMPT_LENS = [5, 17, 33, 64]
 STEPS = 24
 MAX_LOGITS_REL_ERR = 3e-2
 ROW_SETS = [[0], [1, 3], [0, 1, 2], [0, 1, 2, 3]]  # buckets 1, 2, 4 (3 rows + 1 padding), 4
-
-
-def no_graph_capture(forward, mempool):
-    """The same graph-mode wrappers and static buffers, run eagerly at each 'replay'."""
-    hidden = forward()
-
-    def replay():
-        with torch.inference_mode():
-            hidden.copy_(forward())
-
-    return replay, hidden
 
 
 class Greedy:
