@@ -1,11 +1,12 @@
-"""`python -m kvpark.operator` runs the operator (kopf run); `... crd` prints the CRD YAML."""
+"""`python -m kvpark.operator` runs the operator (kopf run); `... crd` prints the CRD YAML and
+`... podspec-schema` the PodSpec schema that spec.podTemplate is checked against (podschema.py)."""
 
 from __future__ import annotations
 
 import secrets
 import sys
 
-from kvpark.operator import crd, peering
+from kvpark.operator import crd, peering, podschema
 from kvpark.operator.config import OperatorConfig
 
 
@@ -27,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["crd"]:
         sys.stdout.write(crd.crd_yaml())
+        return 0
+    if argv[:1] == ["podspec-schema"]:  # a developer's command: needs kubernetes-validate
+        sys.stdout.write(podschema.schema_yaml())
         return 0
     from kopf import cli  # imported here: `crd` works without kopf installed
 

@@ -100,9 +100,12 @@ def get_endpoint(name: str, namespace: str) -> str:
 
 
 def get_owner_reference(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The controller reference; blockOwnerDeletion makes a foreground deletion of the
+    PreemptServer wait for the child (the operator needs `update` on preemptservers/finalizers
+    for it where the OwnerReferencesPermissionEnforcement admission plugin runs)."""
     meta = body["metadata"]
     return {"apiVersion": crd.API_VERSION, "kind": crd.KIND, "name": meta["name"],
-            "uid": meta["uid"], "controller": True}
+            "uid": meta["uid"], "controller": True, "blockOwnerDeletion": True}
 
 
 def get_metadata(body: Mapping[str, Any]) -> dict[str, Any]:

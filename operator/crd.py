@@ -3,12 +3,20 @@
 `python -m kvpark.operator crd` prints `crd_yaml()`; a test keeps both YAML copies equal to it.
 Defaults live here too: the API server applies them on a real cluster, and the operator applies the
 same ones (`with_defaults`) so that it never depends on a server having done so.
+
+The API server checks every `default` against its own node's schema and CEL rules as written,
+without filling the defaults nested in it (k8s.io/apiextensions-apiserver, schema/defaulting/
+validation.go): `spec: {default: {}}` under a rule `self.contextSize >= ...` makes the whole CRD
+invalid ("no such key: contextSize"). So `get_crd` writes every object default filled
+(`fill_defaults`) and refuses a rule that reads a field its node's default lacks without a `has()`
+(`get_default_problems`); tests/operator/crd_check.py then runs the rules on each default.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+import re
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import yaml
@@ -291,8 +299,11 @@ def get_pod_template_schema() -> dict[str, Any]:
             },
             "spec": {
                 "type": "object",
-                "description": "Fields of a core/v1 PodSpec; checked by the API server when "
-                "the Deployment is applied (a refusal shows as Degraded, ChildRejected).",
+                "description": "Fields of a core/v1 PodSpec. The operator checks them against "
+                "the PodSpec's schema before applying: a field it does not declare or a value "
+                "of another type makes the PreemptServer Degraded, ChildRejected (naming the "
+                "field), and nothing is applied; other refusals by the API server show the "
+                "same way.",
                 "x-kubernetes-preserve-unknown-fields": True,
             },
         },
@@ -541,7 +552,7 @@ def get_crd() -> dict[str, Any]:
                     "served": True,
                     "storage": True,
                     "schema": {
-                        "openAPIV3Schema": {
+                        "openAPIV3Schema": get_checked_schema({
                             "type": "object",
                             "description": "An LLM server that parks KV instead of failing "
                             "when its pool is full.",
@@ -552,7 +563,7 @@ def get_crd() -> dict[str, Any]:
                                 "spec": get_spec_schema(),
                                 "status": get_status_schema(),
                             },
-                        }
+                        })
                     },
                     "subresources": {
                         "status": {},
@@ -584,8 +595,67 @@ def get_openapi_schema() -> dict[str, Any]:
     return get_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
 
 
+def fill_defaults(schema: Mapping[str, Any]) -> dict[str, Any]:
+    """`schema` with every object `default` filled with the defaults of the fields inside it, as
+    the API server would fill them in a resource (the server validates a default unfilled)."""
+    node = {}
+    for key, value in schema.items():  # in order: the YAML stays as written
+        if key == "properties":
+            node[key] = {k: fill_defaults(v) for k, v in value.items()}
+        elif key in ("items", "additionalProperties") and isinstance(value, Mapping):
+            node[key] = fill_defaults(value)
+        else:
+            node[key] = copy.deepcopy(value)
+    if isinstance(node.get("default"), Mapping):
+        node["default"] = with_defaults(node, node["default"])
+    return node
+
+
+SELF_FIELD = re.compile(r"\bself\.([A-Za-z_][A-Za-z0-9_]*)")
+
+
+def get_default_problems(schema: Mapping[str, Any], path: str = "") -> list[str]:
+    """Rules that would read a field missing from a default: every rule of a node that a default
+    holds (the node's own default, or a part of an ancestor's) may read `self.FIELD` only where
+    that default has FIELD, or inside `has(self.FIELD)`. The API server refuses the CRD otherwise.
+    (A reading check, not a proof: tests/operator/crd_check.py evaluates the rules.)"""
+    problems = []
+    if "default" in schema:
+        problems += [f"{where}: {problem}"
+                     for where, problem in _unguarded_reads(schema, schema["default"], path)]
+    for key, sub in schema.get("properties", {}).items():
+        problems += get_default_problems(sub, f"{path}.{key}".lstrip("."))
+    if isinstance(schema.get("items"), Mapping):
+        problems += get_default_problems(schema["items"], f"{path}[]")
+    return problems
+
+
+def _unguarded_reads(schema: Mapping[str, Any], value: Any, path: str) -> Iterator[tuple[str, str]]:
+    if not isinstance(value, Mapping):
+        return
+    for rule in schema.get("x-kubernetes-validations", []):
+        text = rule["rule"]
+        for field in sorted(set(SELF_FIELD.findall(text))):
+            if field not in value and f"has(self.{field})" not in text:
+                yield path, f"rule {text!r} reads {field}, which the default lacks: give " \
+                    f"{field} a default or guard it with has(self.{field})"
+    for key, sub in schema.get("properties", {}).items():
+        if key in value:
+            yield from _unguarded_reads(sub, value[key], f"{path}.{key}".lstrip("."))
+
+
 def crd_yaml() -> str:
     return HEADER + yaml.safe_dump(get_crd(), sort_keys=False, width=100)
+
+
+def get_checked_schema(schema: Mapping[str, Any]) -> dict[str, Any]:
+    """The openAPIV3Schema as the CRD carries it: defaults filled; a rule that would fail on a
+    default stops the generator (ValueError), before any API server sees it."""
+    filled = fill_defaults(schema)
+    problems = get_default_problems(filled)
+    if problems:
+        raise ValueError("defaults the API server would refuse:\n" + "\n".join(problems))
+    return filled
 
 
 def with_defaults(schema: Mapping[str, Any], value: Any) -> Any:

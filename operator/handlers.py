@@ -32,6 +32,7 @@ from kvpark.operator.status import Problem
 CONFIG = OperatorConfig.from_env()
 MANAGED_BY = f"app.kubernetes.io/managed-by={MANAGER}"
 OPTIONAL_APIS = (builders.POD_MONITORS, builders.SCALED_OBJECTS, *builders.INFERENCE_POOLS)
+AUTOSCALERS = ("HorizontalPodAutoscaler", "ScaledObject")  # their status can make us Degraded
 # kopf runs the CR's handlers, the resync loop and the Deployment watch concurrently
 LOCKS: defaultdict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
 logger = logging.getLogger(__name__)
@@ -173,8 +174,9 @@ def reconcile(body: Mapping[str, Any]) -> None:
         existing: dict[str, dict[str, Any] | None] = {}
         if not any(p.blocking for p in problems):
             problems += sync_children(body, children, existing)
-        deployment = existing["Deployment"] if "Deployment" in existing else \
-            kube.get("Deployment", namespace, name)
+        deployment, conflict = get_own_deployment(existing, namespace, name, uid)
+        applied = not problems  # before what the children report, which is no failure to apply
+        problems += get_autoscaler_problems(existing, uid)
         selector = builders.get_selector(name)
         pods = kube.list_objects("Pod", namespace, selector) \
             if status_.needs_pods(spec["replicas"], deployment) else []
@@ -184,7 +186,7 @@ def reconcile(body: Mapping[str, Any]) -> None:
             {**body, "status": old}, spec["replicas"], deployment,
             selector=selector, endpoint=builders.get_endpoint(name, namespace),
             preempt_ram=sizing.preempt_ram, problems=problems, notes=children.notes,
-            pod_problems=pod_problems, applied=not problems,
+            pod_problems=pod_problems, applied=applied, conflict=conflict,
             now=datetime.datetime.now(datetime.timezone.utc),
         )
         if status != old:
@@ -192,6 +194,24 @@ def reconcile(body: Mapping[str, Any]) -> None:
             MEMORY.written[uid] = status
         for problem in status_.get_new_problems(old, problems + pod_problems):
             kube.post_event(body, "Warning", problem.reason, problem.message)
+
+
+def get_own_deployment(existing: Mapping[str, dict[str, Any] | None], namespace: str,
+                       name: str, uid: str) -> tuple[dict[str, Any] | None, Problem | None]:
+    """The Deployment the status follows, or None and the conflict when the one of the name is
+    someone else's (its rollout says nothing about this PreemptServer)."""
+    deployment = existing["Deployment"] if "Deployment" in existing else \
+        kube.get("Deployment", namespace, name)
+    if deployment is not None and not plan_.is_owned(deployment, uid):
+        return None, plan_.get_conflict("Deployment", deployment)
+    return deployment, None
+
+
+def get_autoscaler_problems(existing: Mapping[str, dict[str, Any] | None],
+                            uid: str) -> list[Problem]:
+    """What our HPA or ScaledObject, as read or applied this round, says it cannot do."""
+    return [problem for kind in AUTOSCALERS if plan_.is_owned(existing.get(kind) or {}, uid)
+            for problem in status_.get_autoscaler_problems(kind, existing[kind])]
 
 
 def sync_children(body: Mapping[str, Any], children: builders.Children,

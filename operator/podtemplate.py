@@ -13,7 +13,9 @@ The patch goes on last, so it wins over what the operator set, except for what t
 the server container's image, command, args and resources (spec.image, spec.server.args and
 spec.resources set them; memory sizing and the reserved-flag check depend on them), its reserved
 environment variables, and the selector labels. A patch that touches those is refused
-(`OwnedField`, Degraded) and nothing is applied.
+(`OwnedField`, Degraded) and nothing is applied; so is one with a field the core/v1 PodSpec does
+not declare or a value of the wrong type (`ChildRejected`, naming the field: podschema.py), which
+server-side apply would answer with a 500 that names no field of the PreemptServer.
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ import copy
 from collections.abc import Mapping, Set
 from typing import Any
 
+from kvpark.operator import podschema
 from kvpark.operator.status import Problem
 
 MERGE_KEYS = {"containers": "name", "initContainers": "name", "ephemeralContainers": "name",
               "env": "name", "volumes": "name", "volumeMounts": "mountPath",
               "imagePullSecrets": "name"}
-DELETE = {"$patch": "delete"}
+DELETE_KEY = "$patch"
+DELETE = {DELETE_KEY: "delete"}
 OWNED_CONTAINER_FIELDS = ("image", "command", "args", "resources")
 
 
@@ -62,11 +66,11 @@ def merge_list(base: list[Any], patch: list[Any], key: str) -> list[Any]:
 
 
 def is_delete(item: Mapping[str, Any]) -> bool:
-    return item.get("$patch") == DELETE["$patch"]
+    return item.get(DELETE_KEY) == DELETE[DELETE_KEY]
 
 
 def without_directive(item: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: copy.deepcopy(v) for k, v in item.items() if k != "$patch"}
+    return {k: copy.deepcopy(v) for k, v in item.items() if k != DELETE_KEY}
 
 
 def get_template_problems(patch: Mapping[str, Any], selector: Mapping[str, str],
@@ -94,4 +98,16 @@ def get_template_problems(patch: Mapping[str, Any], selector: Mapping[str, str],
         problems.insert(0, Problem("OwnedField", f"podTemplate sets {', '.join(owned)}, which "
                                    "the operator owns (use spec.image, spec.server.args and "
                                    "spec.resources; the selector labels are fixed)"))
-    return problems
+    return problems + get_schema_problems(patch)
+
+
+def get_schema_problems(patch: Mapping[str, Any]) -> list[Problem]:
+    """Fields of the patch's pod spec that the core/v1 PodSpec does not declare, or of another
+    type: the API server could not apply the Deployment."""
+    errors = podschema.get_errors(patch.get("spec") or {}, "spec.podTemplate.spec",
+                                  set(MERGE_KEYS), DELETE_KEY)
+    if not errors:
+        return []
+    more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
+    return [Problem("ChildRejected", "the Deployment's pod template would be refused: "
+                    f"{'; '.join(errors[:3])}{more} (core/v1 PodSpec)")]

@@ -46,9 +46,13 @@ WAITING_FAILURES = frozenset({"ImagePullBackOff", "ErrImagePull", "InvalidImageN
                               "CreateContainerError", "RunContainerError"})
 
 
-def get_readiness(desired: int, deployment: Mapping[str, Any] | None) -> tuple[bool, str, str]:
+def get_readiness(desired: int, deployment: Mapping[str, Any] | None,
+                  conflict: Problem | None = None) -> tuple[bool, str, str]:
     """Ready while the endpoint answers: at least one pod serves (during a scale-out or a
-    rollout too, which Progressing reports)."""
+    rollout too, which Progressing reports). `conflict`: the Deployment of the name is not ours,
+    and says nothing about this PreemptServer."""
+    if conflict is not None:
+        return False, conflict.reason, conflict.message
     if deployment is None:
         return False, "DeploymentMissing", "the Deployment does not exist (yet)"
     ready = int((deployment.get("status") or {}).get("readyReplicas") or 0)
@@ -111,7 +115,10 @@ def get_pod_problems(pods: Sequence[Mapping[str, Any]]) -> list[Problem]:
 
 
 def get_progress(desired: int, deployment: Mapping[str, Any] | None,
-                 failing: Sequence[Problem] = ()) -> tuple[bool, str, str]:
+                 failing: Sequence[Problem] = (),
+                 conflict: Problem | None = None) -> tuple[bool, str, str]:
+    if conflict is not None:
+        return False, conflict.reason, conflict.message
     if deployment is None:
         return True, "Creating", "creating the Deployment"
     if failing:
@@ -147,20 +154,23 @@ def get_status(
     notes: Sequence[str] = (),
     pod_problems: Sequence[Problem] = (),
     applied: bool = True,
+    conflict: Problem | None = None,
     now: datetime.datetime,
 ) -> dict[str, Any]:
     """The whole `.status` of a PreemptServer (the caller patches it when it differs).
 
     `applied`: this generation's children were all written as the spec says. Only then does
     `observedGeneration` move to it; the conditions carry the generation they judged anyway.
-    `pod_problems` (get_pod_problems) stop Progressing and make the CR Degraded.
+    `pod_problems` (get_pod_problems) stop Progressing and make the CR Degraded. `conflict`: a
+    Deployment of the name that is not ours (then `deployment` is None): Ready and Progressing
+    say so instead of reading someone else's rollout.
     """
     generation = int((body.get("metadata") or {}).get("generation") or 0)
     old = body.get("status") or {}
     previous = old.get("conditions") or []
     dep_status = (deployment or {}).get("status") or {}
-    ready, ready_reason, ready_message = get_readiness(desired, deployment)
-    moving, move_reason, move_message = get_progress(desired, deployment, pod_problems)
+    ready, ready_reason, ready_message = get_readiness(desired, deployment, conflict)
+    moving, move_reason, move_message = get_progress(desired, deployment, pod_problems, conflict)
     problems = [*problems, *pod_problems]
     if problems:
         degraded_reason = problems[0].reason
@@ -186,6 +196,29 @@ def get_status(
     if status["observedGeneration"] is None:
         del status["observedGeneration"]  # nothing applied yet
     return status
+
+
+# an HPA condition that is False for one of these reasons is the autoscaler doing its job: the
+# target was scaled to 0 by hand, or a scale waits out its window
+AUTOSCALER_QUIET = frozenset({"ScalingDisabled", "BackoffBoth", "BackoffDownscale",
+                              "BackoffUpscale"})
+
+
+def get_autoscaler_problems(kind: str, autoscaler: Mapping[str, Any] | None) -> list[Problem]:
+    """An autoscaler of ours that cannot scale: an HPA whose AbleToScale or ScalingActive is
+    False (FailedGetPodsMetric: no custom metrics API, or no series for the metric), a KEDA
+    ScaledObject that is not Ready (its trigger fails). Only the HPA controller and KEDA see it
+    otherwise, and the PreemptServer would never scale."""
+    if autoscaler is None:
+        return []
+    name = (autoscaler.get("metadata") or {}).get("name")
+    wanted = {"AbleToScale", "ScalingActive"} if kind == "HorizontalPodAutoscaler" else {"Ready"}
+    failing = [c for c in (autoscaler.get("status") or {}).get("conditions") or []
+               if c.get("type") in wanted and c.get("status") == "False"
+               and c.get("reason") not in AUTOSCALER_QUIET]
+    return [Problem("AutoscalerNotScaling", f"{kind} {name}: {c['type']}=False "
+                    f"({c.get('reason', '')}): {c.get('message', '')}", blocking=False)
+            for c in failing]
 
 
 def get_new_problems(old_status: Mapping[str, Any] | None,

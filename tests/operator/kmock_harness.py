@@ -8,7 +8,8 @@ changes nothing. It runs no controllers (no Deployment controller, no garbage co
 no defaulting, no schema or CEL validation, no RBAC, no label-selector filtering, ignores delete
 preconditions, and treats server-side apply as a merge patch. Tests may add `admission` checks:
 stand-ins for validating webhooks, each told (emulator, request) before a write is stored and
-raising kmock.KubernetesError to refuse it (see `keda_webhook`). `Api` is a plain `kubernetes`
+raising kmock.KubernetesError to refuse it (see `keda_webhook`, and `typed_apply` for the typing
+that server-side apply does). `Api` is a plain `kubernetes`
 client for the tests' own calls, with its own User-Agent.
 """
 
@@ -151,6 +152,35 @@ def keda_webhook(emulator: Emulator, request: kmock.Request) -> None:
                 403, "Forbidden", 'admission webhook "vscaledobject.kb.io" denied the request: '
                 f"the workload '{target.get('name')}' of type '{target.get('apiVersion')}."
                 f"{target.get('kind')}' is already managed by the hpa '{hpa_name}'")
+
+
+def typed_apply(emulator: Emulator, request: kmock.Request) -> None:
+    """An emulation of server-side apply's first step on a Deployment: the object is typed with
+    the API's schema, and a field the schema lacks or a value of another type fails the request
+    with a 500, as kube-apiserver v1.36 answers it (`failed to create typed patch object (NS/NAME;
+    apps/v1, Kind=Deployment): .spec.template.spec.bogusField: field not declared in schema`).
+    kubernetes-validate's strict schemas do the typing here; other refusals (a missing required
+    field) are the real server's 422 and not emulated."""
+    import jsonschema
+    import kubernetes_validate.utils as kv
+
+    if request.resource is None or request.resource.plural != "deployments" or \
+            "apply-patch" not in request.headers.get("Content-Type", ""):
+        return
+    try:
+        kv.validate(request.data, "1.36", strict=True)
+    except jsonschema.ValidationError as e:
+        path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e.absolute_path)
+        if e.validator == "additionalProperties":
+            extra = sorted(set(e.instance) - set(e.schema.get("properties", {})))
+            why = f"{path}.{extra[0]}: field not declared in schema"
+        elif e.validator in ("type", "oneOf"):
+            why = f"{path}: expected {e.schema.get('type') or 'another type'}, got {e.instance!r}"
+        else:
+            return
+        raise kmock.KubernetesError(500, "InternalError", "failed to create typed patch object ("
+                                    f"{request.namespace}/{request.name}; apps/v1, "
+                                    f"Kind=Deployment): {why}") from None
 
 
 class KmockServer:

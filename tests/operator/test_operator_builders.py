@@ -227,9 +227,10 @@ def test_every_child_is_owned_named_and_labelled() -> None:
     for child in children.apply:
         meta = child["metadata"]
         assert (meta["name"], meta["namespace"]) == ("llm", "team")
+        # blockOwnerDeletion: a foreground deletion of the PreemptServer waits for its children
         assert meta["ownerReferences"] == [{"apiVersion": "kvpark.io/v1alpha1",
                                             "kind": "PreemptServer", "name": "llm", "uid": UID,
-                                            "controller": True}]
+                                            "controller": True, "blockOwnerDeletion": True}]
         assert meta["labels"]["app.kubernetes.io/managed-by"] == "kvpark-operator"
     selector = builders.get_selector_labels("llm")
     deployment, service, pdb = children.apply[:3]

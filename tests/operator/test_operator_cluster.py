@@ -78,7 +78,8 @@ def test_lifecycle_on_a_real_cluster(cluster) -> None:
     deployment = api.wait_child("Deployment", ns, "s", timeout=60)
     for kind in ("Deployment", "Service"):
         owner = api.get(kind, ns, "s")["metadata"]["ownerReferences"][0]
-        assert (owner["uid"], owner["controller"]) == (server["metadata"]["uid"], True)
+        assert (owner["uid"], owner["controller"], owner["blockOwnerDeletion"]) == (
+            server["metadata"]["uid"], True, True)
 
     api.patch_spec(ns, "s", {"parallel": 3})
     patched = api.wait_child("Deployment", ns, "s", lambda d: "3" in d["spec"]["template"][

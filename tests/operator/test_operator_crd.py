@@ -1,23 +1,27 @@
-"""The PreemptServer CRD: generated YAML in sync, and its schema judging good and bad resources.
+"""The PreemptServer CRD: generated YAML in sync, accepted by the API server, and its schema judging
+good and bad resources.
 
-Structural checks run with jsonschema against the CRD's openAPIV3Schema; the CEL rules
-(x-kubernetes-validations) run with cel-python after the schema's defaults are applied, as the
-API server does. A real API server also type-checks and costs the CEL at CRD creation: that part
-is only exercised by the `cluster`-marked test.
+crd_check.py does offline what kube-apiserver does (kmock validates nothing): the CRD's structural
+rules, its CEL rules (compiled, fields type-checked, cost estimated) and every `default` checked
+against its own node's schema and rules as written; a resource through unknown fields, the schema
+and, with its defaults applied, the CEL rules. `test_operator_cluster.py` applies the CRD to a
+real API server when one is given.
 """
 
 from __future__ import annotations
 
 import copy
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import celpy
-import jsonschema
 import pytest
 import yaml
+from crd_check import check_crd, check_resource
 from kmock_harness import REPO
 
 from kvpark.operator import crd
@@ -26,37 +30,24 @@ from kvpark.operator.__main__ import main
 SCHEMA = crd.get_openapi_schema()
 EXAMPLES = sorted((REPO / "manifests" / "examples").glob("*.yaml"))
 CEL = celpy.Environment()
-
-
-def schema_errors(obj: dict) -> set[str]:
-    validator = jsonschema.Draft202012Validator(SCHEMA)
-    return {".".join(str(p) for p in e.absolute_path) + f": {e.validator}"
-            for e in validator.iter_errors(obj)}
-
-
-def cel_errors(schema: dict[str, Any], value: Any, path: str = "") -> set[str]:
-    errors = set()
-    for rule in schema.get("x-kubernetes-validations", []):
-        program = CEL.program(CEL.compile(rule["rule"]))
-        result = program.evaluate({"self": celpy.json_to_cel(value)})
-        assert isinstance(result, celpy.celtypes.BoolType), f"{rule['rule']} gave {result!r}"
-        if not result:
-            errors.add(f"{path}: {rule['message']}")
-    if isinstance(value, dict):
-        for key, sub in schema.get("properties", {}).items():
-            if key in value and value[key] is not None:
-                errors |= cel_errors(sub, value[key], f"{path}.{key}".lstrip("."))
-    if isinstance(value, list) and "items" in schema:
-        for i, item in enumerate(value):
-            errors |= cel_errors(schema["items"], item, f"{path}.{i}")
-    return errors
+CRD_FILES = [REPO / "manifests" / "crd.yaml", REPO / "charts" / "kvpark" / "crds" /
+             "preemptservers.yaml", REPO / "manifests" / "kopf-peering.yaml"]
+# what kube-apiserver v1.36.2 answered to bad6061's CRD (issue 24)
+BAD6061_REFUSALS = [
+    "spec.validation.openAPIV3Schema.properties[spec].default: Invalid value: \"object\": no such "
+    "key: contextSize evaluating rule: contextSize must hold at least one page per slot "
+    "(parallel * pageSize)",
+    "spec.validation.openAPIV3Schema.properties[spec].properties[strategy].default: Invalid "
+    "value: \"object\": no such key: type evaluating rule: maxSurge and maxUnavailable may not "
+    "both be 0",
+    "spec.validation.openAPIV3Schema.properties[spec].properties[model].default: Invalid value: "
+    "\"object\": no such key: uri evaluating rule: an hf:// model must name a revision or set "
+    "defaultBranch: true",
+]
 
 
 def all_errors(obj: dict) -> set[str]:
-    errors = schema_errors(obj)
-    if errors:
-        return errors  # the API server stops at the structural errors too
-    return cel_errors(SCHEMA, crd.with_defaults(SCHEMA, obj))
+    return set(check_resource(crd.get_crd(), obj))
 
 
 def resource(spec: dict) -> dict:
@@ -222,3 +213,178 @@ def test_each_bad_resource_is_one_change_from_a_good_one() -> None:
         if name in fixes:
             fixed = copy.deepcopy(spec) | fixes[name]
             assert all_errors(resource(fixed)) == set(), name
+
+
+# ------------------------------------------------------------- what the API server checks
+
+
+@pytest.mark.parametrize("path", CRD_FILES, ids=lambda p: p.name)
+def test_the_api_server_takes_the_crds(path: Path) -> None:
+    docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
+    assert docs
+    for doc in docs:
+        assert [str(f) for f in check_crd(doc)] == [], doc["metadata"]["name"]
+
+
+def unfilled(schema: dict) -> dict:
+    """bad6061's schema: every object default written as {}."""
+    schema = copy.deepcopy(schema)
+    if isinstance(schema.get("default"), dict):
+        schema["default"] = {}
+    for key, sub in schema.get("properties", {}).items():
+        schema["properties"][key] = unfilled(sub)
+    return schema
+
+
+def test_bad6061s_crd_is_refused_as_the_api_server_refused_it() -> None:
+    """Issue 24: the defaults `{}` under rules that read their fields. The API server checks a
+    default as written; the old test filled the defaults first and saw nothing."""
+    bad = crd.get_crd()
+    version = bad["spec"]["versions"][0]
+    version["schema"]["openAPIV3Schema"] = unfilled(version["schema"]["openAPIV3Schema"])
+    assert sorted(str(f) for f in check_crd(bad)) == sorted(BAD6061_REFUSALS)
+
+
+def test_bad6061s_committed_crd_is_refused() -> None:
+    """The same with the file as bad6061 committed it (where the clone has that history)."""
+    git = shutil.which("git")
+    shown = subprocess.run([git or "git", "show", "bad6061:manifests/crd.yaml"], cwd=REPO,
+                           capture_output=True, text=True) if git else None
+    if shown is None or shown.returncode != 0:
+        pytest.skip("bad6061 is not in this clone's history")
+    (bad,) = [d for d in yaml.safe_load_all(shown.stdout) if d]
+    assert sorted(str(f) for f in check_crd(bad)) == sorted(BAD6061_REFUSALS)
+
+
+def object_defaults(schema: dict, path: str = "") -> list[tuple[str, dict, dict]]:
+    found = [(path, schema, schema["default"])] if isinstance(schema.get("default"), dict) else []
+    for key, sub in schema.get("properties", {}).items():
+        found += object_defaults(sub, f"{path}.{key}")
+    return found
+
+
+def test_every_object_default_is_written_filled() -> None:
+    defaults = object_defaults(SCHEMA)
+    assert {p for p, _, _ in defaults} >= {".spec", ".spec.model", ".spec.strategy"}
+    for path, node, default in defaults:
+        assert default == crd.with_defaults(node, {}) or default == crd.with_defaults(
+            node, default), path
+    assert SCHEMA["properties"]["spec"]["default"]["strategy"] == {
+        "type": "RollingUpdate", "maxSurge": 1, "maxUnavailable": 0}
+
+
+def test_the_generator_fills_a_new_default_and_refuses_a_rule_it_cannot_feed() -> None:
+    """For fields added later: `default: {}` is written filled, and a rule that reads a field
+    the default lacks, unguarded by has(), stops `python -m kvpark.operator crd`."""
+    def node(rule: str) -> dict:
+        return {"type": "object", "properties": {"thing": {
+            "type": "object", "default": {},
+            "properties": {"low": {"type": "integer", "default": 1},
+                           "high": {"type": "integer"}},
+            "x-kubernetes-validations": [{"rule": rule, "message": "m"}]}}}
+
+    filled = crd.get_checked_schema(node("!has(self.high) || self.low <= self.high"))
+    assert filled["properties"]["thing"]["default"] == {"low": 1}
+    with pytest.raises(ValueError, match=r"thing: rule 'self.low <= self.high' reads high"):
+        crd.get_checked_schema(node("self.low <= self.high"))
+
+
+def mutated(change: Any) -> dict:
+    obj = crd.get_crd()
+    change(obj["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"])
+    return obj
+
+
+def props(spec: dict, *names: str) -> dict:
+    for name in names:
+        spec = spec["properties"][name]
+    return spec
+
+
+REFUSED = [
+    ("no type", lambda s: props(s, "image").pop("type"),
+     "properties[image].type: Required value"),
+    ("int-or-string with a type", lambda s: props(s, "strategy", "maxSurge").update(
+        type="string"), "properties[maxSurge].type: Forbidden"),
+    ("description in anyOf", lambda s: props(s, "resources", "cpu").update(
+        anyOf=[{"type": "integer", "description": "x"}, {"type": "string"}]),
+     "properties[cpu].anyOf: Forbidden"),
+    ("default not pruned", lambda s: props(s, "server")["default"].update(shutdownSeconds=3),
+     "properties[server].default: Invalid value: must not have unknown fields: shutdownSeconds"),
+    ("default out of range", lambda s: props(s, "server", "shutdownTimeoutSeconds").update(
+        default=99999), "properties[shutdownTimeoutSeconds].default: Invalid value: maximum"),
+    ("default failing its rule", lambda s: props(s, "strategy")["default"].update(maxSurge=0),
+     'properties[strategy].default: Invalid value: "object": maxSurge and maxUnavailable may '
+     "not both be 0"),
+    ("rule reads an undeclared field", lambda s: props(s, "autoscaling")[
+        "x-kubernetes-validations"].append({"rule": "self.maxReplica > 0", "message": "m"}),
+     "compilation failed: undefined field 'maxReplica'"),
+    ("unknown reason", lambda s: s["x-kubernetes-validations"][0].update(reason="Bad"),
+     "reason: Unsupported value"),
+    ("rule over budget", lambda s: props(s, "image").setdefault(
+        "x-kubernetes-validations", []).append({"rule": "self.matches('" + "[a-z]" * 40 + "')",
+                                                "message": "m"}),
+     "Forbidden: estimated rule cost 15728652 exceeds budget 10000000"),
+    ("rules over the CRD's budget", lambda s: props(s, "server", "args")["items"].update(
+        {"x-kubernetes-validations": [{"rule": "self.matches('^-')", "message": "m"}]})
+     or props(s, "server", "args").pop("maxItems"),
+     "Forbidden: x-kubernetes-validations estimated rule cost total"),
+    ("a macro the estimator does not know", lambda s: props(s, "server", "args").setdefault(
+        "x-kubernetes-validations", []).append({"rule": "self.all(a, a != '')", "message": "m"}),
+     "cannot estimate the cost offline (method all())"),
+    ("list-map key neither required nor defaulted", lambda s: props(s, "server", "env").update(
+        {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["value"]}),
+     "'value' must be required or have a default"),
+    ("replicas path not an integer", lambda s: props(s, "replicas").update(type="number"),
+     "spec.subresources.scale.specReplicasPath: Invalid value: '.spec.replicas' must be a "
+     "integer in the schema"),
+]
+
+
+@pytest.mark.parametrize("change, finding", [(c, f) for _, c, f in REFUSED],
+                         ids=[name for name, _, _ in REFUSED])
+def test_the_check_refuses_what_the_api_server_refuses(change: Any, finding: str) -> None:
+    found = [str(f) for f in check_crd(mutated(change))]
+    assert len(found) == 1 and finding in found[0], found
+
+
+def readme_resources() -> list[dict]:
+    """The README's `spec:` snippets of its Kubernetes section, as resources."""
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## Deploy on Kubernetes"):readme.index("## Where things")]
+    blocks = re.findall(r"```yaml\n(.*?)```", section, re.S)
+    return [resource(yaml.safe_load(b)["spec"]) for b in blocks if b.startswith("spec:")]
+
+
+def test_the_readmes_snippets_are_valid() -> None:
+    snippets = readme_resources()
+    assert len(snippets) >= 5
+    for obj in snippets:
+        assert all_errors(obj) == set(), obj["spec"]
+
+
+def test_chart_rendered_resources_are_valid(helm: str) -> None:
+    """What the chart renders (its CRD, any PreemptServer) and the PreemptServer its NOTES tell
+    users to apply."""
+    chart = REPO / "charts" / "kvpark"
+    rendered = subprocess.run([helm, "template", "kvpark", str(chart), "--include-crds"],
+                              check=True, capture_output=True, text=True).stdout
+    docs = [d for d in yaml.safe_load_all(rendered) if d]
+    crds = [d for d in docs if d["kind"] == "CustomResourceDefinition"]
+    assert len(crds) == 3 and all(check_crd(d) == [] for d in crds)
+    notes = subprocess.run([helm, "install", "kvpark", str(chart), "--dry-run=client"],
+                           check=True, capture_output=True, text=True).stdout
+    (shown,) = re.findall(r"<<'YAML'\n(.*?)\n\s*YAML", notes, re.S)
+    resources = [d for d in docs if d["apiVersion"].startswith(crd.GROUP + "/")]
+    resources.append(yaml.safe_load(shown.replace("\n  ", "\n").strip()))
+    for obj in resources:
+        assert (obj["apiVersion"], obj["kind"]) == (crd.API_VERSION, crd.KIND)
+        assert all_errors(obj) == set(), obj
+
+
+def test_unknown_fields_are_refused() -> None:
+    """kubectl's strict field validation (the default since 1.27) refuses what the schema does
+    not declare."""
+    assert all_errors(resource({"paralel": 4})) == {"unknown: spec.paralel"}
+    assert all_errors(resource({"model": {"url": "builtin://x"}})) == {"unknown: spec.model.url"}
+    assert all_errors(resource({"podTemplate": {"spec": {"anything": 1}}})) == set()

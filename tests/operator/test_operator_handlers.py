@@ -289,3 +289,42 @@ def test_a_steady_state_writes_nothing(fake: FakeKube) -> None:
     fake.objects[("Service", "ns", "s")]["spec"]["selector"] = {"app": "other"}
     handlers.reconcile(fake.get(crd.KIND, "ns", "s"))
     assert fake.writes == [("apply", "Service", "ns", "s")]
+
+
+def test_a_foreign_deployment_lends_no_status(fake: FakeKube) -> None:
+    """Issue 24: Ready and Progressing came from a team's Deployment of the same name."""
+    team = foreign("Deployment", "apps/v1", {"replicas": 3})
+    team["status"] = {"replicas": 3, "readyReplicas": 3, "updatedReplicas": 0,
+                      "availableReplicas": 3}
+    fake.add(team)
+    handlers.reconcile(add_server(fake, {}))
+    found = conditions(fake)
+    assert [found[t]["reason"] for t in ("Ready", "Progressing", "Degraded")] == [
+        "NameConflict"] * 3
+    assert found["Ready"]["status"] == "False"
+    assert found["Ready"]["message"].startswith("Deployment s already exists, not owned")
+    assert fake.get(crd.KIND, "ns", "s")["status"]["readyReplicas"] == 0
+    assert ("Pod", builders.get_selector("s")) not in fake.lists  # not its pods either
+
+
+def test_an_autoscaler_that_cannot_scale_degrades_an_applied_generation(fake: FakeKube) -> None:
+    """Issue 24: ScalingActive=False/FailedGetPodsMetric on the HPA, AsExpected on the CR. The
+    children are applied all the same: observedGeneration moves."""
+    failing = {"conditions": [
+        {"type": "ScalingActive", "status": "False", "reason": "FailedGetPodsMetric",
+         "message": "unable to get metric kvpark_requests_preempted"}]}
+    handlers.reconcile(add_server(fake, {"autoscaling": {"maxReplicas": 3}}))
+    fake.objects[("HorizontalPodAutoscaler", "ns", "s")]["status"] = failing
+    handlers.reconcile(fake.get(crd.KIND, "ns", "s"))
+    degraded = conditions(fake)["Degraded"]
+    assert (degraded["status"], degraded["reason"]) == ("True", "AutoscalerNotScaling")
+    assert "ScalingActive=False (FailedGetPodsMetric)" in degraded["message"]
+    assert fake.get(crd.KIND, "ns", "s")["status"]["observedGeneration"] == 1
+    assert [r for _, r, _ in fake.events] == ["AutoscalerNotScaling"]
+    # a team's failing HPA of the name is not ours to report (only the conflict is)
+    del fake.objects[("HorizontalPodAutoscaler", "ns", "s")]
+    fake.add({**foreign("HorizontalPodAutoscaler", "autoscaling/v2", {}), "status": failing})
+    handlers.reconcile(fake.get(crd.KIND, "ns", "s"))
+    degraded = conditions(fake)["Degraded"]
+    assert degraded["reason"] == "NameConflict" and "FailedGetPodsMetric" not in degraded[
+        "message"]

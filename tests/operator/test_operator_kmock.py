@@ -51,7 +51,7 @@ def test_create_makes_owned_children_with_the_flags(cluster: Cluster) -> None:
         child = cluster.wait_child(kind, "create", "s")
         owners = child["metadata"]["ownerReferences"]
         assert owners == [{"apiVersion": crd.API_VERSION, "kind": crd.KIND, "name": "s",
-                           "uid": uid, "controller": True}], kind
+                           "uid": uid, "controller": True, "blockOwnerDeletion": True}], kind
         assert child["metadata"]["labels"]["app.kubernetes.io/instance"] == "s"
     deployment = cluster.get("Deployment", "create", "s")
     assert deployment["spec"]["replicas"] == 2

@@ -1,14 +1,21 @@
 """spec.podTemplate: the strategic-merge-style patch (operator/podtemplate.py) and what it does to
-the Deployment the builders make (checked with the official schemas, strict)."""
+the Deployment the builders make (checked with the official schemas, strict), and the operator's
+own check of the patch against the PodSpec's schema (operator/podschema.py)."""
 
 from __future__ import annotations
+
+import re
+import subprocess
+import sys
 
 import jsonschema
 import kubernetes_validate.utils as kv
 import pytest
+import yaml
+from kmock_harness import REPO
 from test_operator_builders import build, deployment_of
 
-from kvpark.operator import crd
+from kvpark.operator import crd, podschema
 from kvpark.operator.podtemplate import merge
 
 
@@ -159,3 +166,73 @@ def test_crd_schema_takes_a_pod_template() -> None:
     jsonschema.Draft202012Validator(schema).validate(body)
     bad = {**body, "spec": {"podTemplate": {"metadata": {"labels": {"a": 1}}}}}
     assert list(jsonschema.Draft202012Validator(schema).iter_errors(bad))
+
+
+def test_the_podspec_schema_file_is_generated() -> None:
+    generated = podschema.schema_yaml()
+    assert podschema.SCHEMA_FILE.read_text() == generated, \
+        "regenerate: python -m kvpark.operator podspec-schema > operator/podspec-schema.yaml"
+    out = subprocess.run([sys.executable, "-m", "kvpark.operator", "podspec-schema"],
+                         check=True, capture_output=True, text=True, cwd=REPO).stdout
+    assert out == generated
+    assert podschema.get_definitions()[podschema.ROOT]["additionalProperties"] is False
+
+
+BAD_PATCHES = [
+    ({"bogusField": 1}, "spec.podTemplate.spec.bogusField: field not declared in the schema"),
+    ({"hostname": ["a"]}, "spec.podTemplate.spec.hostname: expected string, got array"),
+    ({"priorityClass": "typo"}, "spec.podTemplate.spec.priorityClass: field not declared"),
+    ({"terminationGracePeriodSeconds": "600"},
+     "spec.podTemplate.spec.terminationGracePeriodSeconds: expected integer, got string"),
+    ({"containers": [{"name": "server", "env": [{"name": "A", "valu": "1"}]}]},
+     "spec.podTemplate.spec.containers[0].env[0].valu: field not declared"),
+    ({"containers": [{"name": "proxy", "image": "p", "resources": {"limits": {"cpu": [1]}}}]},
+     "spec.podTemplate.spec.containers[0].resources.limits.cpu: expected string or number"),
+    ({"affinity": {"$patch": "replace"}},  # a directive the operator's merge does not apply
+     "spec.podTemplate.spec.affinity.$patch: field not declared"),
+    ({"tolerations": [{"key": "a", "$patch": "delete"}]},  # tolerations are replaced, not merged
+     "spec.podTemplate.spec.tolerations[0].$patch: field not declared"),
+]
+
+
+@pytest.mark.parametrize("pod_spec, named", BAD_PATCHES)
+def test_a_patch_the_api_server_cannot_type_is_refused_naming_the_field(pod_spec: dict,
+                                                                        named: str) -> None:
+    """Issue 24: server-side apply answers such a Deployment with a 500 naming no field of the
+    PreemptServer. The operator refuses it first, and nothing is applied."""
+    (problem,) = build({"podTemplate": {"spec": pod_spec}})[3].problems
+    assert (problem.reason, problem.blocking) == ("ChildRejected", True)
+    assert named in problem.message
+
+
+@pytest.mark.parametrize("pod_spec, named", BAD_PATCHES[:6])
+def test_what_the_check_refuses_the_official_schema_refuses(pod_spec: dict, named: str) -> None:
+    with pytest.raises(kv.ValidationError):
+        kv.validate(deployment_of({"podTemplate": {"spec": pod_spec}}), "1.36", strict=True)
+
+
+def test_nulls_and_delete_directives_are_no_fields() -> None:
+    patch = {"spec": {"affinity": None, "hostname": None,
+                      "containers": [{"name": "proxy", "$patch": "delete"}],
+                      "volumes": [{"name": "tmp", "$patch": "delete"}],
+                      "initContainers": [{"name": "x", "env": [{"name": "A",
+                                                                "$patch": "delete"}]}]}}
+    assert build({"podTemplate": patch})[3].problems == []
+
+
+def test_the_readmes_pod_template_passes() -> None:
+    readme = (REPO / "README.md").read_text()
+    (block,) = [b for b in re.findall(r"```yaml\n(.*?)```", readme, re.S) if "podTemplate" in b]
+    patch = yaml.safe_load(block)["spec"]["podTemplate"]
+    assert build({"podTemplate": patch})[3].problems == []
+    kv.validate(deployment_of({"podTemplate": patch}), "1.36", strict=True)
+
+
+def test_the_check_runs_in_the_operators_image() -> None:
+    """The slim image has neither kubernetes-validate nor jsonschema; the schema ships as YAML."""
+    code = ("import sys\n"
+            "sys.modules['kubernetes_validate'] = sys.modules['jsonschema'] = None\n"
+            "from kvpark.operator import podtemplate\n"
+            "(problem,) = podtemplate.get_schema_problems({'spec': {'bogusField': 1}})\n"
+            "assert 'spec.podTemplate.spec.bogusField' in problem.message\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd="/")

@@ -5,9 +5,10 @@ from __future__ import annotations
 import datetime
 
 import jsonschema
+import pytest
 
 from kvpark.operator import crd
-from kvpark.operator.status import Problem, get_status
+from kvpark.operator.status import Problem, get_autoscaler_problems, get_status
 
 T0 = datetime.datetime(2026, 1, 2, 3, 4, 5, tzinfo=datetime.timezone.utc)
 T1 = T0 + datetime.timedelta(minutes=7)
@@ -176,3 +177,48 @@ def test_status_fits_the_crd_schema() -> None:
                    status(dep=deployment(), preempt_ram="auto")):
         jsonschema.validate(result, schema)
         assert {c["type"] for c in result["conditions"]} == set(crd.CONDITION_TYPES)
+
+
+def test_a_foreign_deployment_is_what_ready_and_progressing_say() -> None:
+    """Issue 24: the status read a rollout that was not ours (`0/1 updated`)."""
+    conflict = Problem("NameConflict", "Deployment s already exists, not owned by this "
+                       "PreemptServer: left alone", blocking=False)
+    result = status(problems=[conflict], conflict=conflict, applied=False)
+    for type_ in ("Ready", "Progressing", "Degraded"):
+        assert (cond(result, type_)["reason"], cond(result, type_)["message"]) == (
+            "NameConflict", conflict.message)
+    assert [cond(result, t)["status"] for t in ("Ready", "Progressing", "Degraded")] == [
+        "False", "False", "True"]
+    assert (result["replicas"], result["readyReplicas"]) == (0, 0)
+
+
+def hpa(*conditions: tuple[str, str, str]) -> dict:
+    return {"metadata": {"name": "s"}, "status": {"conditions": [
+        {"type": t, "status": s, "reason": r, "message": f"{r} says"} for t, s, r in conditions]}}
+
+
+def test_an_autoscaler_that_cannot_scale_is_a_problem() -> None:
+    """Issue 24: an HPA without its metric (no custom metrics API) left the CR AsExpected."""
+    (problem,) = get_autoscaler_problems("HorizontalPodAutoscaler", hpa(
+        ("AbleToScale", "True", "SucceededGetScale"),
+        ("ScalingActive", "False", "FailedGetPodsMetric")))
+    assert problem == Problem("AutoscalerNotScaling", "HorizontalPodAutoscaler s: "
+                              "ScalingActive=False (FailedGetPodsMetric): FailedGetPodsMetric "
+                              "says", blocking=False)
+    (problem,) = get_autoscaler_problems("HorizontalPodAutoscaler", hpa(
+        ("AbleToScale", "False", "FailedGetScale")))
+    assert "AbleToScale=False (FailedGetScale)" in problem.message
+    (problem,) = get_autoscaler_problems("ScaledObject", hpa(("Ready", "False", "TriggerError")))
+    assert problem.message.startswith("ScaledObject s: Ready=False (TriggerError)")
+
+
+@pytest.mark.parametrize("kind, autoscaler", [
+    ("HorizontalPodAutoscaler", None),
+    ("HorizontalPodAutoscaler", {"metadata": {"name": "s"}}),  # the controller has not run yet
+    ("HorizontalPodAutoscaler", hpa(("ScalingActive", "True", "ValidMetricFound"),
+                                    ("ScalingLimited", "True", "TooFewReplicas"))),
+    ("HorizontalPodAutoscaler", hpa(("ScalingActive", "False", "ScalingDisabled"))),  # scaled to 0
+    ("ScaledObject", hpa(("Ready", "True", "ScaledObjectReady"), ("Active", "False", "NoLoad"))),
+])
+def test_an_autoscaler_doing_its_job_is_no_problem(kind: str, autoscaler: dict | None) -> None:
+    assert get_autoscaler_problems(kind, autoscaler) == []

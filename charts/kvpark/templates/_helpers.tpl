@@ -41,7 +41,10 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 
 {{/*
 Least privilege: exactly the calls operator/kube.py and kopf make
-(tests/operator/test_operator_rbac.py compares these rules with what they call).
+(tests/operator/test_operator_rbac.py compares these rules with what they call), and update on
+preemptservers/finalizers, which no call uses: the children's owner references set
+blockOwnerDeletion, which the OwnerReferencesPermissionEnforcement admission plugin allows only to
+who may update the owner's finalizers.
 */}}
 {{- define "kvpark.rules" -}}
 - apiGroups: [kvpark.io]
@@ -50,6 +53,9 @@ Least privilege: exactly the calls operator/kube.py and kopf make
 - apiGroups: [kvpark.io]
   resources: [preemptservers/status]
   verbs: [patch]
+- apiGroups: [kvpark.io]
+  resources: [preemptservers/finalizers]
+  verbs: [update]
 - apiGroups: [apps]
   resources: [deployments]
   verbs: [get, list, watch, create, patch]
