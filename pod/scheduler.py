@@ -41,7 +41,7 @@ class Scheduler:
         self.stats: PreemptStats = swapper.stats
         self.on_finish: Callable[[Sequence], None] = lambda seq: None  # metrics hook
         self.waiting: deque[Sequence] = deque()
-        self.arrived: list[Sequence] = []  # added since the last admission: told if they wait
+        self.arrived: list[Sequence] = []  # since the last admission: told if they must wait
         self.slots: list[Sequence | None] = [None] * config.num_slots
         # the watermarks in pages: park before a step passes HIGH, restore only below LOW
         self.high_pages = int(self.pool.num_pages * config.preempt_high)
@@ -110,13 +110,9 @@ class Scheduler:
                 self.finish(seq, FinishReason.PROMPT_TOO_LONG, CONTEXT_EXCEEDED)
             else:
                 self.pool.take_cached_prefix(seq)
-
-    def _announce_queued(self) -> None:
-        """Once, to each newcomer that admission left without a slot: a stream's owner then
-        says so and keeps a quiet connection alive until it runs."""
-        for seq in self.arrived:
-            if seq.phase is Phase.WAITING:
-                self.notify(seq, SeqEvent.QUEUED)
+        # once, to each newcomer left without a slot: its stream says so and keeps alive
+        for seq in [s for s in self.arrived if s.phase is Phase.WAITING]:
+            self.notify(seq, SeqEvent.QUEUED)
         self.arrived = []
 
     def _sibling_prefilling(self, seq: Sequence) -> bool:
@@ -129,7 +125,6 @@ class Scheduler:
     def schedule(self) -> list[ScheduledSeq]:
         self.reap_copies()
         self._admit()
-        self._announce_queued()
         if self.config.preempt:
             self._restore_parked()
             self._force_parks()
@@ -198,8 +193,6 @@ class Scheduler:
     def _restore_parked(self) -> None:
         parked = [s for s in self.parked
                    if not s.parking.manual and not self.swapper.is_busy(s)]
-        if not parked:
-            return
         running = self.running
         promised = policy.promised_pages(running, self.pool.page_size, self.config.batch_size)
         available = self.pool.num_free_pages - promised
