@@ -12,11 +12,20 @@ after a few tokens on purpose; a 503 is honoured by waiting its Retry-After. Eve
 bounded by a client timeout. A sampler reads `/metrics` and the server's RSS four times a
 second.
 
+Then, on the same server, idle again: `--distinct-requests` short completions whose prompts are
+all distinct (random token ids, 5-600 tokens: a prompt chunk's row count is the shape of its
+GEMMs), from 4 clients, in rounds; RSS is read between rounds, while the server is idle. The
+median round's growth is the RSS slope per 1,000 distinct-prompt requests (issue 23: oneDNN
+kept a JIT-compiled primitive per GEMM row count, ~70-80 MiB per 1,000 such requests). The
+mixed load above is too slow and too uneven for a per-request slope: its RSS swings by tens of
+MiB with parks and swaps.
+
 It prints requests accepted / completed / errored / rejected (and hung up, and lost: timed out
 or cut without an answer, which must be 0), the peak parked bytes against the budget, the park
-counts, and whether the server returned to idle with every page free and no parked bytes; then
-writes it all to benchmarks/results/soak.json. Exit status 1 when anything was lost or the
-server did not return to idle.
+counts, whether the server returned to idle with every page free and no parked bytes, and the
+RSS slope; then writes it all to benchmarks/results/soak.json. Exit status 1 when anything was
+lost, the server did not return to idle, a distinct-prompt request failed, or the RSS slope is
+above `--max-rss-slope`.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ import concurrent.futures as cf
 import json
 import random
 import shlex
+import statistics
 import threading
 import time
 from collections import Counter
@@ -38,6 +48,11 @@ MIB = 1 << 20
 CLIENT_TIMEOUT = 120.0  # seconds; a request that takes longer counts as lost
 SAMPLE_SECONDS = 0.25
 TIMELINE_SECONDS = 5.0
+DISTINCT_ROUNDS = 5  # measured rounds of the distinct-prompt phase, after one warm-up round
+DISTINCT_CLIENTS = 4
+DISTINCT_PROMPT_TOKENS = (5, 600)  # one chunk or two at the default --batch-size of 512
+# MiB per 1,000 distinct-prompt requests: issue 23 measured 70-80; a warm server grows < 5
+MAX_RSS_SLOPE_MIB = 20.0
 
 
 @dataclass(frozen=True)
@@ -206,6 +221,55 @@ def late_growth(timeline: list[dict]) -> float:
     return timeline[-1]["rss_mib"] - timeline[len(timeline) // 2]["rss_mib"]
 
 
+@dataclass(frozen=True)
+class RssSlope:
+    """RSS growth per 1,000 distinct-prompt requests: the median of DISTINCT_ROUNDS rounds (a
+    one-off step, such as a new allocator arena, lands in one round; a per-prompt cost in all)."""
+
+    mib_per_1000: float
+    rounds: list[float]  # each round's growth, MiB per 1,000 requests
+    num_requests: int  # in the measured rounds
+    num_failed: int  # requests not answered with 200 (warm-up included)
+
+
+def distinct_body(rng: random.Random) -> dict:
+    """A completion of a prompt no other request has (random ids) and of a random length."""
+    length = rng.randint(*DISTINCT_PROMPT_TOKENS)
+    return {"prompt": [rng.randrange(1000, 40000) for _ in range(length)], "max_tokens": 4,
+            "temperature": 0}
+
+
+def run_distinct_round(url: str, rng: random.Random, num_requests: int) -> int:
+    """`num_requests` distinct prompts from DISTINCT_CLIENTS clients; returns how many failed.
+    All have been answered when it returns, so the server is idle."""
+    bodies = [distinct_body(rng) for _ in range(num_requests)]
+
+    def post(body: dict) -> bool:
+        try:
+            response = httpx.post(f"{url}/v1/completions", json=body, timeout=CLIENT_TIMEOUT)
+            return response.status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    with cf.ThreadPoolExecutor(DISTINCT_CLIENTS) as pool:
+        return sum(not ok for ok in pool.map(post, bodies))
+
+
+def measure_rss_slope(server: ServerProcess, num_requests: int, seed: int) -> RssSlope:
+    """One warm-up round (the GEMM shapes and arenas these prompts need), then DISTINCT_ROUNDS
+    measured rounds, RSS read before and after each."""
+    rng = random.Random(seed)
+    per_round = max(1, num_requests // DISTINCT_ROUNDS)
+    failed = run_distinct_round(server.url, rng, per_round)
+    rounds = []
+    for _ in range(DISTINCT_ROUNDS):
+        before = rss_bytes(server)
+        failed += run_distinct_round(server.url, rng, per_round)
+        rounds.append((rss_bytes(server) - before) / MIB * 1000 / per_round)
+    return RssSlope(statistics.median(rounds), [round(r, 2) for r in rounds],
+                    per_round * DISTINCT_ROUNDS, failed)
+
+
 def delta(after: dict[str, float], before: dict[str, float], name: str) -> int:
     return int(after.get(name, 0) - before.get(name, 0))
 
@@ -214,7 +278,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--minutes", type=float, default=5.0)
     p.add_argument("--model", default="synthetic:tiny")
-    p.add_argument("--launch", default="-np 8 -c 2048 -b 64 --max-queue 12 --preempt-ram 1",
+    # -b: the server's default (512), so a step's row count (the GEMMs' shape) spans 1-512 as
+    # in production; with -b 64 the distinct-prompt phase could not see per-shape memory
+    p.add_argument("--launch", default="-np 8 -c 2048 --max-queue 12 --preempt-ram 1",
                    help="server flags (a pool too small for the slots, a 1 MiB swap budget)")
     p.add_argument("--preempt-every", type=int, default=32,
                    help="KVPARK_PREEMPT_EVERY: force a park every N generated tokens")
@@ -222,6 +288,10 @@ def main() -> int:
     p.add_argument("--scale", type=float, default=1.0,
                    help="multiply prompt and generation lengths (smaller for slow models)")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--distinct-requests", type=int, default=1000,
+                   help="measured requests of the distinct-prompt phase (0: skip it)")
+    p.add_argument("--max-rss-slope", type=float, default=MAX_RSS_SLOPE_MIB,
+                   help="fail above this many MiB of RSS per 1,000 distinct-prompt requests")
     p.add_argument("--out", default="benchmarks/results/soak.json")
     args = p.parse_args()
 
@@ -243,6 +313,8 @@ def main() -> int:
         sampler.stopped.set()
         sampler.join()
         rss_end = rss_bytes(server)
+        slope = (measure_rss_slope(server, args.distinct_requests, args.seed)
+                 if args.distinct_requests > 0 else None)
     finally:
         server.stop()
 
@@ -269,7 +341,8 @@ def main() -> int:
     }
     clean = (idle["pages_free"] == idle["pages_total"] and idle["preempt_ram_bytes"] == 0
              and idle["requests_preempted"] == 0 and idle["requests_processing"] == 0)
-    ok = clean and counts["lost"] == 0 and peak_bytes <= budget
+    flat = slope is None or (slope.num_failed == 0 and slope.mib_per_1000 <= args.max_rss_slope)
+    ok = clean and counts["lost"] == 0 and peak_bytes <= budget and flat
     print_table(["accepted", "completed", "errored", "rejected", "hung up", "lost"],
                 [[outcomes[k] for k in ("accepted", "completed", "errored", "rejected",
                                         "hung_up", "lost")]])
@@ -292,18 +365,25 @@ def main() -> int:
     print(f"afterwards: {idle['pages_free']:.0f}/{idle['pages_total']:.0f} pages free, "
           f"{idle['preempt_ram_bytes']:.0f} parked bytes, {idle['requests_preempted']:.0f} "
           f"parked -> {'clean' if clean else 'NOT CLEAN'}")
+    if slope is not None:
+        print(f"RSS slope: {slope.mib_per_1000:+.2f} MiB per 1,000 distinct-prompt requests "
+              f"(median of {DISTINCT_ROUNDS} rounds of {slope.num_requests // DISTINCT_ROUNDS}: "
+              f"{slope.rounds}; limit {args.max_rss_slope:g}), {slope.num_failed} failed -> "
+              f"{'flat' if flat else 'GROWING' if slope.num_failed == 0 else 'FAILED'}")
     for line in details:
         print("  ", line)
     write_json(args.out, {
         "config": {"model": args.model, "launch": args.launch, "preempt_every":
                    args.preempt_every, "clients": args.clients, "minutes": args.minutes,
-                   "scale": args.scale, "seed": args.seed},
+                   "scale": args.scale, "seed": args.seed,
+                   "distinct_requests": args.distinct_requests},
         "wall_seconds": wall, "outcomes": outcomes, "server_counts": server_counts,
         "parks": parks, "peak": sampler.peak, "budget_bytes": budget,
         "min_pages_free": sampler.min_pages_free, "samples": sampler.num_samples,
         "rss_bytes": {"start": rss_start, "peak": sampler.peak.get("rss_bytes"),
                       "end": rss_end},
         "rss_growth_second_half_mib": late_growth(sampler.timeline),
+        "rss_slope": slope, "max_rss_slope_mib_per_1000": args.max_rss_slope, "flat": flat,
         "idle_after": idle, "clean": clean, "ok": ok, "details": details,
         "timeline": sampler.timeline,
     })

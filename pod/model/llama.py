@@ -31,6 +31,18 @@ from .config import ModelConfig
 # From 4 rows on, oneDNN gives every row the same bits whatever the row count, on any number of
 # threads; padding to it makes each row's result independent of the batch it rides in.
 MIN_INVARIANT_ROWS = 4
+# oneDNN JIT-compiles a primitive for every GEMM shape it meets and keeps it in two caches of
+# 1024 entries each (its own primitive cache and ideep's LRU in torch), ~0.6 MB of code and
+# buffers apiece whatever the row count (measured: 512 row counts through one linear, +300 MiB).
+# Row counts are a prompt chunk's length, so distinct prompt lengths filled both caches: RSS
+# grew ~700 MiB on synthetic:tiny, then kept creeping with the caches' evict-and-rebuild churn
+# (issue 23). The packed GEMMs therefore run a bounded set of row counts: exact up to
+# EXACT_GEMM_ROWS (decode steps), above that rounded up to one of GEMM_ROWS_PER_OCTAVE steps per
+# power of two (<= 25% padding rows, ~8% on average): 33 shapes a linear up to 512 rows. The
+# padding rows are zeros sliced off the result; from MIN_INVARIANT_ROWS on oneDNN gives a row
+# the same bits at any row count, so they never change a real row.
+EXACT_GEMM_ROWS = 16
+GEMM_ROWS_PER_OCTAVE = 4
 
 
 class WeightFormat(str, enum.Enum):
@@ -122,8 +134,11 @@ class Linear:
         out_dtype = x.dtype
         if x.dtype != self.compute_dtype:
             x = x.to(self.compute_dtype)
-        if self.packed is not None:
+        if self.packed is not None:  # a bounded set of row counts (see EXACT_GEMM_ROWS)
+            num_rows = x.shape[0]
+            x = pad_rows(x, get_gemm_rows(num_rows))
             y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            y = y[:num_rows]
         else:
             y = F.linear(x, self.weight, self.bias)
         return y if y.dtype == out_dtype else y.to(out_dtype)
@@ -132,6 +147,16 @@ class Linear:
 def linear(x: torch.Tensor, layer: Linear, rows: BlockRows | None = None) -> torch.Tensor:
     """Every GEMM of the model goes through here (benchmarks/profile_step.py times it)."""
     return layer(x, rows)
+
+
+def get_gemm_rows(num_rows: int) -> int:
+    """The row count a packed GEMM of `num_rows` rows runs with: `num_rows` up to
+    EXACT_GEMM_ROWS, else rounded up to a multiple of 1/GEMM_ROWS_PER_OCTAVE of the power of
+    two below it (17 -> 20, 33 -> 40, 257 -> 320, 512 -> 512)."""
+    if num_rows <= EXACT_GEMM_ROWS:
+        return num_rows
+    step = (1 << (num_rows - 1).bit_length()) // (2 * GEMM_ROWS_PER_OCTAVE)
+    return -(-num_rows // step) * step
 
 
 def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
