@@ -150,7 +150,7 @@ class Sampler(threading.Thread):
                 m = parse_metrics(httpx.get(f"{self.server.url}/metrics", timeout=10).text)
             except httpx.HTTPError:
                 continue
-            rss = rss_bytes(self.server)
+            rss = self.server.rss_bytes()
             self.num_samples += 1
             for key, value in (("preempt_ram_bytes", m["kvpark:preempt_ram_bytes"]),
                                ("requests_preempted", m["kvpark:requests_preempted"]),
@@ -166,14 +166,6 @@ class Sampler(threading.Thread):
                     "parked": m["kvpark:requests_preempted"],
                     "pages_free": m["kvpark:kv_cache_pages_free"],
                     "n_preempt": m["kvpark:n_preempt_total"]})
-
-
-def rss_bytes(server: ServerProcess) -> int:
-    with open(f"/proc/{server.proc.pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def run_clients(url: str, num_clients: int, seconds: float, scale: float, seed: int
@@ -263,9 +255,9 @@ def measure_rss_slope(server: ServerProcess, num_requests: int, seed: int) -> Rs
     failed = run_distinct_round(server.url, rng, per_round)
     rounds = []
     for _ in range(DISTINCT_ROUNDS):
-        before = rss_bytes(server)
+        before = server.rss_bytes()
         failed += run_distinct_round(server.url, rng, per_round)
-        rounds.append((rss_bytes(server) - before) / MIB * 1000 / per_round)
+        rounds.append((server.rss_bytes() - before) / MIB * 1000 / per_round)
     return RssSlope(statistics.median(rounds), [round(r, 2) for r in rounds],
                     per_round * DISTINCT_ROUNDS, failed)
 
@@ -302,7 +294,7 @@ def main() -> int:
           f"{server.url}; {args.clients} clients for {args.minutes:g} min")
     try:
         before = server.metrics()
-        rss_start = rss_bytes(server)
+        rss_start = server.rss_bytes()
         sampler = Sampler(server)
         sampler.start()
         started = time.monotonic()
@@ -312,7 +304,7 @@ def main() -> int:
         after = wait_idle(server)
         sampler.stopped.set()
         sampler.join()
-        rss_end = rss_bytes(server)
+        rss_end = server.rss_bytes()
         slope = (measure_rss_slope(server, args.distinct_requests, args.seed)
                  if args.distinct_requests > 0 else None)
     finally:

@@ -78,6 +78,14 @@ class ServerProcess:
     def metric(self, name: str) -> float:
         return self.metrics()[name]
 
+    def rss_bytes(self) -> int:
+        """The server process's resident set size, from /proc."""
+        with open(f"/proc/{self.proc.pid}/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        raise AssertionError("no VmRSS in /proc/<pid>/status")
+
     def slots(self, headers: dict[str, str] | None = None) -> list[dict]:
         return httpx.get(f"{self.url}/slots", headers=headers, timeout=10).json()
 

@@ -70,14 +70,6 @@ def recompute_server():
 
 
 # ---- helpers ----------------------------------------------------------------------------------
-def rss_bytes(server: ServerProcess) -> int:
-    with open(f"/proc/{server.proc.pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS in /proc/<pid>/status")
-
-
 def pages_for(num_tokens: int) -> int:
     return -(-num_tokens // PAGE)
 
@@ -237,11 +229,11 @@ def test_64_clients_nothing_lost_and_everything_returns_to_baseline(server_name,
     accepted = rejected = 0
     growth = []
     for _ in range(MEASURED_ROUNDS):
-        baseline_rss = rss_bytes(server)
+        baseline_rss = server.rss_bytes()
         round_accepted, round_rejected = check_outcomes(run_clients(server, 64))
         accepted, rejected = accepted + round_accepted, rejected + round_rejected
         assert_idle_and_clean(server)
-        growth.append(rss_bytes(server) - baseline_rss)
+        growth.append(server.rss_bytes() - baseline_rss)
 
     after = assert_idle_and_clean(server)
     rejected_metric = (counter(after, "kvpark:requests_rejected_total")

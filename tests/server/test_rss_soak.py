@@ -43,14 +43,6 @@ def server():
         yield server
 
 
-def rss_bytes(server: ServerProcess) -> int:
-    with open(f"/proc/{server.proc.pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS in /proc/<pid>/status")
-
-
 def complete(server: ServerProcess, prompt: list[int]) -> None:
     response = server.post("/v1/completions", {"prompt": prompt, "max_tokens": 1,
                                                "temperature": 0})
@@ -65,10 +57,10 @@ def random_prompt(rng: random.Random, length: int) -> list[int]:
 def growth_per_round(server: ServerProcess, rng: random.Random, lengths: list[int]) -> list[int]:
     growth = []
     for start in range(0, len(lengths), PER_ROUND):
-        before = rss_bytes(server)
+        before = server.rss_bytes()
         for length in lengths[start : start + PER_ROUND]:
             complete(server, random_prompt(rng, length))
-        growth.append(rss_bytes(server) - before)
+        growth.append(server.rss_bytes() - before)
     return growth
 
 
