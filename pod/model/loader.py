@@ -24,6 +24,7 @@ from kvpark.kernels.quant_linear import KINDS as QUANT_KINDS
 from kvpark.kernels.quant_linear import QuantizedWeight
 
 from .config import ModelConfig
+from .gguf_file import GGUFFile, read_gguf
 from .synthetic import synthetic_config, synthetic_weights, weight_shapes
 from .tokenizer import Tokenizer
 
@@ -106,7 +107,7 @@ def builtin_gguf_path() -> Path:
 @functools.lru_cache(maxsize=1)
 def builtin_tokenizer() -> Tokenizer:
     """SmolLM2's tokenizer, shared by the synthetic models (opening the GGUF takes seconds)."""
-    return Tokenizer.from_gguf(gguf.GGUFReader(builtin_gguf_path()))
+    return Tokenizer.from_gguf(read_gguf(builtin_gguf_path()).metadata)
 
 
 def load_synthetic(name: str, device: str | torch.device, dtype: torch.dtype) -> LoadedModel:
@@ -124,7 +125,7 @@ def load_gguf(
 ) -> LoadedModel:
     path = Path(path)
     log.info("reading GGUF %s (%.0f MiB)", path, path.stat().st_size / 2**20)
-    reader = gguf.GGUFReader(path)
+    reader = read_gguf(path)
     config = gguf_config(reader)
     log.info("dequantising %d tensors to %s", len(reader.tensors), dtype)
     weights: dict[str, torch.Tensor] = {}
@@ -134,11 +135,12 @@ def load_gguf(
         if blocks is not None:
             quantized[hf_name] = blocks
     _check_weights(weights, config, str(path))
-    return LoadedModel(config, weights, Tokenizer.from_gguf(reader), name or path.stem, str(path),
+    return LoadedModel(config, weights, Tokenizer.from_gguf(reader.metadata), name or path.stem,
+                       str(path),
                        quantized)
 
 
-def gguf_config(reader: gguf.GGUFReader) -> ModelConfig:
+def gguf_config(reader: GGUFFile) -> ModelConfig:
     arch = _field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         supported = sorted(GGUF_ARCHITECTURES)
@@ -150,7 +152,7 @@ def gguf_config(reader: gguf.GGUFReader) -> ModelConfig:
     num_heads = _field(reader, f"{arch}.attention.head_count")
     tensor_names = {t.name for t in reader.tensors}
     return ModelConfig(
-        vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data),
+        vocab_size=len(reader.metadata["tokenizer.ggml.tokens"]),
         hidden_size=hidden,
         intermediate_size=_field(reader, f"{arch}.feed_forward_length"),
         num_layers=_field(reader, f"{arch}.block_count"),
@@ -167,13 +169,13 @@ def gguf_config(reader: gguf.GGUFReader) -> ModelConfig:
     )
 
 
-def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
+def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    value = reader.metadata.get(key)
+    if value is None:
         if default is None:
             raise ValueError(f"GGUF metadata {key!r} is missing")
         return default
-    return field.contents()
+    return value
 
 
 def _f32(value: float) -> float:
@@ -182,7 +184,7 @@ def _f32(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def _gguf_tensors(reader: gguf.GGUFReader, config: ModelConfig):
+def _gguf_tensors(reader: GGUFFile, config: ModelConfig):
     """Yields (HF name, fp32 tensor [out, in], its GGUF blocks or None) one at a time, so peak
     host memory is one tensor."""
     for tensor in reader.tensors:

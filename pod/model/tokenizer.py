@@ -81,9 +81,9 @@ class Tokenizer:
     # --- construction -------------------------------------------------------------------------
 
     @classmethod
-    def from_gguf(cls, reader: Any) -> Tokenizer:
-        """Byte-level BPE from `tokenizer.ggml.*` metadata of a `gguf.GGUFReader`."""
-        meta = _gguf_tokenizer_fields(reader)
+    def from_gguf(cls, metadata: dict[str, Any]) -> Tokenizer:
+        """Byte-level BPE from a GGUF file's `tokenizer.ggml.*` metadata (`read_gguf`)."""
+        meta = {name: value for name, value in metadata.items() if name.startswith("tokenizer.")}
         if meta.get("tokenizer.ggml.model") != "gpt2":
             raise ValueError(
                 f"GGUF tokenizer model {meta.get('tokenizer.ggml.model')!r} is not supported "
@@ -253,14 +253,6 @@ class IncrementalDetokenizer:
 
 
 # --- GGUF helpers ---------------------------------------------------------------------------------
-
-
-def _gguf_tokenizer_fields(reader: Any) -> dict[str, Any]:
-    return {
-        name: field.contents()
-        for name, field in reader.fields.items()
-        if name.startswith("tokenizer.")
-    }
 
 
 def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str) -> HFTokenizer:
