@@ -35,7 +35,6 @@ from .formats import failure, get_format
 from .model.tokenizer import Tokenizer
 from .openapi import get_openapi
 from .protocol import ApiError, GenerationRequest, InputLimits
-from .sampling import SamplingParams
 from .server import ServingStack, build_stack
 from .slot import CONTEXT_EXCEEDED, FinishReason, SlotView
 from .text_output import token_piece
@@ -236,15 +235,11 @@ class Server:
         """llama.cpp's /props: what a client needs to know before it sends a request."""
         self.check_auth(request)
         stack = self.ready_stack()
-        defaults = SamplingParams()
         return JSONResponse({
             "default_generation_settings": {
                 "id": 0, "id_task": -1, "n_ctx": slot_share(stack), "speculative": False,
                 "is_processing": False, "model": self.model_name(stack),
-                "params": {"n_predict": -1, "temperature": defaults.temperature,
-                           "top_k": defaults.top_k, "top_p": defaults.top_p,
-                           "min_p": defaults.min_p, "seed": -1, "stop": [],
-                           "ignore_eos": defaults.ignore_eos, "stream": False}},
+                "params": default_params(stack)},
             "total_slots": stack.engine.capacity.num_slots,
             "model_path": stack.model_path,
             "model_alias": self.model_name(stack),
@@ -339,7 +334,8 @@ class Server:
                                   self.aborted)
             with stack.metrics.preparing.track_inprogress():  # templating, tokenising: off loop
                 gens = await run_in_threadpool(protocol.parse_requests, kind, raw,
-                                               stack.tokenizer, self.limits(stack))
+                                               stack.tokenizer, self.limits(stack),
+                                               stack.defaults)
             for i, gen in enumerate(gens):
                 self.check_fits(stack, gen, f"[{i}]" if len(gens) > 1 else "")
             if self.aborting:
@@ -535,6 +531,19 @@ async def next_message(request: Request, timeout: float, aborted: asyncio.Event)
 async def snapshot(stack: ServingStack) -> list[SlotView | None]:
     """The slots, read under the engine's lock off the event loop (a step may hold it)."""
     return await run_in_threadpool(stack.engine.snapshot)
+
+
+def default_params(stack: ServingStack) -> dict[str, Any]:
+    """/props' `params` in llama.cpp's names: what a request that sets nothing gets."""
+    params = protocol.sampling_params(stack.defaults.under({}, stack.max_context),
+                                      stack.max_context, ("max_tokens",), stack.tokenizer)
+    return {"n_predict": params.max_tokens or -1, "temperature": params.temperature,
+            "top_k": params.top_k, "top_p": params.top_p, "min_p": params.min_p,
+            "seed": -1 if params.seed is None else params.seed,
+            "repeat_penalty": params.repeat_penalty, "repeat_last_n": params.repeat_last_n,
+            "presence_penalty": params.presence_penalty,
+            "frequency_penalty": params.frequency_penalty, "stop": [],
+            "ignore_eos": params.ignore_eos, "stream": False}
 
 
 def slot_share(stack: ServingStack) -> int:

@@ -68,6 +68,20 @@ class ServerArgs:
     cors_origin: tuple[str, ...] = ()  # (): no CORS headers
     chat_template: str | None = None  # a jinja file replacing the model's chat template
     preempt_async: bool = True  # CUDA: swap copies on their own stream (off: synchronous)
+    # sampling defaults for requests that leave a field out (None: not set; see
+    # generation_defaults.py): llama-server's flags, vLLM's generation config
+    temp: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    n_predict: int | None = None
+    repeat_penalty: float | None = None
+    repeat_last_n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    generation_config: str = "auto"  # auto: a Hugging Face directory's own; vllm: none; a DIR
+    override_generation_config: str | None = None  # a JSON object of sampling fields
     # test only (hidden from --help): faults injected on purpose
     preempt_fail_swap: bool = False  # every host allocation is refused: swaps fall to recompute
     inject_fault_token: int | None = None  # a step holding this prompt token id fails
@@ -208,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
                formatter_class=argparse.RawDescriptionHelpFormatter)
     add_server_flags(p.add_argument_group("server"))
     add_model_flags(p.add_argument_group("model"))
+    add_sampling_flags(p.add_argument_group("sampling defaults (a request's own fields win)"))
     add_pool_flags(p.add_argument_group("slots and KV pool"))
     add_preemption_flags(p.add_argument_group("preemption (parking slots when the pool is full)"))
     add_limit_flags(p.add_argument_group("limits and timeouts"))
@@ -271,6 +286,38 @@ def add_model_flags(g: argparse._ArgumentGroup) -> None:
          text="CPU: a request's output does not depend on what else is in its batch")
     _add(g, "--cuda-graph", dest="cuda_graph", action=argparse.BooleanOptionalAction,
          text="capture decode steps in CUDA graphs (FlashInfer backend)")
+
+
+def add_sampling_flags(g: argparse._ArgumentGroup) -> None:
+    """llama-server's names and meanings; unset, a request's missing field keeps OpenAI's."""
+    def number(value: str) -> float:
+        return float(_number(float, value))
+
+    def integer(value: str) -> int:
+        return int(_number(int, value))
+
+    for flags, dest, kind, text in (
+            (("--temp",), "temp", number, "temperature"),
+            (("--top-k",), "top_k", integer, "top-k sampling (0 or -1: off)"),
+            (("--top-p",), "top_p", number, "top-p sampling (1.0: off)"),
+            (("--min-p",), "min_p", number, "min-p sampling (0.0: off)"),
+            (("--seed", "-s"), "seed", integer, "sampling seed (-1: a random one per request)"),
+            (("--n-predict", "-n"), "n_predict", integer,
+             "tokens to generate at most (-1: until the end or the context is full)"),
+            (("--repeat-penalty",), "repeat_penalty", number,
+             "penalise repeats of the last --repeat-last-n tokens (1.0: off)"),
+            (("--repeat-last-n",), "repeat_last_n", integer,
+             "tokens the repeat penalty looks back over (0: off, -1: the whole context)"),
+            (("--presence-penalty",), "presence_penalty", number, "presence penalty (0.0: off)"),
+            (("--frequency-penalty",), "frequency_penalty", number,
+             "frequency penalty (0.0: off)")):
+        _add(g, *flags, dest=dest, type=kind, metavar="N", text=text, default="the request's")
+    _add(g, "--generation-config", dest="generation_config", metavar="auto|vllm|DIR",
+         text="vLLM's: sampling defaults from a generation_config.json; auto = the model "
+         "directory's own (a GGUF has none), vllm = none, DIR = that directory's")
+    _add(g, "--override-generation-config", dest="override_generation_config", metavar="JSON",
+         text="vLLM's: a JSON object of sampling defaults over the generation config, e.g. "
+         "'{\"temperature\": 0.5}'", default="none")
 
 
 def add_pool_flags(g: argparse._ArgumentGroup) -> None:

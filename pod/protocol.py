@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import tools
+from .generation_defaults import GenerationDefaults
 from .grammar import ANY_JSON_OBJECT, Grammar, GrammarError, get_grammars
 from .model.tokenizer import Tokenizer
 from .sampling import SamplingParams
@@ -708,17 +709,31 @@ def parse_completions(body: dict, tokenizer: Tokenizer, limits: InputLimits
 
 
 PARSERS = {"chat": parse_chat, "completion": parse_completion, "llama": parse_llama_completion}
+NO_DEFAULTS = GenerationDefaults()
 
 
-def parse_request(kind: str, raw: bytes, tokenizer: Tokenizer,
-                  limits: InputLimits) -> GenerationRequest:
+def parse_request(kind: str, raw: bytes, tokenizer: Tokenizer, limits: InputLimits,
+                  defaults: GenerationDefaults = NO_DEFAULTS) -> GenerationRequest:
     """Body bytes -> a `GenerationRequest` for route `kind`, or an `ApiError`."""
-    return PARSERS[kind](decode_body(raw), tokenizer, limits)
+    body = defaults.under(decode_body(raw), limits.max_context)
+    return PARSERS[kind](body, tokenizer, limits)
 
 
-def parse_requests(kind: str, raw: bytes, tokenizer: Tokenizer,
-                   limits: InputLimits) -> list[GenerationRequest]:
+def parse_requests(kind: str, raw: bytes, tokenizer: Tokenizer, limits: InputLimits,
+                   defaults: GenerationDefaults = NO_DEFAULTS) -> list[GenerationRequest]:
     """As `parse_request`; /v1/completions may carry several prompts: one request each."""
     if kind == "completion":
-        return parse_completions(decode_body(raw), tokenizer, limits)
-    return [parse_request(kind, raw, tokenizer, limits)]
+        body = defaults.under(decode_body(raw), limits.max_context)
+        return parse_completions(body, tokenizer, limits)
+    return [parse_request(kind, raw, tokenizer, limits, defaults)]
+
+
+def check_defaults(defaults: GenerationDefaults) -> None:
+    """The server-wide defaults through the request fields' own checks, before the model loads:
+    a bad one is a start-up error naming where it came from, not a 400 on every request."""
+    unbounded = 1 << 31  # max_tokens is clamped to the context per request
+    try:
+        sampling_params(defaults.under({}, unbounded), unbounded, ("max_tokens",))
+    except ApiError as exc:
+        source = defaults.sources.get(exc.param or "", "a default")
+        raise ValueError(f"sampling default from {source}: {exc.message}") from None

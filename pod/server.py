@@ -8,7 +8,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,6 +24,7 @@ from .args import MAX_TORCH_THREADS, ServerArgs
 from .batch_invariance import cap_onednn, check_gemm_kernels
 from .budget import Budget, resolve_budget
 from .engine import Engine
+from .generation_defaults import GenerationDefaults, defaults_for
 from .host_store import HostStore
 from .kv_pool import KVPool
 from .metrics import Metrics
@@ -32,6 +33,7 @@ from .model.llama import MIN_INVARIANT_ROWS, LlamaModel, WeightFormat, pad_rows
 from .model.loader import LoadedModel, load_model_files
 from .model.tokenizer import Tokenizer
 from .prefix_cache import PrefixCache
+from .protocol import check_defaults
 from .runner import ModelRunner
 from .scheduler import Scheduler, SchedulerConfig
 from .swap import Swapper
@@ -50,6 +52,7 @@ class ServingStack:
     metrics: Metrics
     budget: Budget
     model_path: str = ""  # the file or directory the weights came from (/props, /v1/models)
+    defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
 
 
 def pick_device(args: ServerArgs) -> torch.device:
@@ -379,6 +382,8 @@ class Stages:
 
 def build_stack(args: ServerArgs) -> ServingStack:
     stages = Stages()
+    defaults = defaults_for(args)  # a bad generation config fails before the weights load
+    check_defaults(defaults)
     device = pick_device(args)
     # first: oneDNN reads its ISA cap once, when anything first asks (cpu_features.detect does)
     cap_onednn(args.batch_invariant and device.type == "cpu")
@@ -469,6 +474,8 @@ def build_stack(args: ServerArgs) -> ServingStack:
              budget.describe(), args.preempt_every, args.preempt_high, args.preempt_low,
              args.preempt_resume)
     log.info("prefix cache %s", "on" if cache else "off (--no-prefix-cache)")
+    log.info("sampling defaults: %s", defaults.describe())
     log.info("model loaded in %.1f s", stages.total)
     return ServingStack(args, loaded.name, loaded.tokenizer, scheduler_config.max_context,
-                        scheduler, engine, metrics, budget, model_path=loaded.source)
+                        scheduler, engine, metrics, budget, model_path=loaded.source,
+                        defaults=defaults)

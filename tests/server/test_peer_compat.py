@@ -1,0 +1,78 @@
+"""What llama.cpp and vLLM users reach for (issue 27), over real HTTP: server-wide sampling
+defaults, ..."""
+
+import json
+import subprocess
+import sys
+
+import httpx
+import pytest
+from serverproc import ServerProcess
+
+PROMPT = "The quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def defaults_server(tmp_path_factory):
+    """Defaults from all three sources: the generation config gives top_p, the override the
+    temperature (greedy), the flags max_tokens and the seed."""
+    config_dir = tmp_path_factory.mktemp("genconfig")
+    (config_dir / "generation_config.json").write_text(json.dumps(
+        {"top_p": 0.5, "temperature": 0.9, "max_new_tokens": 9}))
+    flags = ["-np", "2", "-c", "1024", "--generation-config", str(config_dir),
+             "--override-generation-config", '{"temperature": 0, "max_new_tokens": 6}',
+             "-n", "4", "--seed", "1234", "--repeat-last-n", "16"]
+    with ServerProcess(flags) as server:
+        yield server
+
+
+def completion(server, **fields):
+    response = server.post("/v1/completions", {"prompt": PROMPT, "ignore_eos": True, **fields})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_props_show_the_servers_defaults(defaults_server):
+    props = httpx.get(f"{defaults_server.url}/props", timeout=10).json()
+    params = props["default_generation_settings"]["params"]
+    assert params["temperature"] == 0 and params["top_p"] == 0.5
+    assert params["n_predict"] == 4 and params["seed"] == 1234
+    assert params["repeat_last_n"] == 16
+
+
+def test_a_request_that_sets_nothing_gets_the_defaults(defaults_server, tiny_server):
+    answer = completion(defaults_server)
+    assert answer["usage"]["completion_tokens"] == 4  # -n 4
+    # greedy (the override's temperature 0): the text of a plain greedy request elsewhere
+    greedy = completion(tiny_server, temperature=0, max_tokens=4)
+    assert answer["choices"][0]["text"] == greedy["choices"][0]["text"]
+
+
+def test_a_requests_own_fields_win(defaults_server, tiny_server):
+    answer = completion(defaults_server, max_tokens=7, temperature=1.0, top_p=1.0, seed=7)
+    assert answer["usage"]["completion_tokens"] == 7
+    same = completion(tiny_server, max_tokens=7, temperature=1.0, top_p=1.0, seed=7)
+    assert answer["choices"][0]["text"] == same["choices"][0]["text"]
+    chat = defaults_server.chat("hi", max_completion_tokens=2, ignore_eos=True)
+    assert chat.json()["usage"]["completion_tokens"] == 2
+    llama = defaults_server.post("/completion", {"prompt": PROMPT, "n_predict": 3,
+                                                 "ignore_eos": True})
+    assert llama.json()["tokens_predicted"] == 3
+
+
+def test_the_default_seed_makes_sampled_answers_repeat(defaults_server):
+    first = completion(defaults_server, temperature=1.0, top_p=1.0)
+    again = completion(defaults_server, temperature=1.0, top_p=1.0)
+    assert first["choices"][0]["text"] == again["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--temp", "5"], "sampling default from flag: 'temperature': must be between 0.0 and 2.0"),
+    (["--override-generation-config", '{"top_q": 1}'], "unknown key(s) top_q"),
+])
+def test_a_bad_default_stops_the_server_with_the_reason(flags, said):
+    done = subprocess.run(
+        [sys.executable, "-m", "kvpark.pod", "-m", "synthetic:tiny", "--port", "0", *flags],
+        capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert said in done.stdout + done.stderr
