@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import json
 import logging
@@ -51,8 +52,12 @@ NOTICES = {StreamEvent.QUEUED: "queued", StreamEvent.PARKED: "preempted",
 
 
 def has_key(request: Request, key: str) -> bool:
+    """`Authorization: Bearer KEY`, or `X-Api-Key: KEY` as Anthropic-style clients and
+    llama-server's web UI send it."""
     header = request.headers.get("authorization", "")
     given = header[7:] if header.lower().startswith("bearer ") else ""
+    if not given:
+        given = request.headers.get("x-api-key", "")
     return hmac.compare_digest(given.encode(), key.encode())  # constant time
 
 
@@ -361,9 +366,12 @@ class Server:
         limit = min(capacity, stack.max_context)
         prompt = len(gen.prompt_ids)
         if prompt + 1 > limit:
+            # llama.cpp's type and numbers: a client branches on them, not on the words
             raise ApiError(400, f"{CONTEXT_EXCEEDED} The prompt has {prompt} tokens; one "
                            f"request can hold {limit} here (pool {capacity}).",
-                           param="messages" if gen.kind == "chat" else f"prompt{which}")
+                           param="messages" if gen.kind == "chat" else f"prompt{which}",
+                           error_type="exceed_context_size_error",
+                           details={"n_prompt_tokens": prompt, "n_ctx": limit})
         max_tokens = gen.params.max_tokens
         if max_tokens is not None and prompt + max_tokens > limit:
             name = {"chat": "max_tokens", "completion": "max_tokens", "llama": "n_predict"}
@@ -394,11 +402,12 @@ class Server:
         failed = [seq for seq in stream.seqs if seq.failed]
         if failed:
             return error_response(failure(failed[0]))
-        return JSONResponse(get_format(self.model_name(stack), stream).body())
+        return JSONResponse(get_format(self.model_name(stack), stream,
+                                       fingerprint(stack)).body())
 
     async def stream_events(self, stack: ServingStack, stream: RequestStream
                             ) -> AsyncIterator[str]:
-        fmt = get_format(self.model_name(stack), stream)
+        fmt = get_format(self.model_name(stack), stream, fingerprint(stack))
         finished = 0
         opened = False
         try:
@@ -454,6 +463,13 @@ def flag(body: dict[str, Any], name: str) -> bool:
 
 def special_text(tokenizer: Tokenizer, token_id: int | None) -> str:
     return "" if token_id is None else tokenizer.token_text(token_id)
+
+
+def fingerprint(stack: ServingStack) -> str:
+    """OpenAI's system_fingerprint: changes when the build or anything deciding the numbers
+    (weights, precision, kernels) does, so a client pairing it with `seed` sees why."""
+    digest = hashlib.sha256(f"{build_version()}|{stack.numerics}".encode()).hexdigest()
+    return f"fp_{digest[:10]}"
 
 
 def build_version() -> str:

@@ -55,7 +55,8 @@ def timings(seq: Sequence) -> dict[str, float]:
         "predicted_n": n,
         "predicted_ms": predicted_ms,
         "predicted_per_token_ms": predicted_ms / max(1, n),
-        "predicted_per_second": n / (predicted_ms / 1e3) if predicted_ms else 0.0,
+        # llama.cpp's 0 for one token: its time is the prompt's, a rate over ~0 ms means nothing
+        "predicted_per_second": n / (predicted_ms / 1e3) if predicted_ms and n > 1 else 0.0,
     }
 
 
@@ -153,9 +154,10 @@ class WireFormat:
 
     ends_with_done: ClassVar[bool] = True  # `data: [DONE]` closes the stream
 
-    def __init__(self, model: str, stream: RequestStream) -> None:
+    def __init__(self, model: str, stream: RequestStream, fingerprint: str = "") -> None:
         self.model = model
         self.stream = stream
+        self.fingerprint = fingerprint  # OpenAI's system_fingerprint
         self.names = TokenNames(stream.tokenizer)
         self._num_sent: dict[int, int] = {}  # per choice: logprobs already in a chunk
         self._offset: dict[int, int] = {}  # per choice: text length those tokens cover
@@ -205,7 +207,8 @@ class OpenAIFormat(WireFormat):
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         chunk = {"id": self.stream.request_id, "object": self.chunk_object_name,
-                 "created": int(time.time()), "model": self.model, "choices": choices}
+                 "created": int(time.time()), "model": self.model,
+                 "system_fingerprint": self.fingerprint, "choices": choices}
         if self.include_usage:
             chunk["usage"] = None
         return chunk
@@ -214,6 +217,7 @@ class OpenAIFormat(WireFormat):
         seqs = self.stream.seqs
         return {"id": self.stream.request_id, "object": self.object_name,
                 "created": int(time.time()), "model": self.model,
+                "system_fingerprint": self.fingerprint,
                 "choices": [self.choice(s) for s in seqs], "usage": usage(seqs),
                 "timings": timings(seqs[0]), "preempt": self.stream.preempt_summary()}
 
@@ -261,8 +265,8 @@ class ToolChatFormat(ChatFormat):
     into OpenAI's `tool_calls`; a stream sends the calls (or the answer) with its last chunk
     (deltas before it are empty, so a client sees progress)."""
 
-    def __init__(self, model: str, stream: RequestStream) -> None:
-        super().__init__(model, stream)
+    def __init__(self, model: str, stream: RequestStream, fingerprint: str = "") -> None:
+        super().__init__(model, stream, fingerprint)
         self._parsed: dict[int, ParsedOutput] = {}  # one parse (and one set of call ids) each
 
     def parsed(self, seq: Sequence) -> ParsedOutput:
@@ -393,7 +397,7 @@ FORMATS: dict[str, type[WireFormat]] = {
     "chat": ChatFormat, "completion": CompletionFormat, "llama": LlamaFormat}
 
 
-def get_format(model: str, stream: RequestStream) -> WireFormat:
+def get_format(model: str, stream: RequestStream, fingerprint: str = "") -> WireFormat:
     if stream.request.tools is not None:
-        return ToolChatFormat(model, stream)
-    return FORMATS[stream.request.kind](model, stream)
+        return ToolChatFormat(model, stream, fingerprint)
+    return FORMATS[stream.request.kind](model, stream, fingerprint)

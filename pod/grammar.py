@@ -77,6 +77,21 @@ class Grammar:
     def from_lark(cls, lark: str) -> Grammar:
         return cls(llguidance.LLMatcher.grammar_from_lark(lark), "lark")
 
+    @classmethod
+    def from_regex(cls, regex: str) -> Grammar:
+        """The whole output matches `regex` (vLLM's `structured_outputs.regex`)."""
+        try:
+            return cls(llguidance.LLMatcher.grammar_from_regex(regex), "regex")
+        except Exception as exc:
+            raise GrammarError(f"not a valid regular expression: {exc}") from exc
+
+    @classmethod
+    def from_choice(cls, choices: list[str]) -> Grammar:
+        """The output is exactly one of `choices` (vLLM's `structured_outputs.choice`)."""
+        # Lark's string literals take JSON's escapes
+        alternatives = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
+        return cls(llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}"), "choice")
+
 
 class GrammarConstraint:
     """One sequence's place in its grammar. EOS is allowed only where the grammar may end."""

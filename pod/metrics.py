@@ -1,4 +1,5 @@
-"""Prometheus metrics under the `kvpark:` prefix, plus vLLM's names for what both have.
+"""Prometheus metrics under the `kvpark:` prefix, plus vLLM's and llama.cpp's names for what
+they share (`metrics_llamacpp.py`).
 
 Counters the scheduler already keeps (parks, resumes, pool and host usage) are read live at
 scrape time by a collector; per-request and per-step facts are observed as they happen.
@@ -24,6 +25,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from .metrics_llamacpp import LlamacppCollector, LlamacppTotals
 from .scheduler import Scheduler
 from .slot import FinishReason, Sequence
 from .step_plan import ScheduledSeq
@@ -128,8 +130,10 @@ class Metrics:
                  model_name: str = "kvpark") -> None:
         self.scheduler = scheduler
         self.registry = CollectorRegistry()
-        self.registry.register(SchedulerCollector(scheduler, lock or threading.RLock(),
-                                                  model_name))
+        lock = lock or threading.RLock()
+        self.registry.register(SchedulerCollector(scheduler, lock, model_name))
+        self.llamacpp = LlamacppTotals()
+        self.registry.register(LlamacppCollector(scheduler, self.llamacpp, lock))
         # seq_id -> (when its latest token came, tokens generated then)
         self.last_token_at: dict[int, tuple[float, int]] = {}
         r = self.registry
@@ -173,6 +177,7 @@ class Metrics:
 
     def on_step(self, plan: list[ScheduledSeq], seconds: float) -> None:
         self.step_seconds.observe(seconds)
+        self.llamacpp.on_step(len(plan))
         self.observe_tokens(plan)
         decoding = sum(1 for item in plan if item.num_tokens == 1 and item.samples)
         if decoding:
@@ -217,6 +222,7 @@ class Metrics:
         if seq.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH):
             self.last_token_at.pop(seq.seq_id, None)  # no step will see it again: no leak
         self.vllm.on_finish(outcome, num_prompt, seq.num_generated, latency)
+        self.llamacpp.on_finish(seq, num_prompt)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -44,9 +44,11 @@ MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None,
                  error_type: str = "invalid_request_error",
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None,
+                 details: dict[str, Any] | None = None) -> None:
         super().__init__(message)
         self.headers = headers or {}
+        self.details = details or {}  # more fields of the error object
         self.status = status
         self.message = message
         self.param = param
@@ -54,7 +56,7 @@ class ApiError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.error_type,
-                          "param": self.param, "code": self.status}}
+                          "param": self.param, "code": self.status, **self.details}}
 
 
 @dataclass(frozen=True)
@@ -181,7 +183,8 @@ SAMPLING = frozenset({"model", "temperature", "top_p", "top_k", "min_p", "seed",
                       "ignore_eos", "n", "stream", "stream_options", "priority",
                       "presence_penalty", "frequency_penalty", "repetition_penalty",
                       "repeat_penalty", "repeat_last_n", "logit_bias", "min_tokens"})
-STRUCTURED = frozenset({"response_format", "grammar", "json_schema"})
+STRUCTURED = frozenset({"response_format", "grammar", "json_schema", "structured_outputs",
+                        "guided_json", "guided_regex", "guided_choice", "guided_grammar"})
 KNOWN = {
     "chat": SAMPLING | HARMLESS | STRUCTURED | {"messages", "max_tokens",
                                                 "max_completion_tokens", "tools", "tool_choice",
@@ -514,12 +517,60 @@ def _llama_grammar(body: dict) -> tuple[str, Grammar] | None:
     return None
 
 
+# vLLM's `structured_outputs` keys (and its older top-level `guided_*` fields) -> grammar makers
+VLLM_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+          "guided_grammar": "grammar"}
+
+
+def _vllm_constraint(kind: str, value: Any, where: str) -> Grammar:
+    try:
+        if kind == "json":
+            schema = json.loads(value) if isinstance(value, str) else value
+            if not isinstance(schema, (dict, bool)):
+                raise _bad(where, "expected a JSON schema (an object, or its JSON text)")
+            return Grammar.from_json_schema(schema)
+        if kind == "json_object":
+            if value is not True:
+                raise _bad(where, "expected true")
+            return Grammar.from_json_schema(ANY_JSON_OBJECT)
+        if kind == "choice":
+            if not (isinstance(value, list) and value and all(isinstance(c, str) for c in value)):
+                raise _bad(where, "expected a non-empty list of strings")
+            return Grammar.from_choice(value)
+        if not isinstance(value, str) or not value:
+            raise _bad(where, "expected a non-empty string")
+        return Grammar.from_regex(value) if kind == "regex" else Grammar.from_gbnf(value)
+    except (GrammarError, ValueError) as exc:  # ValueError: `json` text that is not JSON
+        raise _bad(where, f"does not compile: {clip(str(exc), 2 * MAX_SHOWN)}") from None
+
+
+def _structured_outputs(body: dict) -> tuple[str, Grammar] | None:
+    """vLLM's `structured_outputs` object (one constraint kind in it), or a `guided_*` field."""
+    given = {GUIDED[name]: body[name] for name in GUIDED if body.get(name) is not None}
+    value = body.get("structured_outputs")
+    if value is not None:
+        if not isinstance(value, dict):
+            raise _bad("structured_outputs", "expected an object such as {\"json\": {...}}, "
+                       "{\"regex\": ...}, {\"choice\": [...]} or {\"grammar\": ...}")
+        given.update({k: v for k, v in value.items() if k in VLLM_KINDS and v not in (None, False)})
+    if not given:
+        return None
+    if len(given) > 1:  # vLLM's rule
+        raise _bad("structured_outputs", "You can only use one kind of structured outputs "
+                   f"constraint but multiple are specified: {', '.join(sorted(given))}")
+    (kind, spec), = given.items()
+    where = f"structured_outputs.{kind}"
+    return where, _vllm_constraint(kind, spec, where)
+
+
 def structured_output(body: dict, tokenizer: Tokenizer) -> Grammar | None:
     """The grammar the output must match (compiled here: an error is the client's 400)."""
-    chosen = [c for c in (_response_format(body), _llama_grammar(body)) if c is not None]
+    chosen = [c for c in (_response_format(body), _llama_grammar(body),
+                          _structured_outputs(body)) if c is not None]
     if len(chosen) > 1:
-        raise _bad("response_format", "send one of 'response_format', 'grammar' and "
-                   "'json_schema'")
+        raise _bad("response_format", "send one of 'response_format', 'grammar', "
+                   "'json_schema' and 'structured_outputs'")
     if not chosen:
         return None
     field_name, grammar = chosen[0]

@@ -53,6 +53,8 @@ class ServingStack:
     budget: Budget
     model_path: str = ""  # the file or directory the weights came from (/props, /v1/models)
     defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
+    # what decides the numbers: weights, precision, kernels (system_fingerprint hashes it)
+    numerics: str = ""
 
 
 def pick_device(args: ServerArgs) -> torch.device:
@@ -476,6 +478,8 @@ def build_stack(args: ServerArgs) -> ServingStack:
     log.info("prefix cache %s", "on" if cache else "off (--no-prefix-cache)")
     log.info("sampling defaults: %s", defaults.describe())
     log.info("model loaded in %.1f s", stages.total)
+    numerics = (f"{loaded.name}|{loaded.source}|{device}|{dtype}|{model.weight_format.value}"
+                f"|blocks={model.has_blocks}|{backend.name}|invariant={model.batch_invariant}")
     return ServingStack(args, loaded.name, loaded.tokenizer, scheduler_config.max_context,
                         scheduler, engine, metrics, budget, model_path=loaded.source,
-                        defaults=defaults)
+                        defaults=defaults, numerics=numerics)

@@ -35,6 +35,18 @@ def test_api_key_required_except_health_and_metrics(keyed_server):
     assert KEY not in keyed_server.log()
 
 
+def test_an_x_api_key_header_is_a_key_too(keyed_server):
+    """As llama-server's web UI and Anthropic-style clients send it; wrong is still 401."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    url = f"{keyed_server.url}/v1/chat/completions"
+    assert httpx.post(url, json=body, headers={"X-Api-Key": KEY}, timeout=60).status_code == 200
+    wrong = httpx.post(url, json=body, headers={"X-Api-Key": "nope"}, timeout=60)
+    assert wrong.status_code == 401
+    admin = httpx.post(f"{keyed_server.url}/slots/0?action=park", headers={"X-Api-Key": ADMIN},
+                       timeout=60)
+    assert admin.status_code == 409  # past the key: slot 0 is idle
+
+
 def test_disconnect_mid_stream_frees_slot_and_pages(keyed_server):
     headers = {"Authorization": f"Bearer {KEY}"}
     with httpx.stream("POST", f"{keyed_server.url}/v1/chat/completions", headers=headers,

@@ -1,11 +1,13 @@
-"""What llama.cpp and vLLM users reach for (issue 27), over real HTTP: server-wide sampling
-defaults, ..."""
+"""What llama.cpp and vLLM users reach for (issue 27), over real HTTP with real clients:
+server-wide sampling defaults; the names their clients and dashboards read
+(system_fingerprint, llamacpp: metrics, the context-overflow error, one-token timings)."""
 
 import json
 import subprocess
 import sys
 
 import httpx
+import openai
 import pytest
 from serverproc import ServerProcess
 
@@ -76,3 +78,59 @@ def test_a_bad_default_stops_the_server_with_the_reason(flags, said):
         capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert said in done.stdout + done.stderr
+
+
+def test_system_fingerprint_in_answers_and_chunks(tiny_server):
+    client = openai.OpenAI(base_url=f"{tiny_server.url}/v1", api_key="none", max_retries=0)
+    ask = [{"role": "user", "content": "hi"}]
+    whole = client.chat.completions.create(model="m", messages=ask, max_tokens=3)
+    assert whole.system_fingerprint.startswith("fp_") and len(whole.system_fingerprint) == 13
+    chunks = list(client.chat.completions.create(model="m", messages=ask, max_tokens=3,
+                                                 stream=True))
+    assert {c.system_fingerprint for c in chunks} == {whole.system_fingerprint}
+    text = client.completions.create(model="m", prompt=PROMPT, max_tokens=2)
+    assert text.system_fingerprint == whole.system_fingerprint
+
+
+def test_a_fingerprint_changes_with_what_decides_the_numbers(tiny_server):
+    """A float32-linears server of the same model computes other bits: another fingerprint."""
+    ask = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    ours = tiny_server.post("/v1/chat/completions", ask).json()["system_fingerprint"]
+    with ServerProcess(["-np", "1", "-c", "256", "--no-batch-invariant"]) as other:
+        theirs = other.post("/v1/chat/completions", ask).json()["system_fingerprint"]
+    assert theirs != ours
+
+
+def test_llama_servers_metric_names(tiny_server):
+    before = tiny_server.metrics()
+    answer = completion(tiny_server, max_tokens=5, temperature=0)
+    after = tiny_server.metrics()
+    grew = after["llamacpp:tokens_predicted_total"] - before["llamacpp:tokens_predicted_total"]
+    assert grew == answer["usage"]["completion_tokens"] == 5
+    assert (after["llamacpp:prompt_tokens_total"] - before["llamacpp:prompt_tokens_total"]
+            == answer["usage"]["prompt_tokens"])
+    assert after["llamacpp:n_decode_total"] >= before["llamacpp:n_decode_total"] + 5
+    assert after["llamacpp:prompt_seconds_total"] > before["llamacpp:prompt_seconds_total"]
+    assert after["llamacpp:predicted_tokens_seconds"] > 0
+    for gauge in ("requests_processing", "requests_deferred", "kv_cache_usage_ratio",
+                  "kv_cache_tokens", "n_busy_slots_per_decode", "prompt_tokens_seconds"):
+        assert f"llamacpp:{gauge}" in after
+
+
+def test_a_prompt_past_the_context_has_llama_cpps_error_type_and_numbers(defaults_server):
+    response = defaults_server.post("/completion", {"prompt": list(range(1, 2000))})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["type"] == "exceed_context_size_error"
+    assert error["n_prompt_tokens"] == 1999 and error["n_ctx"] == 1024
+    assert error["message"].startswith("Context size has been exceeded.")
+
+
+def test_one_token_answers_report_no_generation_rate(tiny_server):
+    answer = tiny_server.post("/completion", {"prompt": PROMPT, "n_predict": 1,
+                                              "ignore_eos": True}).json()
+    assert answer["timings"]["predicted_n"] == 1
+    assert answer["timings"]["predicted_per_second"] == 0.0
+    two = tiny_server.post("/completion", {"prompt": PROMPT, "n_predict": 2,
+                                           "ignore_eos": True}).json()
+    assert two["timings"]["predicted_per_second"] > 0

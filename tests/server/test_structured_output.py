@@ -4,6 +4,7 @@ tool calls (plain, streamed, named, none, a round trip), and langchain when inst
 
 import concurrent.futures as cf
 import json
+import re
 
 import httpx
 import jsonschema
@@ -84,6 +85,49 @@ def test_llama_grammar_and_json_schema_on_completion(server):
     completion = server.post("/v1/completions", {"prompt": body["prompt"], "max_tokens": 10,
                                                  "grammar": 'root ::= " yes" | " no"'}).json()
     assert completion["choices"][0]["text"] in (" yes", " no")
+
+
+def test_vllms_structured_outputs_each_kind(client):
+    """vLLM's current field, through the openai client's extra_body as vLLM's docs show it."""
+    ask = [{"role": "user", "content": "Is the sky blue? Answer yes or no."}]
+
+    def content(constraint, max_tokens=30):
+        out = client.chat.completions.create(
+            model="x", messages=ask, temperature=0, max_tokens=max_tokens,
+            extra_body={"structured_outputs": constraint})
+        assert out.choices[0].finish_reason == "stop", out.choices[0].message.content
+        return out.choices[0].message.content
+
+    assert content({"choice": ["Positive", "Negative"]}) in ("Positive", "Negative")
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", content({"regex": "[0-9]{3}-[a-z]{2}"}))
+    schema = {"type": "object", "properties": {"sky": {"type": "boolean"}},
+              "required": ["sky"], "additionalProperties": False}
+    jsonschema.validate(json.loads(content({"json": schema})), schema)
+    jsonschema.validate(json.loads(content({"json": json.dumps(schema)})), schema)
+    assert content({"grammar": 'root ::= "yes" | "no"'}) in ("yes", "no")
+    assert isinstance(json.loads(content({"json_object": True}, 60)), dict)
+
+
+def test_vllms_older_guided_fields_still_constrain(server):
+    out = server.post("/v1/completions", {"prompt": "The sky is", "max_tokens": 10,
+                                          "temperature": 0, "guided_choice": [" blue", " red"]})
+    assert out.json()["choices"][0]["text"] in (" blue", " red")
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"structured_outputs": {"regex": "[0-9]+", "choice": ["a"]}}, "structured_outputs"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"json": "{not json"}}, "structured_outputs.json"),
+    ({"structured_outputs": "json"}, "structured_outputs"),
+    ({"structured_outputs": {"choice": ["a"]}, "response_format": {"type": "json_object"}},
+     "response_format"),
+])
+def test_bad_structured_outputs_are_400s_naming_the_field(server, extra, param):
+    response = server.post("/v1/chat/completions", {"messages": ASK, "max_tokens": 4, **extra})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+    assert server.chat("still there?", max_tokens=2).status_code == 200
 
 
 @pytest.mark.parametrize("path,extra,param", [
