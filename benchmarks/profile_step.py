@@ -135,7 +135,7 @@ class Setup:
         sampled = CLOCK.wrap("runner", self.runner.run)(plan)
         started = now()
         for item, out in zip(plan, sampled):
-            self.scheduler.advance(item, None if out is None else out.token)
+            self.scheduler.advance(item, None if out.sampled is None else out.sampled.token)
         CLOCK.seconds["postprocess"] += now() - started
 
 

@@ -444,6 +444,8 @@ def merge_streams(streams: list[RequestStream]) -> RequestStream:
     n = first.request.params.n
     for p, stream in enumerate(streams[1:], 1):
         for seq in stream.seqs:
+            if seq.index in stream.echoes:
+                first.echoes[p * n + seq.index] = stream.echoes[seq.index]
             seq.index = p * n + seq.index
             seq.request_id = f"{first.request_id}/{seq.index}"
             seq.on_event = first.on_event

@@ -54,10 +54,13 @@ class RequestStream:
     request_id: str
     seqs: list[Sequence] = field(default_factory=list)
     queue: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    echoes: dict[int, str] = field(default_factory=dict)  # choice -> its echoed prompt
 
     def __post_init__(self) -> None:
         params = self.request.params
         grammar = self.request.grammar
+        if self.request.echo is not None:
+            self.echoes = {index: self.request.echo for index in range(params.n)}
         for index in range(params.n):
             seed = None if params.seed is None else params.seed + index
             self.seqs.append(Sequence(

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .runner import ModelRunner
-from .sampling import Sampled
+from .sampling import ChunkOutput
 from .scheduler import Scheduler
 from .slot import FinishReason, Phase, SeqEvent, Sequence, SlotView
 from .step_plan import ScheduledSeq
@@ -214,20 +214,20 @@ class Engine:
             plan, sampled = self._isolate_failure(plan)
         seconds = time.perf_counter() - started
         with self.lock:
-            for item, token in zip(plan, sampled):
-                self._postprocess(item, token, seconds)
+            for item, output in zip(plan, sampled):
+                self._postprocess(item, output, seconds)
             self.on_step(plan, seconds)
         return True
 
     def _isolate_failure(self, plan: list[ScheduledSeq]
-                         ) -> tuple[list[ScheduledSeq], list[Sampled | None]]:
+                         ) -> tuple[list[ScheduledSeq], list[ChunkOutput]]:
         """Run each sequence of a failed step alone; end only those that fail again.
 
         Rerunning is safe: K/V a failed step wrote sit at the same pages and positions the
         rerun writes, and no sequence advanced.
         """
         survivors: list[ScheduledSeq] = []
-        sampled: list[Sampled | None] = []
+        sampled: list[ChunkOutput] = []
         for item in plan:
             try:
                 sampled.extend(self.runner.run([item]))
@@ -240,12 +240,18 @@ class Engine:
             survivors.append(item)
         return survivors, sampled
 
-    def _postprocess(self, item: ScheduledSeq, sampled: Sampled | None, seconds: float) -> None:
+    def _postprocess(self, item: ScheduledSeq, output: ChunkOutput, seconds: float) -> None:
         seq = item.seq
         if seq.is_finished:
             return
         if seq.in_prompt:
             seq.prompt_seconds += seconds
+        seq.prompt_logprobs.extend(output.prompt_logprobs)  # before any event: all are there
+        sampled = output.sampled
+        if sampled is not None and seq.params.max_tokens == 0:  # echo only: nothing generated
+            self.scheduler.advance(item, None)
+            self.scheduler.finish(seq, FinishReason.LENGTH)
+            return
         token = None if sampled is None else sampled.token
         self.scheduler.advance(item, token)
         if sampled is None:

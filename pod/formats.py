@@ -139,6 +139,38 @@ def completion_logprobs(names: TokenNames, entries: list[TokenLogprob], offset: 
             "top_logprobs": tops, "text_offset": offsets}
 
 
+def echoed_logprobs(names: TokenNames, prompt_ids: list[int], entries: list[TokenLogprob],
+                    k: int) -> dict[str, Any]:
+    """Completions' `echo` with `logprobs`: the prompt's tokens in `choice.logprobs`' shape,
+    the first without a logprob (no row comes before it), each top cut to the `k` asked."""
+    first = names.get(prompt_ids[0])[0]
+    rest = completion_logprobs(names, [TokenLogprob(e.token, e.logprob, e.top[:k])
+                                       for e in entries], len(first))
+    return {"tokens": [first, *rest["tokens"]],
+            "token_logprobs": [None, *rest["token_logprobs"]],
+            "top_logprobs": [None, *rest["top_logprobs"]],
+            "text_offset": [0, *rest["text_offset"]]}
+
+
+def joined_logprobs(first: dict[str, Any], then: dict[str, Any] | None) -> dict[str, Any]:
+    return {key: first[key] + (then[key] if then else []) for key in first}
+
+
+def vllm_prompt_logprobs(names: TokenNames, entries: list[TokenLogprob]
+                         ) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token (the first: null), its own logprob and rank
+    and the k most likely, keyed by token id."""
+    def one(token: int, logprob: float, rank: int) -> tuple[str, dict[str, Any]]:
+        return str(token), {"logprob": _lp(logprob), "rank": rank,
+                            "decoded_token": names.get(token)[0]}
+
+    shaped: list[dict[str, Any] | None] = [None]
+    for e in entries:
+        shaped.append(dict([one(t, lp, rank) for rank, (t, lp) in enumerate(e.top, 1)]
+                           + [one(e.token, e.logprob, e.rank)]))
+    return shaped
+
+
 def llama_probabilities(names: TokenNames, entries: list[TokenLogprob]) -> list[dict[str, Any]]:
     """llama.cpp /completion's `completion_probabilities` (n_probs, post_sampling_probs off)."""
     def one(token: int, logprob: float) -> dict[str, Any]:
@@ -161,6 +193,18 @@ class WireFormat:
         self.names = TokenNames(stream.tokenizer)
         self._num_sent: dict[int, int] = {}  # per choice: logprobs already in a chunk
         self._offset: dict[int, int] = {}  # per choice: text length those tokens cover
+        self._opened: set[int] = set()  # choices whose first text chunk went out
+
+    def first_chunk_of(self, index: int) -> bool:
+        """True once per choice: the chunk that carries its echo and prompt logprobs."""
+        first = index not in self._opened
+        self._opened.add(index)
+        return first
+
+    def prompt_logprobs(self, seq: Sequence) -> list[dict[str, Any] | None] | None:
+        if not self.stream.request.show_prompt_logprobs:
+            return None
+        return vllm_prompt_logprobs(self.names, seq.prompt_logprobs)
 
     @property
     def wants_logprobs(self) -> bool:
@@ -238,6 +282,17 @@ class ChatFormat(OpenAIFormat):
         entries = self.take_logprobs(index, upto) if self.wants_logprobs else []
         return chat_logprobs(self.names, entries) if entries else None
 
+    def body(self) -> dict[str, Any]:
+        body = super().body()
+        if self.stream.request.show_prompt_logprobs:  # vLLM: one list, beside the choices
+            body["prompt_logprobs"] = self.prompt_logprobs(self.stream.seqs[0])
+        return body
+
+    def with_prompt_logprobs(self, chunk: dict[str, Any], index: int) -> dict[str, Any]:
+        if self.first_chunk_of(index) and index == 0 and self.stream.request.show_prompt_logprobs:
+            chunk["prompt_logprobs"] = self.prompt_logprobs(self.stream.seqs[0])
+        return chunk
+
     def choice(self, seq: Sequence) -> dict[str, Any]:
         logprobs = (chat_logprobs(self.names, seq.logprobs) if self.wants_logprobs else None)
         return {"index": seq.index, "message": {"role": "assistant",
@@ -250,14 +305,14 @@ class ChatFormat(OpenAIFormat):
                              for s in self.stream.seqs])]
 
     def text(self, index: int, text: str, num_logprobs: int | None = None) -> dict[str, Any]:
-        return self._chunk([{"index": index, "delta": {"content": text},
-                             "logprobs": self.logprobs(index, num_logprobs),
-                             "finish_reason": None}])
+        return self.with_prompt_logprobs(self._chunk([
+            {"index": index, "delta": {"content": text},
+             "logprobs": self.logprobs(index, num_logprobs), "finish_reason": None}]), index)
 
     def finish(self, seq: Sequence) -> dict[str, Any]:
-        return self._chunk([{"index": seq.index, "delta": {},
-                             "logprobs": self.logprobs(seq.index, None),
-                             "finish_reason": finish_reason(seq)}])
+        return self.with_prompt_logprobs(self._chunk([
+            {"index": seq.index, "delta": {}, "logprobs": self.logprobs(seq.index, None),
+             "finish_reason": finish_reason(seq)}]), seq.index)
 
 
 class ToolChatFormat(ChatFormat):
@@ -329,21 +384,50 @@ class CompletionFormat(OpenAIFormat):
         self._offset[index] = shaped["text_offset"][-1] + len(self.names.get(last.token)[0])
         return shaped
 
+    def echoed(self, seq: Sequence) -> dict[str, Any] | None:
+        """The echoed prompt's part of `logprobs` (None: no echo, or no logprobs asked)."""
+        if seq.index not in self.stream.echoes or not self.wants_logprobs:
+            return None
+        k = self.stream.request.params.logprobs or 0
+        return echoed_logprobs(self.names, seq.prompt_ids, seq.prompt_logprobs, k)
+
     def choice(self, seq: Sequence) -> dict[str, Any]:
-        logprobs = (completion_logprobs(self.names, seq.logprobs, 0) if self.wants_logprobs
+        echo, echoed = self.stream.echoes.get(seq.index, ""), self.echoed(seq)
+        offset = len("".join(echoed["tokens"])) if echoed else 0
+        logprobs = (completion_logprobs(self.names, seq.logprobs, offset) if self.wants_logprobs
                     else None)
-        return {"index": seq.index, "text": self.stream.text(seq.index), "logprobs": logprobs,
-                "finish_reason": finish_reason(seq)}
+        if echoed:
+            logprobs = joined_logprobs(echoed, logprobs)
+        choice = {"index": seq.index, "text": echo + self.stream.text(seq.index),
+                  "logprobs": logprobs, "finish_reason": finish_reason(seq)}
+        if self.stream.request.show_prompt_logprobs:
+            choice["prompt_logprobs"] = self.prompt_logprobs(seq)
+        return choice
+
+    def shaped(self, index: int, text: str, upto: int | None, reason: str | None
+               ) -> dict[str, Any]:
+        """A stream's chunk; a choice's first one opens with its echo and prompt logprobs."""
+        choice: dict[str, Any] = {"index": index, "text": text, "logprobs": None,
+                                  "finish_reason": reason}
+        if self.first_chunk_of(index):
+            seq = self.stream.seqs[index]
+            echoed = self.echoed(seq)
+            choice["text"] = self.stream.echoes.get(index, "") + text
+            if echoed:
+                self._offset[index] = len("".join(echoed["tokens"]))
+            if self.stream.request.show_prompt_logprobs:
+                choice["prompt_logprobs"] = self.prompt_logprobs(seq)
+            choice["logprobs"] = (joined_logprobs(echoed, self.logprobs(index, upto))
+                                  if echoed else self.logprobs(index, upto))
+        else:
+            choice["logprobs"] = self.logprobs(index, upto)
+        return self._chunk([choice])
 
     def text(self, index: int, text: str, num_logprobs: int | None = None) -> dict[str, Any]:
-        return self._chunk([{"index": index, "text": text,
-                             "logprobs": self.logprobs(index, num_logprobs),
-                             "finish_reason": None}])
+        return self.shaped(index, text, num_logprobs, None)
 
     def finish(self, seq: Sequence) -> dict[str, Any]:
-        return self._chunk([{"index": seq.index, "text": "",
-                             "logprobs": self.logprobs(seq.index, None),
-                             "finish_reason": finish_reason(seq)}])
+        return self.shaped(seq.index, "", None, finish_reason(seq))
 
 
 class LlamaFormat(WireFormat):

@@ -88,7 +88,19 @@ def _structured() -> dict[str, Any]:
                     "schema": {"type": "object"}}}}}]},
         "grammar": {"type": "string", "description": "GBNF (llama.cpp)"},
         "json_schema": {"type": "object", "description": "a JSON schema (llama.cpp)"},
+        "structured_outputs": {"type": "object", "description": "vLLM's: one of json, regex, "
+                               "choice, grammar, json_object", "properties": {
+                                   "json": {"type": "object"}, "regex": {"type": "string"},
+                                   "choice": {"type": "array", "items": {"type": "string"}},
+                                   "grammar": {"type": "string"},
+                                   "json_object": {"type": "boolean"}}},
     }
+
+
+def _prompt_logprobs() -> dict[str, Any]:
+    return {"prompt_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS,
+                                "nullable": True, "description": "vLLM's: each prompt "
+                                "token's logprob and the k most likely"}}
 
 
 def _tools() -> dict[str, Any]:
@@ -181,11 +193,13 @@ def get_openapi(limits: InputLimits) -> dict[str, Any]:
                          "maxItems": limits.max_messages},
             **_sampling(("max_tokens", "max_completion_tokens"), max_context),
             **_structured(), **_tools(),
-            "logprobs": {"type": "boolean"},
+            "logprobs": {"type": "boolean"}, **_prompt_logprobs(),
             "top_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS}}},
         "CompletionRequest": {"type": "object", "required": ["prompt"], "properties": {
             "prompt": batched_prompt, **_sampling(("max_tokens",), max_context),
-            **_structured(),
+            **_structured(), **_prompt_logprobs(),
+            "echo": {"type": "boolean", "description": "the prompt before the output; with "
+                     "max_tokens 0 (allowed with echo only) it is scored, nothing generated"},
             "logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_COMPLETION_LOGPROBS,
                          "nullable": True}}},
         "LlamaCompletionRequest": {"type": "object", "required": ["prompt"], "properties": {

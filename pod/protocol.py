@@ -83,6 +83,8 @@ class GenerationRequest:
     priority: int = 0  # higher is more important: parked last, restored first
     grammar: Grammar | None = None  # the output must match it (compiled by the parser)
     tools: tools.ToolPlan | None = None  # set when the output may be a tool call
+    echo: str | None = None  # completions' `echo`: the prompt as text, put before the output
+    show_prompt_logprobs: bool = False  # vLLM's `prompt_logprobs` field asked for them
 
 
 def _bad(param: str, message: str) -> ApiError:
@@ -167,7 +169,6 @@ def _is_text(text: str) -> bool:
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
-    "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
     "modalities": (None, ["text"]),
@@ -188,8 +189,9 @@ STRUCTURED = frozenset({"response_format", "grammar", "json_schema", "structured
 KNOWN = {
     "chat": SAMPLING | HARMLESS | STRUCTURED | {"messages", "max_tokens",
                                                 "max_completion_tokens", "tools", "tool_choice",
-                                                "logprobs", "top_logprobs"},
-    "completion": SAMPLING | HARMLESS | STRUCTURED | {"prompt", "max_tokens", "logprobs"},
+                                                "logprobs", "top_logprobs", "prompt_logprobs"},
+    "completion": SAMPLING | HARMLESS | STRUCTURED | {"prompt", "max_tokens", "logprobs", "echo",
+                                                      "prompt_logprobs"},
     "llama": SAMPLING | HARMLESS | STRUCTURED | {"prompt", "n_predict", "max_tokens",
                                                  "return_tokens", "n_probs"},
 }
@@ -304,6 +306,7 @@ def sampling_params(body: dict, max_context: int, max_tokens_names: tuple[str, .
         # vLLM: min_tokens holds back every end-of-generation id
         eos_ids=tokenizer.eos_token_ids if tokenizer is not None and min_tokens else frozenset(),
         logprobs=_logprobs(body, kind),
+        prompt_logprobs=_prompt_logprobs(body, kind),
     )
 
 
@@ -358,6 +361,37 @@ def _logprobs(body: dict, kind: str) -> int | None:
     if kind == "completion":
         return _integer(body, "logprobs", None, 0, MAX_COMPLETION_LOGPROBS)
     return _integer(body, "n_probs", 0, 0, MAX_N_PROBS) or None
+
+
+def _prompt_logprobs(body: dict, kind: str) -> int | None:
+    """How many alternatives per prompt token (None: no prompt logprobs): vLLM's
+    `prompt_logprobs` k, or completions' `echo` with `logprobs` (the prompt's rows are part of
+    the echoed logprobs), whichever asks for more."""
+    if kind == "llama":
+        return None
+    asked = _integer(body, "prompt_logprobs", None, 0, MAX_TOP_LOGPROBS)
+    if kind == "completion" and _boolean(body, "echo", False):
+        echoed = _integer(body, "logprobs", None, 0, MAX_COMPLETION_LOGPROBS)
+        if echoed is not None:
+            return max(asked or 0, echoed)
+    return asked
+
+
+def _echo_max_tokens(body: dict) -> dict:
+    """`echo` with `max_tokens: 0` scores a prompt and generates nothing (OpenAI's legacy
+    completions, lm-evaluation-harness): the body without the 0, for the parser's checks."""
+    if _boolean(body, "echo", False) and body.get("max_tokens") == 0 and type(
+            body.get("max_tokens")) is int:
+        return {k: v for k, v in body.items() if k != "max_tokens"}
+    return body
+
+
+def _echo_text(body: dict, prompt: Any, prompt_ids: list[int], tokenizer: Tokenizer
+               ) -> str | None:
+    """The prompt as the echo shows it: a text prompt as sent, token ids decoded."""
+    if not _boolean(body, "echo", False):
+        return None
+    return prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids, False)
 
 
 INT32 = (-(2**31), 2**31 - 1)
@@ -676,20 +710,32 @@ def parse_chat(body: dict, tokenizer: Tokenizer, limits: InputLimits) -> Generat
         prompt_ids=_chat_prompt(messages, tokenizer, plan),
         grammar=grammar,
         tools=plan if plan is not None and plan.can_call else None,
+        show_prompt_logprobs=body.get("prompt_logprobs") is not None,
     )
+
+
+def _completion_params(body: dict, tokenizer: Tokenizer, limits: InputLimits
+                       ) -> SamplingParams:
+    checked = _echo_max_tokens(body)
+    params = sampling_params(checked, limits.max_context, ("max_tokens",), tokenizer)
+    return params if checked is body else dataclasses.replace(params, max_tokens=0)
 
 
 def parse_completion(body: dict, tokenizer: Tokenizer, limits: InputLimits) -> GenerationRequest:
     check_fields(body, "completion")
+    params = _completion_params(body, tokenizer, limits)
+    prompt_ids = _prompt_ids(body, tokenizer, limits)
     return GenerationRequest(
         kind="completion",
-        params=sampling_params(body, limits.max_context, ("max_tokens",), tokenizer),
+        params=params,
         stream=_boolean(body, "stream", False),
         include_usage=_include_usage(body),
         model=_model(body),
         priority=_priority(body),
-        prompt_ids=_prompt_ids(body, tokenizer, limits),
+        prompt_ids=prompt_ids,
         grammar=structured_output(body, tokenizer),
+        echo=_echo_text(body, body.get("prompt"), prompt_ids, tokenizer),
+        show_prompt_logprobs=body.get("prompt_logprobs") is not None,
     )
 
 
@@ -744,8 +790,8 @@ def parse_completions(body: dict, tokenizer: Tokenizer, limits: InputLimits
     if len(prompts) * n > MAX_BATCH_CHOICES:
         raise _bad("n", f"{len(prompts)} prompts x n={n} choices; at most {MAX_BATCH_CHOICES} "
                    "in one request")
-    common = dict(kind="completion",
-                  params=sampling_params(body, limits.max_context, ("max_tokens",), tokenizer),
+    common = dict(kind="completion", params=_completion_params(body, tokenizer, limits),
+                  show_prompt_logprobs=body.get("prompt_logprobs") is not None,
                   stream=_boolean(body, "stream", False), include_usage=_include_usage(body),
                   model=_model(body), priority=_priority(body),
                   grammar=structured_output(body, tokenizer))
@@ -754,8 +800,10 @@ def parse_completions(body: dict, tokenizer: Tokenizer, limits: InputLimits
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             raise _bad(f"prompt[{i}]", "expected a string or a list of token ids")
         name = f"prompt[{i}]"
+        prompt_ids = _prompt_ids({name: prompt}, tokenizer, limits, name)
         requests.append(GenerationRequest(
-            prompt_ids=_prompt_ids({name: prompt}, tokenizer, limits, name), **common))
+            prompt_ids=prompt_ids, echo=_echo_text(body, prompt, prompt_ids, tokenizer),
+            **common))
     return requests
 
 

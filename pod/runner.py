@@ -9,7 +9,16 @@ from kvpark.kernels.attention import AttentionBackend, StepLayout
 from .cuda_graphs import DecodeGraphRunner
 from .kv_pool import KVPool
 from .model.llama import BlockRows, LlamaModel
-from .sampling import Sampled, SamplingParams, get_logprob, process_logits, sample
+from .sampling import (
+    ChunkOutput,
+    Sampled,
+    SamplingParams,
+    TokenLogprob,
+    get_logprob,
+    get_prompt_logprob,
+    process_logits,
+    sample,
+)
 from .step_plan import ScheduledSeq
 
 
@@ -37,9 +46,10 @@ class ModelRunner:
             page_size=self.pool.page_size,
         )
 
-    def run(self, plan: list[ScheduledSeq]) -> list[Sampled | None]:
+    def run(self, plan: list[ScheduledSeq]) -> list[ChunkOutput]:
         """Feed every planned chunk; return a sampled token (and its logprobs, if asked for)
-        for the rows that reach the end. Changes no sequence: a failed step is rerun."""
+        for the rows that reach the end, and the prompt rows' logprobs where asked for.
+        Changes no sequence: a failed step is rerun."""
         if self.fault_token is not None:
             for item in plan:
                 if self.fault_token in item.seq.prompt_ids:
@@ -68,6 +78,7 @@ class ModelRunner:
                 self.pool.caches,
                 rows,
             )
+        prompt_logprobs = self.prompt_logprobs(plan, hidden, rows)
         last_rows, sampling = [], []
         end = 0
         for item in plan:
@@ -84,7 +95,30 @@ class ModelRunner:
                  for item in sampling])
             logits = self.model.logits(hidden, head_rows).cpu()
             sampled = self.sample(sampling, logits)
-        return [sampled.get(id(item)) for item in plan]
+        return [ChunkOutput(sampled.get(id(item)), prompt_logprobs.get(id(item), ()))
+                for item in plan]
+
+    def prompt_logprobs(self, plan: list[ScheduledSeq], hidden: torch.Tensor,
+                        rows: BlockRows | None) -> dict[int, tuple[TokenLogprob, ...]]:
+        """For sequences that asked: each prompt token's logprob from the row before it, on
+        the first pass over that row only (a recompute replay does not record them again).
+        The rows' logits come from the same head a decode row of that position would use."""
+        found: dict[int, tuple[TokenLogprob, ...]] = {}
+        start_row = 0
+        for item in plan:
+            seq, k = item.seq, item.seq.params.prompt_logprobs
+            first = max(seq.num_computed, len(seq.prompt_logprobs))  # row p predicts p + 1
+            last = min(seq.num_computed + item.num_tokens, seq.num_prompt - 1)
+            if k is not None and first < last:
+                offset = start_row - seq.num_computed
+                picked = hidden[offset + first : offset + last]
+                head_rows = None if rows is None else BlockRows.all_dense(len(picked))
+                raw = torch.log_softmax(self.model.logits(picked, head_rows).float().cpu(), -1)
+                found[id(item)] = tuple(
+                    get_prompt_logprob(raw[i], seq.prompt_ids[p + 1], k)
+                    for i, p in enumerate(range(first, last)))
+            start_row += item.num_tokens
+        return found
 
     @staticmethod
     def sample(sampling: list[ScheduledSeq], logits: torch.Tensor) -> dict[int, Sampled]:

@@ -32,6 +32,8 @@ class SamplingParams:
     min_tokens: int = 0  # EOS (`eos_ids`) and stop strings cannot end the output before this
     eos_ids: frozenset[int] = frozenset()  # masked while fewer than min_tokens were generated
     logprobs: int | None = None  # None: none; k: the sampled token's and the k most likely
+    # None: none; k: each prompt token's logprob (after the first) and the k most likely there
+    prompt_logprobs: int | None = None
     needs_processing: bool = field(init=False, repr=False, compare=False)
     is_plain: bool = field(init=False, repr=False, compare=False)  # no processing, no logprobs
 
@@ -172,6 +174,7 @@ class TokenLogprob:
     token: int
     logprob: float
     top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
+    rank: int = 0  # 1 = the most likely token; 0: not computed (sampled tokens)
 
 
 class Sampled(NamedTuple):
@@ -190,3 +193,19 @@ def get_logprob(raw_logprobs: torch.Tensor, token: int, k: int) -> TokenLogprob:
         values, ids = torch.topk(raw_logprobs, k)
         top = tuple(zip(ids.tolist(), values.tolist()))
     return TokenLogprob(token, float(raw_logprobs[token]), top)
+
+
+def get_prompt_logprob(raw_logprobs: torch.Tensor, token: int, k: int) -> TokenLogprob:
+    """A prompt token's logprob from the row before it, with its rank (vLLM's
+    `prompt_logprobs`): 1 + how many tokens the model found more likely."""
+    entry = get_logprob(raw_logprobs, token, k)
+    rank = int((raw_logprobs > raw_logprobs[token]).sum()) + 1
+    return TokenLogprob(entry.token, entry.logprob, entry.top, rank)
+
+
+class ChunkOutput(NamedTuple):
+    """What the runner hands the engine for one planned chunk of a sequence."""
+
+    sampled: Sampled | None = None  # when the chunk reached the end of what was fed
+    # the logprobs of the prompt tokens this chunk's rows predict (prompt_logprobs requests)
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()

@@ -108,7 +108,7 @@ class Scheduler:
             self.slots[slot_id] = seq
             if len(seq.tokens) + 1 > self.pool.capacity_tokens:
                 self.finish(seq, FinishReason.PROMPT_TOO_LONG, CONTEXT_EXCEEDED)
-            else:
+            elif seq.params.prompt_logprobs is None:  # those need every prompt row computed
                 self.pool.take_cached_prefix(seq)
         # once, to each newcomer left without a slot: its stream says so and keeps alive
         for seq in [s for s in self.arrived if s.phase is Phase.WAITING]:

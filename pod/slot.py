@@ -128,6 +128,9 @@ class Sequence:
     # one per token of the visible output when the request asked for logprobs (append-only:
     # the event loop reads a prefix of it while the engine thread appends)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # prompt_logprobs requests: entry i is prompt token i + 1's (the first has no row before
+    # it); complete before the first sampled token, never rewritten by a replay
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     # outcome and timings
     finish_reason: FinishReason | None = None
     error: str | None = None  # what went wrong, for a failure

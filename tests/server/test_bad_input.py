@@ -123,7 +123,6 @@ UNSUPPORTED_CASES = [
     (CHAT, {"functions": [{"name": "f"}]}, "functions"),
     (CHAT, {"function_call": {"name": "f"}}, "function_call"),
     (CHAT, {"modalities": ["text", "audio"]}, "modalities"),
-    ("/v1/completions", {"echo": True}, "echo"),
     ("/v1/completions", {"best_of": 3}, "best_of"),
     ("/v1/completions", {"suffix": "the end"}, "suffix"),
 ]

@@ -9,7 +9,7 @@ import torch
 from kvpark.pod.engine import Engine
 from kvpark.pod.host_store import HostStore
 from kvpark.pod.kv_pool import KVPool
-from kvpark.pod.sampling import Sampled, SamplingParams
+from kvpark.pod.sampling import ChunkOutput, Sampled, SamplingParams
 from kvpark.pod.scheduler import Scheduler, SchedulerConfig
 from kvpark.pod.slot import Sequence
 from kvpark.pod.swap import Swapper
@@ -38,7 +38,7 @@ class GatedRunner:
 
     def run(self, plan):
         assert self.proceed.wait(30), "the test never let the step go"
-        return [Sampled(7) if item.samples else None for item in plan]
+        return [ChunkOutput(Sampled(7) if item.samples else None) for item in plan]
 
 
 def make_engine(scheduler_class=Scheduler) -> Engine:

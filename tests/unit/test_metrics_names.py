@@ -8,7 +8,7 @@ from kvpark.pod.engine import Engine
 from kvpark.pod.host_store import HostStore
 from kvpark.pod.kv_pool import KVPool
 from kvpark.pod.metrics import Metrics
-from kvpark.pod.sampling import Sampled, SamplingParams
+from kvpark.pod.sampling import ChunkOutput, Sampled, SamplingParams
 from kvpark.pod.scheduler import Scheduler, SchedulerConfig
 from kvpark.pod.slot import FinishReason, Sequence
 from kvpark.pod.swap import Swapper
@@ -16,7 +16,7 @@ from kvpark.pod.swap import Swapper
 
 class FakeRunner:
     def run(self, plan):
-        return [Sampled(7) if item.samples else None for item in plan]
+        return [ChunkOutput(Sampled(7) if item.samples else None) for item in plan]
 
 
 def make_engine() -> tuple[Engine, Metrics]:

@@ -19,7 +19,7 @@ from kvpark.pod.engine import Engine
 from kvpark.pod.host_store import HostStore
 from kvpark.pod.kv_pool import KVPool
 from kvpark.pod.prefix_cache import PrefixCache
-from kvpark.pod.sampling import Sampled, SamplingParams
+from kvpark.pod.sampling import ChunkOutput, Sampled, SamplingParams
 from kvpark.pod.scheduler import Scheduler, SchedulerConfig
 from kvpark.pod.slot import Phase, Sequence
 from kvpark.pod.swap import Swapper
@@ -42,7 +42,7 @@ class FakeRunner:
             for pos in range(seq.num_computed, seq.num_computed + item.num_tokens):
                 page = seq.page_table[pos // ps]
                 assert self.pool.ref_count(page) == 1, f"a write into shared page {page}"
-        return [Sampled(7) if item.samples else None for item in plan]
+        return [ChunkOutput(Sampled(7) if item.samples else None) for item in plan]
 
 
 def make_engine(budget_pages: int, preempt: bool, preempt_every: int,
