@@ -29,7 +29,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Message
 
-from . import protocol
+from . import protocol, text_endpoints
 from .args import ServerArgs
 from .bridge import RequestStream, SSEResponse, StreamEvent, wait_disconnect
 from .formats import failure, get_format
@@ -38,7 +38,6 @@ from .openapi import get_openapi
 from .protocol import ApiError, GenerationRequest, InputLimits
 from .server import ServingStack, build_stack
 from .slot import CONTEXT_EXCEEDED, FinishReason, SlotView
-from .text_output import token_piece
 
 log = logging.getLogger("kvpark.api")
 
@@ -204,37 +203,28 @@ class Server:
         return JSONResponse(self.model_card(stack, name))
 
     async def tokenize(self, request: Request) -> Response:
-        """llama.cpp's /tokenize: {"content", "add_special", "with_pieces"} -> {"tokens"}."""
-        self.check_auth(request)
-        stack = self.ready_stack()
-        body = await self.read_json(request)
-        content = body.get("content")
-        if not isinstance(content, str):
-            raise ApiError(400, "'content': expected a string", param="content")
-        if len(content) > self.limits(stack).max_prompt_chars:
-            raise ApiError(400, f"'content': more than {self.limits(stack).max_prompt_chars} "
-                           "characters (--max-prompt-chars)", param="content")
-        add_special, with_pieces = flag(body, "add_special"), flag(body, "with_pieces")
-        tokenizer = stack.tokenizer
-        ids = await run_in_threadpool(tokenizer.encode, content, add_special)
-        if not with_pieces:
-            return JSONResponse({"tokens": ids})
-        return JSONResponse({"tokens": [{"id": i, "piece": token_piece(tokenizer, i)}
-                                        for i in ids]})
+        return await self.text_endpoint(request, text_endpoints.tokenize, with_limits=True)
 
     async def detokenize(self, request: Request) -> Response:
-        """llama.cpp's /detokenize: {"tokens"} -> {"content"}, special tokens as their text."""
+        return await self.text_endpoint(request, text_endpoints.detokenize)
+
+    async def apply_template(self, request: Request) -> Response:
+        return await self.text_endpoint(request, text_endpoints.apply_template,
+                                        with_limits=True)
+
+    async def text_endpoint(self, request: Request, answer: Any,
+                            with_limits: bool = False) -> Response:
+        """A tokenizer endpoint: body -> answer off the event loop (templating and
+        tokenising a long text is CPU-bound)."""
         self.check_auth(request)
         stack = self.ready_stack()
         body = await self.read_json(request)
-        tokens = body.get("tokens")
-        vocab = stack.tokenizer.vocab_size
-        if not isinstance(tokens, list) or not all(
-                type(t) is int and 0 <= t < vocab for t in tokens):
-            raise ApiError(400, f"'tokens': expected a list of token ids in [0, {vocab})",
-                           param="tokens")
-        text = await run_in_threadpool(stack.tokenizer.decode, tokens, False)
-        return JSONResponse({"content": text})
+        extra = (self.limits(stack),) if with_limits else ()
+        return JSONResponse(await run_in_threadpool(answer, body, stack.tokenizer, *extra))
+
+    async def version(self, request: Request) -> Response:
+        """vLLM's /version."""
+        return JSONResponse({"version": build_version()})
 
     async def props(self, request: Request) -> Response:
         """llama.cpp's /props: what a client needs to know before it sends a request."""
@@ -643,6 +633,8 @@ def create_app(args: ServerArgs, stack: ServingStack | None = None) -> Starlette
             Route("/models/{model_id:path}", server.model),
             Route("/tokenize", server.tokenize, methods=["POST"]),
             Route("/detokenize", server.detokenize, methods=["POST"]),
+            Route("/apply-template", server.apply_template, methods=["POST"]),
+            Route("/version", server.version),
             Route("/props", server.props),
             Route("/v1/embeddings", server.embeddings, methods=["POST"]),
             Route("/embeddings", server.embeddings, methods=["POST"]),

@@ -194,6 +194,8 @@ def get_openapi(limits: InputLimits) -> dict[str, Any]:
             **_sampling(("max_tokens", "max_completion_tokens"), max_context),
             **_structured(), **_tools(),
             "logprobs": {"type": "boolean"}, **_prompt_logprobs(),
+            "add_generation_prompt": {"type": "boolean"},
+            "continue_final_message": {"type": "boolean"},
             "top_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS}}},
         "CompletionRequest": {"type": "object", "required": ["prompt"], "properties": {
             "prompt": batched_prompt, **_sampling(("max_tokens",), max_context),
@@ -229,8 +231,12 @@ def get_openapi(limits: InputLimits) -> dict[str, Any]:
                 "finish_reason": finish}}}}},
         "TokenizeRequest": {"type": "object", "required": ["content"], "properties": {
             "content": {"type": "string", "maxLength": max_chars},
-            "add_special": {"type": "boolean"}, "with_pieces": {"type": "boolean"}}},
+            "add_special": {"type": "boolean"}, "with_pieces": {"type": "boolean"}},
+            "description": "llama.cpp's `content`; vLLM's `prompt` (with `add_special_tokens`) "
+                           "or `messages` (with `add_generation_prompt`, "
+                           "`continue_final_message`) are accepted in its place"},
         "TokenizeResponse": {"type": "object", "required": ["tokens"], "properties": {
+            "count": {"type": "integer"}, "max_model_len": {"type": "integer"},
             "tokens": {"type": "array", "items": {"oneOf": [
                 {"type": "integer"},
                 {"type": "object", "required": ["id", "piece"], "properties": {
@@ -240,7 +246,13 @@ def get_openapi(limits: InputLimits) -> dict[str, Any]:
         "DetokenizeRequest": {"type": "object", "required": ["tokens"], "properties": {
             "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}}}},
         "DetokenizeResponse": {"type": "object", "required": ["content"], "properties": {
-            "content": {"type": "string"}}},
+            "content": {"type": "string"}, "prompt": {"type": "string"}}},
+        "ApplyTemplateRequest": {"type": "object", "required": ["messages"], "properties": {
+            "messages": {"type": "array", "items": {"type": "object"}, "minItems": 1},
+            "add_generation_prompt": {"type": "boolean"},
+            "continue_final_message": {"type": "boolean"}}},
+        "ApplyTemplateResponse": {"type": "object", "required": ["prompt"], "properties": {
+            "prompt": {"type": "string"}}},
         "LlamaCompletionResponse": {"type": "object", "required": ["content", "stop", "timings"],
                                     "properties": {
             "content": {"type": "string"}, "stop": {"type": "boolean"},
@@ -270,6 +282,9 @@ def get_openapi(limits: InputLimits) -> dict[str, Any]:
                                   "TokenizeResponse"),
             "/detokenize": _json_op("token ids to text (llama.cpp)", "DetokenizeRequest",
                                     "DetokenizeResponse"),
+            "/apply-template": _json_op("the chat template applied (llama.cpp)",
+                                        "ApplyTemplateRequest", "ApplyTemplateResponse"),
+            "/version": plain_get,
             "/props": plain_get,
             "/health": {"get": {"responses": {
                 "200": {"description": "ready"}, "503": {"description": "loading or draining"}}}},

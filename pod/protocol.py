@@ -189,7 +189,9 @@ STRUCTURED = frozenset({"response_format", "grammar", "json_schema", "structured
 KNOWN = {
     "chat": SAMPLING | HARMLESS | STRUCTURED | {"messages", "max_tokens",
                                                 "max_completion_tokens", "tools", "tool_choice",
-                                                "logprobs", "top_logprobs", "prompt_logprobs"},
+                                                "logprobs", "top_logprobs", "prompt_logprobs",
+                                                "add_generation_prompt",
+                                                "continue_final_message"},
     "completion": SAMPLING | HARMLESS | STRUCTURED | {"prompt", "max_tokens", "logprobs", "echo",
                                                       "prompt_logprobs"},
     "llama": SAMPLING | HARMLESS | STRUCTURED | {"prompt", "n_predict", "max_tokens",
@@ -676,16 +678,73 @@ def _model(body: dict) -> str | None:
     return model
 
 
-def _chat_prompt(messages: list[dict[str, Any]], tokenizer: Tokenizer,
-                 plan: tools.ToolPlan | None = None) -> list[int]:
+@dataclass(frozen=True)
+class ChatTurn:
+    """How the conversation is rendered: the messages, whether the template opens the
+    assistant's turn, and the start of that turn the output continues (assistant prefill)."""
+
+    messages: list[dict[str, Any]]
+    add_generation_prompt: bool = True
+    prefill: str = ""
+
+
+def chat_turn(body: dict, messages: list[dict[str, Any]]) -> ChatTurn:
+    """vLLM's `add_generation_prompt` / `continue_final_message`, and llama.cpp's prefill: a
+    conversation ending in an assistant message, with neither field sent, continues it."""
+    continues = _boolean(body, "continue_final_message", False)
+    asked = body.get("add_generation_prompt")
+    generation_prompt = _boolean(body, "add_generation_prompt", True)
+    last = messages[-1]
+    ends_in_reply = last["role"] == "assistant" and not last.get("tool_calls")
+    if continues and asked is True:  # vLLM's rule and words
+        raise _bad("continue_final_message", "Cannot set both `continue_final_message` and "
+                   "`add_generation_prompt` to True.")
+    if continues and not ends_in_reply:
+        raise _bad("continue_final_message", "needs the last message to be an assistant "
+                   "message (without tool calls) to continue")
+    if not (continues or (asked is None and ends_in_reply)):
+        return ChatTurn(messages, generation_prompt)
+    if len(messages) > 1 and messages[-2]["role"] == "assistant":  # llama.cpp's rule and words
+        raise _bad("messages", "Cannot have 2 or more assistant messages at the end of the list.")
+    if body.get("tools"):
+        raise _bad("messages", "an assistant prefill (a last assistant message to continue) "
+                   "cannot be combined with tools")
+    return ChatTurn(messages[:-1], True, last.get("content") or "")
+
+
+def _template_input(turn: ChatTurn, plan: tools.ToolPlan | None
+                    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """The messages the template sees (tool history in the generic format) and the tools."""
+    messages = turn.messages
     if plan is not None or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
         messages = tools.polyfill_messages(messages, plan)
     offered = [t.as_openai() for t in plan.callable_tools()] if plan and plan.can_call else None
+    return messages, offered
+
+
+def _chat_prompt(turn: ChatTurn, tokenizer: Tokenizer,
+                 plan: tools.ToolPlan | None = None) -> list[int]:
+    messages, offered = _template_input(turn, plan)
     try:  # special-token texts in the messages stay text: only the template's markers are special
-        return tokenizer.encode_chat(messages, add_generation_prompt=True, tools=offered)
+        return tokenizer.encode_chat(messages, add_generation_prompt=turn.add_generation_prompt,
+                                     tools=offered, prefill=turn.prefill)
     except Exception as exc:  # the model's own template rejected the conversation
         raise _bad("messages", "the chat template rejected the messages: "
                    f"{clip(str(exc), 2 * MAX_SHOWN)}") from exc
+
+
+def render_chat(body: dict, tokenizer: Tokenizer, limits: InputLimits) -> tuple[str, list[int]]:
+    """llama.cpp's /apply-template and vLLM's /tokenize with `messages`: the prompt a chat
+    request with this body would run, as text and as the ids it runs."""
+    messages = chat_messages(body, limits)
+    plan = tool_plan(body, None)
+    turn = chat_turn(body, messages)
+    ids = _chat_prompt(turn, tokenizer, plan)
+    template_messages, offered = _template_input(turn, plan)
+    extra = {"tools": offered} if offered else {}
+    text = tokenizer.apply_chat_template(
+        template_messages, add_generation_prompt=turn.add_generation_prompt, **extra)
+    return text + turn.prefill, ids
 
 
 # The parsers template and tokenise: CPU-bound on a long prompt, so they run off the event loop.
@@ -707,7 +766,7 @@ def parse_chat(body: dict, tokenizer: Tokenizer, limits: InputLimits) -> Generat
         include_usage=_include_usage(body),
         model=_model(body),
         priority=_priority(body),
-        prompt_ids=_chat_prompt(messages, tokenizer, plan),
+        prompt_ids=_chat_prompt(chat_turn(body, messages), tokenizer, plan),
         grammar=grammar,
         tools=plan if plan is not None and plan.can_call else None,
         show_prompt_logprobs=body.get("prompt_logprobs") is not None,

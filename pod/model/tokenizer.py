@@ -178,7 +178,7 @@ class Tokenizer:
         self.chat_template = source
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None) -> list[int]:
+                    tools: list[dict] | None = None, prefill: str = "") -> list[int]:
         """The chat prompt's ids: the template's own special-token texts become their ids, the
         same texts inside message content stay ordinary text.
 
@@ -195,6 +195,7 @@ class Tokenizer:
         extra = {"tools": tools} if tools else {}
         text = self.apply_chat_template(defused, add_generation_prompt=add_generation_prompt,
                                         **extra)
+        text += self._defuse(prefill)  # an assistant reply the output continues
         if self._chat_backend is None:
             self._chat_backend = _defusing_copy(self.backend)
         ids = self._chat_backend.encode_batch([text], add_special_tokens=False)[0].ids

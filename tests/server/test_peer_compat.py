@@ -134,3 +134,70 @@ def test_one_token_answers_report_no_generation_rate(tiny_server):
     two = tiny_server.post("/completion", {"prompt": PROMPT, "n_predict": 2,
                                            "ignore_eos": True}).json()
     assert two["timings"]["predicted_per_second"] > 0
+
+
+CHAT = [{"role": "user", "content": "Name a colour."}]
+PREFILL = [*CHAT, {"role": "assistant", "content": "My favourite colour is"}]
+
+
+def rendered(server, **body):
+    response = server.post("/apply-template", body)
+    assert response.status_code == 200, response.text
+    return response.json()["prompt"]
+
+
+def test_apply_template_renders_what_a_chat_request_runs(smollm2_server):
+    text = rendered(smollm2_server, messages=CHAT)
+    assert text.endswith("<|im_start|>user\nName a colour.<|im_end|>\n<|im_start|>assistant\n")
+    ids = smollm2_server.post("/tokenize", {"messages": CHAT}).json()
+    chat = smollm2_server.chat("Name a colour.", max_tokens=1).json()
+    assert ids["count"] == len(ids["tokens"]) == chat["usage"]["prompt_tokens"]
+    assert ids["max_model_len"] > 0
+    # vLLM's prompt form and llama.cpp's content form: the same ids for the same text
+    by_prompt = smollm2_server.post("/tokenize", {"prompt": text}).json()["tokens"]
+    assert by_prompt == smollm2_server.post("/tokenize", {"content": text}).json()["tokens"]
+    back = smollm2_server.post("/detokenize", {"tokens": by_prompt}).json()
+    assert back["prompt"] == back["content"] == text
+
+
+def test_a_trailing_assistant_message_is_continued_as_llama_cpp_does(smollm2_server):
+    """The last assistant turn is left open: the rendered prompt ends in its text, and the
+    answer continues it (the same tokens as a raw completion of that prompt)."""
+    text = rendered(smollm2_server, messages=PREFILL)
+    assert text.endswith("<|im_start|>assistant\nMy favourite colour is")
+    greedy = {"max_tokens": 8, "temperature": 0}
+    chat = smollm2_server.post("/v1/chat/completions", {"messages": PREFILL, **greedy}).json()
+    raw = smollm2_server.post("/v1/completions", {"prompt": text, **greedy}).json()
+    assert chat["choices"][0]["message"]["content"] == raw["choices"][0]["text"]
+    assert chat["usage"]["prompt_tokens"] == raw["usage"]["prompt_tokens"]
+    vllm = smollm2_server.post("/v1/chat/completions", {
+        "messages": PREFILL, "continue_final_message": True, "add_generation_prompt": False,
+        **greedy}).json()
+    assert vllm["choices"][0]["message"]["content"] == chat["choices"][0]["message"]["content"]
+
+
+def test_add_generation_prompt_picks_a_new_turn_or_none(smollm2_server):
+    new_turn = rendered(smollm2_server, messages=PREFILL, add_generation_prompt=True)
+    assert new_turn.endswith("My favourite colour is<|im_end|>\n<|im_start|>assistant\n")
+    no_turn = rendered(smollm2_server, messages=CHAT, add_generation_prompt=False)
+    assert no_turn.endswith("Name a colour.<|im_end|>\n")
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"messages": PREFILL, "continue_final_message": True, "add_generation_prompt": True},
+     "continue_final_message", "Cannot set both"),
+    ({"messages": CHAT, "continue_final_message": True}, "continue_final_message",
+     "assistant"),
+    ({"messages": [*PREFILL, {"role": "assistant", "content": "x"}]}, "messages",
+     "Cannot have 2 or more assistant messages at the end of the list."),
+    ({"messages": CHAT, "add_generation_prompt": "yes"}, "add_generation_prompt", "true or"),
+])
+def test_conflicting_prefill_fields_are_400s(tiny_server, body, param, words):
+    for path in ("/v1/chat/completions", "/apply-template"):
+        response = tiny_server.post(path, {**body, "max_tokens": 2})
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == param and words in response.text
+
+
+def test_version(tiny_server):
+    assert httpx.get(f"{tiny_server.url}/version", timeout=10).json()["version"]

@@ -1,0 +1,72 @@
+"""The tokenizer and chat template as endpoints, in llama.cpp's and vLLM's shapes at once:
+/tokenize (llama.cpp's `content`; vLLM's `prompt` or `messages`), /detokenize, and llama.cpp's
+/apply-template. Pure functions of a request body: the routes run them off the event loop.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .model.tokenizer import Tokenizer
+from .protocol import ApiError, InputLimits, render_chat, shown
+from .text_output import token_piece
+
+
+def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ApiError(400, f"'{name}': expected true or false, got {shown(value)}", param=name)
+    return value
+
+
+def _text(body: dict[str, Any], name: str, limits: InputLimits) -> str:
+    text = body[name]
+    if not isinstance(text, str):
+        raise ApiError(400, f"'{name}': expected a string", param=name)
+    if len(text) > limits.max_prompt_chars:
+        raise ApiError(400, f"'{name}': more than {limits.max_prompt_chars} characters "
+                       "(--max-prompt-chars)", param=name)
+    return text
+
+
+def tokenize(body: dict[str, Any], tokenizer: Tokenizer, limits: InputLimits) -> dict[str, Any]:
+    """llama.cpp: {"content", "add_special", "with_pieces"} -> {"tokens"}; vLLM: {"prompt",
+    "add_special_tokens"} or {"messages", "add_generation_prompt", ...} -> {"tokens", "count",
+    "max_model_len"}. Every answer carries all three keys (and `token_strs` when asked)."""
+    if "messages" in body:
+        ids = render_chat(body, tokenizer, limits)[1]  # the template adds the special tokens
+    else:
+        name = "content" if "content" in body else "prompt"
+        if name not in body:
+            raise ApiError(400, "'content': expected a string (or vLLM's 'prompt' or "
+                           "'messages')", param="content")
+        text = _text(body, name, limits)
+        add_special = _flag(body, "add_special", False) if name == "content" else _flag(
+            body, "add_special_tokens", True)  # each server's own default
+        ids = tokenizer.encode(text, add_special)
+    answer: dict[str, Any] = {"tokens": ids, "count": len(ids),
+                              "max_model_len": limits.max_context}
+    if _flag(body, "with_pieces", False):
+        answer["tokens"] = [{"id": i, "piece": token_piece(tokenizer, i)} for i in ids]
+    if _flag(body, "return_token_strs", False):
+        answer["token_strs"] = [tokenizer.token_text(i) for i in ids]
+    return answer
+
+
+def detokenize(body: dict[str, Any], tokenizer: Tokenizer) -> dict[str, Any]:
+    """{"tokens"} -> llama.cpp's {"content"} and vLLM's {"prompt"}: the same text."""
+    tokens = body.get("tokens")
+    vocab = tokenizer.vocab_size
+    if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < vocab for t in tokens):
+        raise ApiError(400, f"'tokens': expected a list of token ids in [0, {vocab})",
+                       param="tokens")
+    text = tokenizer.decode(tokens, False)
+    return {"content": text, "prompt": text}
+
+
+def apply_template(body: dict[str, Any], tokenizer: Tokenizer, limits: InputLimits
+                   ) -> dict[str, Any]:
+    """llama.cpp's /apply-template: the text a chat request with these messages would run."""
+    return {"prompt": render_chat(body, tokenizer, limits)[0]}
