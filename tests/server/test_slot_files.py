@@ -49,7 +49,7 @@ def slot_dir(outside):
 
 
 def saver_flags(slot_dir, *extra):
-    return ["-np", "1", "-c", "512", "--slot-save-path", str(slot_dir), "--admin-key", KEY,
+    return ["-np", "1", "-c", "4096", "--slot-save-path", str(slot_dir), "--admin-key", KEY,
             *extra]
 
 
@@ -177,3 +177,16 @@ def test_without_a_slot_save_path_save_and_restore_say_how_to_enable_them(refere
         assert "--slot-save-path" in problem["message"]
         assert problem["type"] == "not_supported_error"
     assert ok(slot_action(server, "erase")) == {"id_slot": 0, "n_erased": 0}
+
+
+def test_a_busy_slot_is_refused_while_its_sequence_runs_or_is_parked(saver, saved):
+    """Last in this file: the cancelled stream becomes the slot's last sequence."""
+    body = {"prompt": PROMPT, "n_predict": 3000, "stream": True, **GREEDY}
+    with httpx.stream("POST", f"{saver.url}/completion", json=body, timeout=60) as stream:
+        lines = stream.iter_lines()  # kept: a dropped line iterator closes the stream
+        assert next(lines).startswith("data: ")  # it runs
+        ok(slot_action(saver, "park"))  # now it holds the slot until unparked: no race
+        for action in ("save", "restore", "erase"):
+            problem = error(slot_action(saver, action, "conv.bin"), 409)
+            assert problem["message"] == "slot 0 is busy" and problem["type"] == "conflict"
+        ok(slot_action(saver, "unpark"))
