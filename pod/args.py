@@ -478,6 +478,18 @@ def model_problem(spec: str | None) -> str | None:
     return None
 
 
+def slot_path_problem(path: str | None) -> str | None:
+    """A --slot-save-path that can never hold files, said before anything starts (a missing
+    directory is created at start-up, as llama-server does)."""
+    if path is None:
+        return None
+    if os.path.exists(path) and not os.path.isdir(path):
+        return f"--slot-save-path {path}: not a directory"
+    if os.path.isdir(path) and not os.access(path, os.W_OK | os.X_OK):
+        return f"--slot-save-path {path}: not writable (permission denied)"
+    return None
+
+
 def parse_args(argv: Sequence[str] | None = None,
                env: Mapping[str, str] | None = None) -> ServerArgs:
     env = os.environ if env is None else env
@@ -486,7 +498,8 @@ def parse_args(argv: Sequence[str] | None = None,
     parsed = vars(parser.parse_args(argv))
     args = ServerArgs(**{f.name: parsed[f.name] for f in fields(ServerArgs)
                          if parsed.get(f.name) is not None})
-    problem = check(args) or model_problem(args.model)
+    problem = (check(args) or model_problem(args.model)
+               or slot_path_problem(args.slot_save_path))
     if problem:
         parser.error(problem)
     return args
