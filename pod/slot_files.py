@@ -149,27 +149,31 @@ def write(path: Path, identity: ModelIdentity, state: SlotState) -> int:
 # ---- reading ------------------------------------------------------------------------------
 def read(path: Path, identity: ModelIdentity, dtype: torch.dtype) -> tuple[SlotState, int]:
     """The state a file holds and the file's size; SlotFileError when it is missing, not a slot
-    file, damaged, or from another model or KV layout."""
+    file, damaged, or from another model or KV layout. The header is checked before the rest is
+    read, so a wrong file costs no more than its header."""
     if not path.is_file():
         raise SlotFileError(f"'filename': no slot file {path.name!r} in --slot-save-path", 404)
-    data = path.read_bytes()
-    header, body_at = _read_header(data)
-    different = identity.differences(header.get("identity") or {})
-    if different:
-        raise SlotFileError("the slot file was saved by a different model or KV layout: "
-                            + "; ".join(different))
-    num_tokens, num_prompt, shape = _sizes(header, identity)
-    kv_bytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
-    expected = body_at + 8 * num_tokens + kv_bytes + _DIGEST_BYTES
-    if len(data) != expected:
-        what = "truncated" if len(data) < expected else "longer than its header says"
-        raise SlotFileError(f"the slot file is {what} ({len(data)} bytes, {expected} expected)")
-    if hashlib.sha256(data[:-_DIGEST_BYTES]).digest() != data[-_DIGEST_BYTES:]:
+    with path.open("rb") as file:
+        size = os.fstat(file.fileno()).st_size
+        data = bytearray(file.read(_PREFIX.size + MAX_HEADER_BYTES))
+        header, body_at = _read_header(data)
+        different = identity.differences(header.get("identity") or {})
+        if different:
+            raise SlotFileError("the slot file was saved by a different model or KV layout: "
+                                + "; ".join(different))
+        num_tokens, num_prompt, shape = _sizes(header, identity)
+        kv_bytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+        expected = body_at + 8 * num_tokens + kv_bytes + _DIGEST_BYTES
+        if size != expected:
+            what = "truncated" if size < expected else "longer than its header says"
+            raise SlotFileError(f"the slot file is {what} ({size} bytes, {expected} expected)")
+        data += file.read()
+    view = memoryview(data)
+    if len(data) != size or hashlib.sha256(view[:-_DIGEST_BYTES]).digest() != view[-_DIGEST_BYTES:]:
         raise SlotFileError("the slot file is corrupted (its SHA-256 does not match)")
-    kv_at = body_at + 8 * num_tokens
-    tokens = torch.frombuffer(bytearray(data[body_at:kv_at]), dtype=torch.int64)
-    kv = torch.frombuffer(bytearray(data[kv_at:kv_at + kv_bytes]), dtype=torch.uint8)
-    return SlotState(tuple(tokens.tolist()), num_prompt, kv.view(dtype).reshape(shape)), len(data)
+    tokens = torch.frombuffer(data, dtype=torch.int64, count=num_tokens, offset=body_at)
+    kv = torch.frombuffer(data, dtype=torch.uint8, count=kv_bytes, offset=body_at + 8 * num_tokens)
+    return SlotState(tuple(tokens.tolist()), num_prompt, kv.view(dtype).reshape(shape)), size
 
 
 def _read_header(data: bytes) -> tuple[dict, int]:
