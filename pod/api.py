@@ -9,6 +9,7 @@ into asyncio, `formats.py` shapes them for each API, `protocol.py` reads request
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hashlib
 import hmac
@@ -17,7 +18,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, TypeVar
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -29,7 +30,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Message
 
-from . import protocol, text_endpoints
+from . import protocol, slot_files, text_endpoints
 from .args import ServerArgs
 from .bridge import RequestStream, SSEResponse, StreamEvent, wait_disconnect
 from .formats import failure, get_format
@@ -40,6 +41,7 @@ from .server import ServingStack, build_stack
 from .slot import CONTEXT_EXCEEDED, FinishReason, SlotView
 
 log = logging.getLogger("kvpark.api")
+T = TypeVar("T")
 
 OPEN_PATHS = {"/health", "/metrics", "/openapi.json"}
 QUIET_PATHS = {"/health", "/metrics"}  # polled every few seconds: access-logged at DEBUG only
@@ -275,7 +277,8 @@ class Server:
                              for i, view in enumerate(await snapshot(stack))])
 
     async def slot_action(self, request: Request) -> Response:
-        """POST /slots/{id}?action=park|unpark: park by the normal mode decision, or resume."""
+        """POST /slots/{id}?action=park|unpark: park by the normal mode decision, or resume;
+        save|restore|erase: llama-server's slot files (`slot_file_action`)."""
         self.check_admin(request)
         stack = self.ready_stack()
         num_slots = stack.engine.capacity.num_slots
@@ -287,14 +290,52 @@ class Server:
             raise ApiError(404, f"no slot {protocol.clip(str(slot_id))}: there are "
                            f"{num_slots}", param="id")
         action = request.query_params.get("action")
+        if action in ("save", "restore", "erase"):
+            return await self.slot_file_action(request, stack, slot_id, action)
         if action not in ("park", "unpark"):
-            raise ApiError(400, "'action': expected park or unpark", param="action")
+            raise ApiError(400, "'action': expected park, unpark, save, restore or erase",
+                           param="action")
         act = stack.engine.park_slot if action == "park" else stack.engine.unpark_slot
         problem = await asyncio.wrap_future(act(slot_id))
         if problem:
             raise ApiError(409, problem, param="id", error_type="conflict")
         return JSONResponse(slot_entry(slot_id, (await snapshot(stack))[slot_id],
                                        slot_share(stack)))
+
+    async def slot_file_action(self, request: Request, stack: ServingStack, slot_id: int,
+                               action: str) -> Response:
+        """llama-server's answers. The pages are copied on the engine thread; the file is
+        written and read in a worker thread, never on the event loop or under the engine lock."""
+        started = time.perf_counter()
+        engine = stack.engine
+        if action == "erase":  # touches no file: needs no --slot-save-path
+            erased = await slot_outcome(engine.erase_slot(slot_id))
+            return JSONResponse({"id_slot": slot_id, "n_erased": erased})
+        if not self.args.slot_save_path:
+            raise ApiError(400, f"this server does not support slots action {action!r}: start "
+                           "it with --slot-save-path DIR", param="action",
+                           error_type="not_supported_error")
+        body = await self.read_json(request)
+        name = body.get("filename")
+        try:
+            path = slot_files.resolve_name(self.args.slot_save_path, name)
+            if action == "save":
+                state = await slot_outcome(engine.save_slot(slot_id))
+                size = await asyncio.to_thread(slot_files.write, path, stack.identity, state)
+            else:
+                state, size = await asyncio.to_thread(slot_files.read, path, stack.identity,
+                                                      stack.kv_dtype)
+                await slot_outcome(engine.restore_slot(slot_id, state))
+        except slot_files.SlotFileError as exc:
+            raise ApiError(exc.status, str(exc), param="filename") from None
+        ms = (time.perf_counter() - started) * 1000
+        if action == "save":
+            return JSONResponse({"id_slot": slot_id, "filename": name,
+                                 "n_saved": len(state.tokens), "n_written": size,
+                                 "timings": {"save_ms": ms}})
+        return JSONResponse({"id_slot": slot_id, "filename": name,
+                             "n_restored": len(state.tokens), "n_read": size,
+                             "timings": {"restore_ms": ms}})
 
     async def generate(self, request: Request) -> Response:
         kind = request.scope["route_kind"]
@@ -534,6 +575,14 @@ async def next_message(request: Request, timeout: float, aborted: asyncio.Event)
         raise ApiError(503, SHUT_DOWN, error_type="unavailable", headers=close)
     raise ApiError(408, f"no part of the request body came for {timeout:g} s (--timeout-body)",
                    param="body", error_type="timeout", headers=close)
+
+
+async def slot_outcome(future: concurrent.futures.Future[T | str]) -> T:
+    """What an engine slot action gave back; a string says why not: 409."""
+    result = await asyncio.wrap_future(future)
+    if isinstance(result, str):
+        raise ApiError(409, result, param="id", error_type="conflict")
+    return result
 
 
 async def snapshot(stack: ServingStack) -> list[SlotView | None]:

@@ -67,6 +67,7 @@ class ServerArgs:
     served_model_name: tuple[str, ...] = ()  # (): the model file's name
     cors_origin: tuple[str, ...] = ()  # (): no CORS headers
     chat_template: str | None = None  # a jinja file replacing the model's chat template
+    slot_save_path: str | None = None  # POST /slots/{id}?action=save|restore: files live here
     preempt_async: bool = True  # CUDA: swap copies on their own stream (off: synchronous)
     # sampling defaults for requests that leave a field out (None: not set; see
     # generation_defaults.py): llama-server's flags, vLLM's generation config
@@ -241,8 +242,11 @@ def add_server_flags(g: argparse._ArgumentGroup) -> None:
          text="API key clients must send as 'Authorization: Bearer KEY'; /health, /metrics and "
          "/openapi.json stay open", default="none")
     _add(g, "--admin-key", dest="admin_key", metavar="KEY",
-         text="key for POST /slots/{id} (park/unpark); without it --api-key guards them, and "
-         "with neither they are off (403)", default="none")
+         text="key for POST /slots/{id} (park, unpark, save, restore, erase); without it "
+         "--api-key guards them, and with neither they are off (403)", default="none")
+    _add(g, "--slot-save-path", dest="slot_save_path", metavar="DIR",
+         text="directory for POST /slots/{id}?action=save|restore (llama-server's); created "
+         "if missing; without it those actions answer 400", default="off")
     _add(g, "--cors-origin", dest="cors_origin", action=_Names, metavar="ORIGIN",
          text="let browsers on ORIGIN call the API (repeatable or comma-separated; * for any)",
          default="off")
@@ -474,6 +478,18 @@ def model_problem(spec: str | None) -> str | None:
     return None
 
 
+def slot_path_problem(path: str | None) -> str | None:
+    """A --slot-save-path that can never hold files, said before anything starts (a missing
+    directory is created at start-up, as llama-server does)."""
+    if path is None:
+        return None
+    if os.path.exists(path) and not os.path.isdir(path):
+        return f"--slot-save-path {path}: not a directory"
+    if os.path.isdir(path) and not os.access(path, os.W_OK | os.X_OK):
+        return f"--slot-save-path {path}: not writable (permission denied)"
+    return None
+
+
 def parse_args(argv: Sequence[str] | None = None,
                env: Mapping[str, str] | None = None) -> ServerArgs:
     env = os.environ if env is None else env
@@ -482,7 +498,8 @@ def parse_args(argv: Sequence[str] | None = None,
     parsed = vars(parser.parse_args(argv))
     args = ServerArgs(**{f.name: parsed[f.name] for f in fields(ServerArgs)
                          if parsed.get(f.name) is not None})
-    problem = check(args) or model_problem(args.model)
+    problem = (check(args) or model_problem(args.model)
+               or slot_path_problem(args.slot_save_path))
     if problem:
         parser.error(problem)
     return args

@@ -1,9 +1,10 @@
 """The step loop, in its own thread: schedule -> run -> postprocess, and nothing else.
 
 The HTTP side talks to this facade only: `submit`, `cancel`, `park_slot`, `unpark_slot`,
-`abort_all`, `snapshot`. Everything that changes the pool, the scheduler or the model happens
-on the engine thread, holding `lock` except while the model runs; other threads read scheduler
-state only under `lock` (`snapshot`, `busy`, the metrics collector).
+`save_slot`, `restore_slot`, `erase_slot`, `abort_all`, `snapshot`. Everything that changes
+the pool, the scheduler or the model happens on the engine thread, holding `lock` except while
+the model runs; other threads read scheduler state only under `lock` (`snapshot`, `busy`, the
+metrics collector).
 """
 
 from __future__ import annotations
@@ -14,16 +15,20 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from .runner import ModelRunner
 from .sampling import ChunkOutput
 from .scheduler import Scheduler
 from .slot import FinishReason, Phase, SeqEvent, Sequence, SlotView
+from .slot_files import SlotState
+from .slot_memory import SlotMemory
 from .step_plan import ScheduledSeq
 
 log = logging.getLogger("kvpark.engine")
 
 IDLE_POLL_SECONDS = 0.05  # parked work waiting on nothing new is re-checked this often
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -52,7 +57,7 @@ class Capacity:
 class Engine:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, eos_token_ids: frozenset[int],
                  on_step: Callable[[list[ScheduledSeq], float], None] = lambda plan, s: None,
-                 lock: threading.RLock | None = None) -> None:
+                 lock: threading.RLock | None = None, memory: SlotMemory | None = None) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.eos_token_ids = eos_token_ids
@@ -61,6 +66,7 @@ class Engine:
         self.capacity = Capacity(scheduler.config.num_slots, pool.num_pages, pool.page_size,
                                  shares_prompts=pool.cache is not None)
         self.lock = lock or threading.RLock()  # scheduler state; taken before _cond's lock
+        self.memory = memory or SlotMemory(pool, scheduler.config.num_slots)  # slot files
         # the hand-over queues: submit and cancel never wait for a step to end
         self._cond = threading.Condition()
         self._incoming: list[Sequence] = []
@@ -152,6 +158,38 @@ class Engine:
             return f"slot {slot_id} was not parked by hand"
         self.scheduler.unpark(seq)
         return None
+
+    def save_slot(self, slot_id: int) -> concurrent.futures.Future[SlotState | str]:
+        """POST /slots/{id}?action=save: the slot's state with its pages copied out, or why
+        not. The caller writes the file, off this thread."""
+        return self._on_idle_slot(slot_id, lambda: self.memory.export(slot_id))
+
+    def restore_slot(self, slot_id: int, state: SlotState
+                     ) -> concurrent.futures.Future[str | None]:
+        return self._on_idle_slot(slot_id, lambda: self.memory.restore(slot_id, state))
+
+    def erase_slot(self, slot_id: int) -> concurrent.futures.Future[int | str]:
+        """The tokens the slot remembered, or why not."""
+        return self._on_idle_slot(slot_id, lambda: self.memory.erase(slot_id))
+
+    def _on_idle_slot(self, slot_id: int, action: Callable[[], T]
+                      ) -> concurrent.futures.Future[T | str]:
+        """Run `action` on the engine thread if the slot runs nothing; else say it is busy (a
+        running or parked sequence's pages are still changing). A failure goes to the future,
+        not to the step loop, which would end every request."""
+        done: concurrent.futures.Future[T | str] = concurrent.futures.Future()
+
+        def act() -> None:
+            if self.scheduler.slots[slot_id] is not None:
+                done.set_result(f"slot {slot_id} is busy")
+                return
+            try:
+                done.set_result(action())
+            except Exception as exc:
+                done.set_exception(exc)
+
+        self.call_soon(act)
+        return done
 
     # ---- the engine thread --------------------------------------------------------------------
     def _loop(self) -> None:

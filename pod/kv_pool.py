@@ -128,6 +128,44 @@ class KVPool:
         for i, h in enumerate(self.cache.extend_hashes(seq, full)[first:full], start=first):
             self.cache.register(seq.page_table[i], h)
 
+    # ---- slot files (POST /slots/{id}?action=save|restore|erase) ------------------------------
+    def read_pages(self, pages: list[int]) -> torch.Tensor:
+        """A copy of these pages on the CPU: [layers, pages, 2, page_size, Hkv, D]."""
+        index = torch.tensor(pages, dtype=torch.long, device=self.device)
+        return torch.stack([cache.index_select(0, index) for cache in self.caches]).cpu()
+
+    def insert_cached(self, hashes: list[bytes], kv: torch.Tensor) -> bool:
+        """Make `kv` ([layers, len(hashes), 2, page_size, Hkv, D]) cached pages under `hashes`,
+        as if a sequence had just filled them and let go; content already cached is kept as it
+        is. False, with nothing changed, when the pool cannot give the missing pages."""
+        assert self.cache is not None and kv.shape[1] == len(hashes)
+        found = [self.cache.find(h) for h in hashes]
+        self.share([p for p in found if p is not None])  # out of the LRU: not evicted below
+        missing = [i for i, page in enumerate(found) if page is None]
+        if not self.can_allocate(len(missing)):
+            self.free([p for p in found if p is not None])
+            return False
+        fresh = self.allocate(len(missing))
+        if missing:
+            index = torch.tensor(fresh, dtype=torch.long, device=self.device)
+            rows = kv[:, missing].to(device=self.device, dtype=self.dtype)
+            for cache, layer_rows in zip(self.caches, rows):
+                cache.index_copy_(0, index, layer_rows)
+        for page, i in zip(fresh, missing):
+            self.cache.register(page, hashes[i])
+            found[i] = page
+        self.free([p for p in found if p is not None])  # tail first into the LRU, as a finish
+        return True
+
+    def drop_cached(self, pages: list[int]) -> int:
+        """Forget those of these pages that sit cached with no holder (free them); pages a
+        sequence holds stay. Returns how many were dropped."""
+        dropped = [p for p in pages if self.cache is not None and self.cache.is_cached(p)]
+        for page in dropped:
+            self.cache.forget(page)
+            heapq.heappush(self._free, page)
+        return len(dropped)
+
     def ref_count(self, page: int) -> int:
         return self._refs[page]
 

@@ -290,13 +290,18 @@ def get_openapi(limits: InputLimits) -> dict[str, Any]:
                 "200": {"description": "ready"}, "503": {"description": "loading or draining"}}}},
             "/slots": plain_get,
             "/slots/{slot_id}": {"post": {
-                "summary": "park or unpark a slot by hand",
+                "summary": "park or unpark a slot by hand; save, restore or erase its KV "
+                           "(llama-server's slot files, with --slot-save-path)",
                 "parameters": [
                     {"name": "slot_id", "in": "path", "required": True,
                      "schema": {"type": "integer", "minimum": 0}},
                     {"name": "action", "in": "query", "required": True,
-                     "schema": {"type": "string", "enum": ["park", "unpark"]}}],
-                "responses": {"200": {"description": "the slot after the action"},
+                     "schema": {"type": "string",
+                                "enum": ["park", "unpark", "save", "restore", "erase"]}}],
+                "requestBody": {"required": False, "content": {JSON: {"schema": {
+                    "type": "object", "properties": {"filename": {"type": "string"}}}}}},
+                "responses": {"200": {"description": "the slot after the action; for save, "
+                                      "restore and erase llama-server's answer"},
                               **_error_responses((400, 401, 403, 404, 409, 503))}}},
             "/metrics": {"get": {"responses": {
                 "200": {"description": "Prometheus text", "content": {

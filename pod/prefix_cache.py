@@ -68,12 +68,18 @@ class PrefixCache:
     # ---- hashes ------------------------------------------------------------------------------
     def extend_hashes(self, seq: Sequence, num_full_pages: int) -> list[bytes]:
         """`seq.page_hashes` grown to its first `num_full_pages` pages (tokens must exist)."""
-        ps, hashes = self.page_size, seq.page_hashes
+        return self.grow_hashes(seq.page_hashes, seq.tokens, seq.num_prompt, num_full_pages)
+
+    def grow_hashes(self, hashes: list[bytes], tokens: Seq[int], num_prompt: int,
+                    num_full_pages: int) -> list[bytes]:
+        """`hashes` (of the first pages of `tokens`, `num_prompt` of them prompt rows) grown in
+        place to `num_full_pages` pages; a restored slot file gets its hashes from here too."""
+        ps = self.page_size
         while len(hashes) < num_full_pages:
             i = len(hashes)
             prev = hashes[-1] if hashes else self.seed
-            kinds = min(ps, max(0, seq.num_prompt - i * ps)) if self.split_kinds else None
-            hashes.append(chain_hash(prev, seq.tokens[i * ps:(i + 1) * ps], kinds))
+            kinds = min(ps, max(0, num_prompt - i * ps)) if self.split_kinds else None
+            hashes.append(chain_hash(prev, tokens[i * ps:(i + 1) * ps], kinds))
         return hashes
 
     # ---- lookups and registration ------------------------------------------------------------
@@ -86,6 +92,10 @@ class PrefixCache:
                 break
             pages.append(page)
         return pages
+
+    def find(self, h: bytes) -> int | None:
+        """The page holding this content, if any."""
+        return self._pages.get(h)
 
     def register(self, page: int, h: bytes) -> None:
         """A page just filled; the first page seen with some content keeps that content's
@@ -105,6 +115,15 @@ class PrefixCache:
     def touch(self, page: int) -> None:
         """A cached page is referenced again: out of the LRU."""
         self._lru.pop(page, None)
+
+    def forget(self, page: int) -> None:
+        """An unreferenced cached page dropped on purpose (a slot erased); the caller frees it."""
+        del self._lru[page]
+        del self._pages[self._hash_of.pop(page)]
+
+    def is_cached(self, page: int) -> bool:
+        """Registered and held by nobody (in the LRU)."""
+        return page in self._lru
 
     def evict(self) -> int:
         """The least recently used cached page, forgotten; the caller reuses it."""

@@ -36,6 +36,9 @@ from .prefix_cache import PrefixCache
 from .protocol import check_defaults
 from .runner import ModelRunner
 from .scheduler import Scheduler, SchedulerConfig
+from .slot import Sequence
+from .slot_files import ModelIdentity, get_source_bytes, get_weights_digest
+from .slot_memory import SlotMemory
 from .swap import Swapper
 
 log = logging.getLogger("kvpark.server")
@@ -55,6 +58,8 @@ class ServingStack:
     defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     # what decides the numbers: weights, precision, kernels (system_fingerprint hashes it)
     numerics: str = ""
+    identity: ModelIdentity | None = None  # what a slot file must have been saved by
+    kv_dtype: torch.dtype = torch.float32  # the pool's (a slot file's pages)
 
 
 def pick_device(args: ServerArgs) -> torch.device:
@@ -406,6 +411,7 @@ def build_stack(args: ServerArgs) -> ServingStack:
             loaded.tokenizer.set_chat_template(file.read())
         log.info("chat template from %s", args.chat_template)
     config = loaded.config
+    weights_digest = get_weights_digest(loaded.weights)  # before the model takes the weights
     blocks = pick_blocks(args, loaded, device, dtype)  # builds the C kernel on first use
     stages.done("quantised-linear kernel checked" if loaded.quantized else "weights checked")
     model = LlamaModel(config, loaded.weights,
@@ -457,11 +463,17 @@ def build_stack(args: ServerArgs) -> ServingStack:
     lock = threading.RLock()  # the engine's: the metrics collector reads state under it
     served = args.served_model_name[0] if args.served_model_name else loaded.name
     metrics = Metrics(scheduler, lock, model_name=served)
-    scheduler.on_finish = metrics.on_finish
+    memory = SlotMemory(pool, args.parallel)
+
+    def on_finish(seq: Sequence) -> None:
+        metrics.on_finish(seq)
+        memory.remember(seq)  # the slot's last sequence, for POST /slots/{id}?action=save
+
+    scheduler.on_finish = on_finish
     runner = ModelRunner(model, pool, backend, graphs=graphs,
                          fault_token=args.inject_fault_token)
     engine = Engine(scheduler, runner, loaded.tokenizer.eos_token_ids, on_step=metrics.on_step,
-                    lock=lock)
+                    lock=lock, memory=memory)
     log.info("model %s (%s): %d layers, %d/%d heads, %s on %s, linears %s%s", loaded.name,
              loaded.source, config.num_layers, config.num_heads, config.num_kv_heads, dtype,
              device, model.weight_format.value,
@@ -477,9 +489,17 @@ def build_stack(args: ServerArgs) -> ServingStack:
              args.preempt_resume)
     log.info("prefix cache %s", "on" if cache else "off (--no-prefix-cache)")
     log.info("sampling defaults: %s", defaults.describe())
+    identity = ModelIdentity(loaded.name, get_source_bytes(loaded.source), weights_digest,
+                             str(dtype).removeprefix("torch."), model.weight_format.value,
+                             model.has_blocks, config.num_layers, config.num_kv_heads,
+                             config.head_dim, args.page_size)
+    if args.slot_save_path:
+        os.makedirs(args.slot_save_path, exist_ok=True)
+        log.info("slot files in %s", os.path.realpath(args.slot_save_path))
     log.info("model loaded in %.1f s", stages.total)
     numerics = (f"{loaded.name}|{loaded.source}|{device}|{dtype}|{model.weight_format.value}"
                 f"|blocks={model.has_blocks}|{backend.name}|invariant={model.batch_invariant}")
     return ServingStack(args, loaded.name, loaded.tokenizer, scheduler_config.max_context,
                         scheduler, engine, metrics, budget, model_path=loaded.source,
-                        defaults=defaults, numerics=numerics)
+                        defaults=defaults, numerics=numerics,
+                        identity=identity, kv_dtype=dtype)

@@ -193,3 +193,15 @@ def test_kernel_threads_flag_env_and_default():
         parse_args([], env={"KVPARK_KERNEL_THREADS": "two"})
     assert pick_kernel_threads(parse_args(["--kernel-threads", "3"], env={})) == 3
     assert pick_kernel_threads(parse_args([], env={})) == worker_pool.default_num_threads() >= 1
+
+
+def test_slot_save_path_from_flag_or_environment_and_checked_before_start(tmp_path, capsys):
+    env = {"KVPARK_SLOT_SAVE_PATH": str(tmp_path / "env")}
+    assert parse_args([], env=env).slot_save_path == str(tmp_path / "env")
+    given = parse_args(["--slot-save-path", str(tmp_path / "flag")], env=env)
+    assert given.slot_save_path == str(tmp_path / "flag")
+    assert parse_args([], env={}).slot_save_path is None
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit) as stopped:
+        parse_args(["--slot-save-path", str(tmp_path / "file")], env={})
+    assert stopped.value.code == 2 and "not a directory" in capsys.readouterr().err

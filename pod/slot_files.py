@@ -1,0 +1,209 @@
+"""Slot files (`--slot-save-path DIR`, llama-server's `POST /slots/{id}?action=save|restore`):
+which names may be used inside DIR, and the file format.
+
+A file holds one slot's saveable state (`SlotState`: the tokens of whole KV pages and those
+pages' bytes) after a header naming the model and the KV layout that computed them, so a server
+with other weights, another dtype or another page layout refuses it instead of continuing from
+K/V it would misread. Layout, all little-endian:
+
+    MAGIC (8 bytes) | version u32 | header length u32 | header (JSON, UTF-8)
+    | tokens (int64 x num_tokens) | pages (the pool's dtype, [layers, pages, 2, page_size, Hkv, D])
+    | SHA-256 of everything before it (32 bytes)
+
+The digest catches a corrupted file, the size read from the header a truncated one. Names are
+plain file names resolved inside DIR (no separators, no `..`, no leading dot, no symlink that
+leads out); a save writes a temporary file beside the target and renames it over, so a reader
+never sees half a file. Everything here runs off the event loop and off the engine thread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+MAGIC = b"KVPSLOT\0"
+VERSION = 1
+MAX_NAME_BYTES = 255  # a file name's limit on common file systems
+MAX_HEADER_BYTES = 1 << 20
+_PREFIX = struct.Struct("<8sII")
+_DIGEST_BYTES = 32
+
+
+class SlotFileError(Exception):
+    """A name or a file that cannot be used; `status` is the HTTP status the API answers."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """What K/V bytes depend on: the weights (name, file size, a digest of sampled embedding rows
+    and the final norm), how they are computed (dtype, linears, blocks) and the pool's layout."""
+
+    model: str
+    source_bytes: int  # the weight file's size (a directory's files together; 0: synthetic)
+    weights_sha256: str
+    dtype: str
+    weight_format: str
+    blocks: bool  # decode rows read a GGUF's quantised blocks (their K/V differ from prompt rows)
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+
+    def differences(self, saved: dict[str, object]) -> list[str]:
+        """`field: file X, this server Y` for each field that differs (or is missing)."""
+        return [f"{name}: file {saved.get(name)!r}, this server {value!r}"
+                for name, value in asdict(self).items() if saved.get(name) != value]
+
+
+def get_weights_digest(weights: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over 64 evenly spread rows of the token embedding and the final norm: cheap at
+    start-up, and any other checkpoint (or seed of a synthetic one) differs there."""
+    h = hashlib.sha256()
+    embed = weights["model.embed_tokens.weight"]
+    for tensor in (embed[:: max(1, embed.shape[0] // 64)], weights["model.norm.weight"]):
+        h.update(tensor.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def get_source_bytes(source: str) -> int:
+    path = Path(source)
+    if path.is_file():
+        return path.stat().st_size
+    if path.is_dir():
+        return sum(p.stat().st_size for p in path.glob("*.safetensors"))
+    return 0
+
+
+@dataclass(frozen=True)
+class SlotState:
+    """A slot's saveable state, copied out of the pool on the engine thread."""
+
+    tokens: tuple[int, ...]  # of whole pages: len(tokens) == pages x page_size
+    num_prompt: int  # of them, rows computed as prompt (the page hashes tell the kinds apart)
+    kv: torch.Tensor  # [layers, pages, 2, page_size, Hkv, D] on the CPU
+
+    @property
+    def num_pages(self) -> int:
+        return self.kv.shape[1]
+
+
+# ---- names --------------------------------------------------------------------------------
+def resolve_name(directory: str, name: object) -> Path:
+    """The path of `name` inside `directory`, or SlotFileError naming what is wrong with it."""
+    if not isinstance(name, str) or not name:
+        raise SlotFileError("'filename': expected a non-empty file name")
+    if len(name.encode()) > MAX_NAME_BYTES:
+        raise SlotFileError(f"'filename': longer than {MAX_NAME_BYTES} bytes")
+    if "/" in name or "\\" in name or name.startswith(".") or any(ord(c) < 32 for c in name):
+        raise SlotFileError("'filename': expected a plain file name inside --slot-save-path "
+                            "(no path separators, no leading dot, no control characters)")
+    root = Path(directory).resolve()
+    path = (root / name).resolve()  # follows symlinks: one leading out of DIR is refused
+    if path.parent != root:
+        raise SlotFileError("'filename': resolves outside --slot-save-path")
+    return path
+
+
+# ---- writing ------------------------------------------------------------------------------
+def encode(identity: ModelIdentity, state: SlotState) -> list[bytes]:
+    header = json.dumps({"identity": asdict(identity), "num_tokens": len(state.tokens),
+                         "num_prompt": state.num_prompt, "num_pages": state.num_pages,
+                         "kv_shape": list(state.kv.shape)}).encode()
+    tokens = torch.tensor(state.tokens, dtype=torch.int64).numpy().tobytes()
+    pages = state.kv.contiguous().view(torch.uint8).numpy().tobytes()
+    parts = [_PREFIX.pack(MAGIC, VERSION, len(header)), header, tokens, pages]
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(part)
+    return [*parts, digest.digest()]
+
+
+def write(path: Path, identity: ModelIdentity, state: SlotState) -> int:
+    """Write the file atomically (a temporary file renamed over the target); its size."""
+    parts = encode(identity, state)
+    fd, tmp = tempfile.mkstemp(prefix=".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as file:
+            for part in parts:
+                file.write(part)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return sum(len(part) for part in parts)
+
+
+# ---- reading ------------------------------------------------------------------------------
+def read(path: Path, identity: ModelIdentity, dtype: torch.dtype) -> tuple[SlotState, int]:
+    """The state a file holds and the file's size; SlotFileError when it is missing, not a slot
+    file, damaged, or from another model or KV layout. The header is checked before the rest is
+    read, so a wrong file costs no more than its header."""
+    if not path.is_file():
+        raise SlotFileError(f"'filename': no slot file {path.name!r} in --slot-save-path", 404)
+    with path.open("rb") as file:
+        size = os.fstat(file.fileno()).st_size
+        data = bytearray(file.read(_PREFIX.size + MAX_HEADER_BYTES))
+        header, body_at = _read_header(data)
+        different = identity.differences(header.get("identity") or {})
+        if different:
+            raise SlotFileError("the slot file was saved by a different model or KV layout: "
+                                + "; ".join(different))
+        num_tokens, num_prompt, shape = _sizes(header, identity)
+        kv_bytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+        expected = body_at + 8 * num_tokens + kv_bytes + _DIGEST_BYTES
+        if size != expected:
+            what = "truncated" if size < expected else "longer than its header says"
+            raise SlotFileError(f"the slot file is {what} ({size} bytes, {expected} expected)")
+        data += file.read()
+    view = memoryview(data)
+    if len(data) != size or hashlib.sha256(view[:-_DIGEST_BYTES]).digest() != view[-_DIGEST_BYTES:]:
+        raise SlotFileError("the slot file is corrupted (its SHA-256 does not match)")
+    tokens = torch.frombuffer(data, dtype=torch.int64, count=num_tokens, offset=body_at)
+    kv = torch.frombuffer(data, dtype=torch.uint8, count=kv_bytes, offset=body_at + 8 * num_tokens)
+    return SlotState(tuple(tokens.tolist()), num_prompt, kv.view(dtype).reshape(shape)), size
+
+
+def _read_header(data: bytes) -> tuple[dict, int]:
+    """The header and where the tokens start."""
+    if len(data) < _PREFIX.size or data[:8] != MAGIC:
+        raise SlotFileError("not a kvpark slot file (wrong magic bytes)")
+    _, version, header_len = _PREFIX.unpack_from(data)
+    if version != VERSION:
+        raise SlotFileError(f"slot file format version {version}; this server reads {VERSION}")
+    if header_len > MAX_HEADER_BYTES or len(data) < _PREFIX.size + header_len:
+        raise SlotFileError("the slot file is truncated (its header is cut short)")
+    try:
+        header = json.loads(data[_PREFIX.size:_PREFIX.size + header_len])
+    except ValueError:
+        header = None
+    if not isinstance(header, dict):
+        raise SlotFileError("the slot file is corrupted (its header is not a JSON object)")
+    return header, _PREFIX.size + header_len
+
+
+def _sizes(header: dict, identity: ModelIdentity) -> tuple[int, int, tuple[int, ...]]:
+    """Tokens, prompt rows and the pages' shape, checked against each other and the layout."""
+    try:
+        num_tokens, num_prompt = int(header["num_tokens"]), int(header["num_prompt"])
+        shape = tuple(int(n) for n in header["kv_shape"])
+    except (KeyError, TypeError, ValueError):
+        raise SlotFileError("the slot file is corrupted (its header lacks sizes)") from None
+    ps = identity.page_size
+    layout = (identity.num_layers, 2, ps, identity.num_kv_heads, identity.head_dim)
+    if (len(shape) != 6 or (shape[0], *shape[2:]) != layout or shape[1] * ps != num_tokens
+            or not 0 <= num_prompt <= num_tokens):
+        raise SlotFileError("the slot file is corrupted (its sizes do not fit together)")
+    return num_tokens, num_prompt, shape
