@@ -33,7 +33,7 @@ from starlette.types import Message
 from . import protocol, slot_files, text_endpoints
 from .args import ServerArgs
 from .bridge import RequestStream, SSEResponse, StreamEvent, wait_disconnect
-from .formats import failure, get_format
+from .formats import failure, generation_settings, get_format
 from .model.tokenizer import Tokenizer
 from .openapi import get_openapi
 from .protocol import ApiError, GenerationRequest, InputLimits
@@ -443,6 +443,7 @@ class Server:
         opened = False
         try:
             async for event in stream.events(self.args.sse_keepalive):
+                fmt.observe(event)
                 if event.kind in NOTICES:  # SSE comments: clients and proxies ignore them
                     yield f": {NOTICES[event.kind]}\n\n"
                     continue
@@ -450,7 +451,9 @@ class Server:
                     opened = True
                     yield from_lines(fmt.opening())
                 seq = stream.seqs[event.index]
-                if event.kind is StreamEvent.TEXT:
+                if event.kind is StreamEvent.PROGRESS:
+                    yield sse(fmt.progress(event.progress))
+                elif event.kind is StreamEvent.TEXT:
                     yield sse(fmt.text(event.index, event.text, event.num_logprobs))
                 elif event.kind is StreamEvent.FINISHED:
                     finished += 1
@@ -594,13 +597,7 @@ def default_params(stack: ServingStack) -> dict[str, Any]:
     """/props' `params` in llama.cpp's names: what a request that sets nothing gets."""
     params = protocol.sampling_params(stack.defaults.under({}, stack.max_context),
                                       stack.max_context, ("max_tokens",), stack.tokenizer)
-    return {"n_predict": params.max_tokens or -1, "temperature": params.temperature,
-            "top_k": params.top_k, "top_p": params.top_p, "min_p": params.min_p,
-            "seed": -1 if params.seed is None else params.seed,
-            "repeat_penalty": params.repeat_penalty, "repeat_last_n": params.repeat_last_n,
-            "presence_penalty": params.presence_penalty,
-            "frequency_penalty": params.frequency_penalty, "stop": [],
-            "ignore_eos": params.ignore_eos, "stream": False}
+    return generation_settings(params)
 
 
 def slot_share(stack: ServingStack) -> int:

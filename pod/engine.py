@@ -285,13 +285,16 @@ class Engine:
         if seq.in_prompt:
             seq.prompt_seconds += seconds
         seq.prompt_logprobs.extend(output.prompt_logprobs)  # before any event: all are there
+        in_prompt = seq.in_prompt
         sampled = output.sampled
-        if sampled is not None and seq.params.max_tokens == 0:  # echo only: nothing generated
-            self.scheduler.advance(item, None)
+        echo_only = sampled is not None and seq.params.max_tokens == 0  # nothing generated
+        token = None if sampled is None or echo_only else sampled.token
+        self.scheduler.advance(item, token)
+        if in_prompt:  # before the first token's event
+            seq.on_event(seq, SeqEvent.PROGRESS, "")
+        if echo_only:
             self.scheduler.finish(seq, FinishReason.LENGTH)
             return
-        token = None if sampled is None else sampled.token
-        self.scheduler.advance(item, token)
         if sampled is None:
             return
         if seq.first_token_at is None:

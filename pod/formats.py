@@ -4,13 +4,14 @@ for whole responses and stream chunks, and what a client is told when a sequence
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, ClassVar
 
-from .bridge import RequestStream
+from .bridge import Event, PromptProgress, RequestStream, StreamEvent
 from .model.tokenizer import Tokenizer
 from .protocol import ApiError
-from .sampling import TokenLogprob
+from .sampling import SamplingParams, TokenLogprob
 from .slot import FinishReason, Sequence
 from .tools import ParsedOutput, parse_output
 
@@ -108,6 +109,15 @@ class TokenNames:
         return list(text.encode("utf-8"))
 
 
+class TokenIdNames(TokenNames):
+    """vLLM's `return_tokens_as_token_ids`: tokens named `token_id:N` in logprobs, so a client
+    can tell tokens apart whose text is not whole UTF-8."""
+
+    def get(self, token_id: int) -> tuple[str, list[int]]:
+        name = f"token_id:{token_id}"
+        return name, list(name.encode())
+
+
 def _lp(value: float) -> float:
     return max(value, MIN_LOGPROB)
 
@@ -171,13 +181,19 @@ def vllm_prompt_logprobs(names: TokenNames, entries: list[TokenLogprob]
     return shaped
 
 
-def llama_probabilities(names: TokenNames, entries: list[TokenLogprob]) -> list[dict[str, Any]]:
-    """llama.cpp /completion's `completion_probabilities` (n_probs, post_sampling_probs off)."""
+def llama_probabilities(names: TokenNames, entries: list[TokenLogprob],
+                        post_sampling: bool = False) -> list[dict[str, Any]]:
+    """llama.cpp /completion's `completion_probabilities`: logprobs of the model's own
+    distribution, or with `post_sampling_probs` probabilities of the one the draw used (tokens
+    the filters removed are left out of the tops)."""
     def one(token: int, logprob: float) -> dict[str, Any]:
         text, raw = names.get(token)
-        return {"id": token, "token": text, "logprob": _lp(logprob), "bytes": raw}
+        value = {"prob": math.exp(logprob)} if post_sampling else {"logprob": _lp(logprob)}
+        return {"id": token, "token": text, **value, "bytes": raw}
 
-    return [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
+    tops = "top_probs" if post_sampling else "top_logprobs"
+    return [{**one(e.token, e.logprob),
+             tops: [one(t, lp) for t, lp in e.top if not (post_sampling and lp == -math.inf)]}
             for e in entries]
 
 
@@ -190,10 +206,23 @@ class WireFormat:
         self.model = model
         self.stream = stream
         self.fingerprint = fingerprint  # OpenAI's system_fingerprint
-        self.names = TokenNames(stream.tokenizer)
+        self.names = (TokenIdNames if stream.request.tokens_as_ids else TokenNames)(
+            stream.tokenizer)
         self._num_sent: dict[int, int] = {}  # per choice: logprobs already in a chunk
         self._offset: dict[int, int] = {}  # per choice: text length those tokens cover
         self._opened: set[int] = set()  # choices whose first text chunk went out
+        self._generated: dict[int, int] = {}  # per choice: tokens generated, as events said
+
+    def observe(self, event: Event) -> None:
+        """Counts from the events (values taken on the engine thread), for usage in chunks."""
+        if event.kind is StreamEvent.TEXT:
+            self._generated[event.index] = event.num_generated
+        elif event.kind is StreamEvent.FINISHED:  # finished: the engine writes it no more
+            self._generated[event.index] = self.stream.seqs[event.index].num_generated
+
+    def progress(self, progress: PromptProgress) -> dict[str, Any]:
+        """llama.cpp's prompt progress chunk (return_progress)."""
+        raise NotImplementedError
 
     def first_chunk_of(self, index: int) -> bool:
         """True once per choice: the chunk that carries its echo and prompt logprobs."""
@@ -254,8 +283,18 @@ class OpenAIFormat(WireFormat):
                  "created": int(time.time()), "model": self.model,
                  "system_fingerprint": self.fingerprint, "choices": choices}
         if self.include_usage:
-            chunk["usage"] = None
+            chunk["usage"] = self.usage_so_far() if self.stream.request.continuous_usage else None
         return chunk
+
+    def usage_so_far(self) -> dict[str, int]:
+        """vLLM's continuous usage stats: the prompt, and the tokens the events reported."""
+        prompt = usage(self.stream.seqs)["prompt_tokens"]  # prompts never change: safe to read
+        completion = sum(self._generated.values())
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}
+
+    def progress(self, progress: PromptProgress) -> dict[str, Any]:
+        return {**self._chunk([]), "prompt_progress": progress.as_json()}
 
     def body(self) -> dict[str, Any]:
         seqs = self.stream.seqs
@@ -430,21 +469,59 @@ class CompletionFormat(OpenAIFormat):
         return self.shaped(seq.index, "", None, finish_reason(seq))
 
 
+def generation_settings(params: SamplingParams, stream: bool = False) -> dict[str, Any]:
+    """llama.cpp's `generation_settings` (and /props' defaults): a request's sampling settings
+    in its names."""
+    return {"n_predict": -1 if params.max_tokens is None else params.max_tokens,
+            "seed": -1 if params.seed is None else params.seed,
+            "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
+            "min_p": params.min_p, "repeat_last_n": params.repeat_last_n,
+            "repeat_penalty": params.repeat_penalty,
+            "presence_penalty": params.presence_penalty,
+            "frequency_penalty": params.frequency_penalty, "stop": list(params.stop),
+            "ignore_eos": params.ignore_eos, "min_tokens": params.min_tokens,
+            "n_probs": params.logprobs or 0, "post_sampling_probs": params.post_sampling_probs,
+            # a banned token as llama.cpp writes it: JSON has no -inf
+            "logit_bias": [[token, False if bias == -math.inf else bias]
+                           for token, bias in params.logit_bias], "stream": stream}
+
+
 class LlamaFormat(WireFormat):
     """llama.cpp's /completion: one sequence, `timings`, no [DONE]."""
 
     ends_with_done = False
 
+    def __init__(self, model: str, stream: RequestStream, fingerprint: str = "") -> None:
+        super().__init__(model, stream, fingerprint)
+        self._tokens_sent = 0  # generated ids already in a chunk (return_tokens)
+
+    @property
+    def post_sampling(self) -> bool:
+        return self.stream.request.params.post_sampling_probs
+
+    def new_tokens(self) -> list[int]:
+        """return_tokens: the ids generated since the last chunk, as far as the events told
+        (the list is append-only: its prefix is safe to read)."""
+        if not self.stream.request.return_tokens:
+            return []
+        seq = self.stream.seqs[0]
+        upto = self._generated.get(0, 0)
+        start, self._tokens_sent = self._tokens_sent, max(self._tokens_sent, upto)
+        return seq.tokens[seq.num_prompt + start : seq.num_prompt + upto]
+
     def body(self) -> dict[str, Any]:
         seq = self.stream.seqs[0]
-        body = {"content": self.stream.text(0), "model": self.model, "stop": True,
+        text = self.stream.text(0)
+        body = {"content": text, "model": self.model, "stop": True,
                 "stop_type": stop_type(seq), "tokens_predicted": seq.num_generated,
-                "tokens_evaluated": seq.num_prompt, "timings": timings(seq),
-                "id_slot": seq.slot_id}
-        if self.stream.request.return_tokens:
-            body["tokens"] = seq.generated_ids
+                "tokens_evaluated": seq.num_prompt, "tokens_cached": seq.num_cached,
+                "truncated": False,  # kvpark never cuts a prompt to fit: it parks or refuses
+                "has_new_line": "\n" in text, "timings": timings(seq), "id_slot": seq.slot_id,
+                "generation_settings": generation_settings(self.stream.request.params),
+                "tokens": seq.generated_ids if self.stream.request.return_tokens else []}
         if self.wants_logprobs:
-            body["completion_probabilities"] = llama_probabilities(self.names, seq.logprobs)
+            body["completion_probabilities"] = llama_probabilities(self.names, seq.logprobs,
+                                                                   self.post_sampling)
         body["preempt"] = self.stream.preempt_summary()
         return body
 
@@ -453,21 +530,33 @@ class LlamaFormat(WireFormat):
         if self.wants_logprobs:
             entries = self.take_logprobs(index, upto)
             if entries:
-                chunk["completion_probabilities"] = llama_probabilities(self.names, entries)
+                chunk["completion_probabilities"] = llama_probabilities(self.names, entries,
+                                                                        self.post_sampling)
         return chunk
 
     def text(self, index: int, text: str, num_logprobs: int | None = None) -> dict[str, Any]:
-        return self.with_probabilities({"content": text, "stop": False, "index": index},
+        return self.with_probabilities({"content": text, "tokens": self.new_tokens(),
+                                        "stop": False, "index": index,
+                                        "id_slot": self.stream.seqs[0].slot_id},
                                        index, num_logprobs)
 
     def finish(self, seq: Sequence) -> dict[str, Any]:
+        text = self.stream.text(0)
         return self.with_probabilities(
-            {"content": "", "stop": True, "index": seq.index, "model": self.model,
-             "stop_type": stop_type(seq), "tokens_predicted": seq.num_generated,
-             "tokens_evaluated": seq.num_prompt, "timings": timings(seq)}, seq.index, None)
+            {"content": "", "tokens": self.new_tokens(), "stop": True, "index": seq.index,
+             "id_slot": seq.slot_id, "model": self.model, "stop_type": stop_type(seq),
+             "tokens_predicted": seq.num_generated, "tokens_evaluated": seq.num_prompt,
+             "tokens_cached": seq.num_cached, "truncated": False,
+             "has_new_line": "\n" in text,
+             "generation_settings": generation_settings(self.stream.request.params, True),
+             "timings": timings(seq)}, seq.index, None)
 
     def usage(self) -> dict[str, Any]:
         return {"usage": usage(self.stream.seqs)}
+
+    def progress(self, progress: PromptProgress) -> dict[str, Any]:
+        return {"index": 0, "content": "", "tokens": [], "stop": False,
+                "prompt_progress": progress.as_json()}
 
 
 def stop_type(seq: Sequence) -> str:

@@ -85,6 +85,9 @@ class GenerationRequest:
     tools: tools.ToolPlan | None = None  # set when the output may be a tool call
     echo: str | None = None  # completions' `echo`: the prompt as text, put before the output
     show_prompt_logprobs: bool = False  # vLLM's `prompt_logprobs` field asked for them
+    return_progress: bool = False  # llama.cpp's: a stream reports the prompt's progress
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name token ids
 
 
 def _bad(param: str, message: str) -> ApiError:
@@ -181,7 +184,7 @@ HARMLESS = frozenset({"user", "safety_identifier", "metadata", "store", "service
                       "parallel_tool_calls", "prompt_cache_key", "prompt_cache_retention",
                       "prompt_cache_options", "cache_prompt"})
 SAMPLING = frozenset({"model", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
-                      "ignore_eos", "n", "stream", "stream_options", "priority",
+                      "ignore_eos", "n", "stream", "stream_options", "priority", "return_progress",
                       "presence_penalty", "frequency_penalty", "repetition_penalty",
                       "repeat_penalty", "repeat_last_n", "logit_bias", "min_tokens"})
 STRUCTURED = frozenset({"response_format", "grammar", "json_schema", "structured_outputs",
@@ -191,11 +194,14 @@ KNOWN = {
                                                 "max_completion_tokens", "tools", "tool_choice",
                                                 "logprobs", "top_logprobs", "prompt_logprobs",
                                                 "add_generation_prompt",
-                                                "continue_final_message"},
+                                                "continue_final_message",
+                                                "return_tokens_as_token_ids"},
     "completion": SAMPLING | HARMLESS | STRUCTURED | {"prompt", "max_tokens", "logprobs", "echo",
-                                                      "prompt_logprobs"},
+                                                      "prompt_logprobs",
+                                                      "return_tokens_as_token_ids"},
     "llama": SAMPLING | HARMLESS | STRUCTURED | {"prompt", "n_predict", "max_tokens",
-                                                 "return_tokens", "n_probs"},
+                                                 "return_tokens", "n_probs",
+                                                 "post_sampling_probs"},
 }
 MAX_LOGGED_FIELDS = 1000  # bounds what a client inventing field names can make us remember
 _logged_fields: set[str] = set()
@@ -287,7 +293,6 @@ def sampling_params(body: dict, max_context: int, max_tokens_names: tuple[str, .
     top_k = _integer(body, "top_k", 0, -1, 1 << 20)
     max_tokens = _max_tokens(body, max_tokens_names, max_context)
     min_tokens = int(_integer(body, "min_tokens", 0, 0, max_tokens or max_context))
-    vocab_size = tokenizer.vocab_size if tokenizer is not None else 1 << 31
     return SamplingParams(
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0),  # 0: greedy (is_greedy)
@@ -303,12 +308,13 @@ def sampling_params(body: dict, max_context: int, max_tokens_names: tuple[str, .
         repetition_penalty=_positive(body, "repetition_penalty"),
         repeat_penalty=_positive(body, "repeat_penalty"),
         repeat_last_n=int(_integer(body, "repeat_last_n", 64, -1, max_context)),
-        logit_bias=_logit_bias(body, vocab_size),
+        logit_bias=_logit_bias(body, tokenizer),
         min_tokens=min_tokens,
         # vLLM: min_tokens holds back every end-of-generation id
         eos_ids=tokenizer.eos_token_ids if tokenizer is not None and min_tokens else frozenset(),
         logprobs=_logprobs(body, kind),
         prompt_logprobs=_prompt_logprobs(body, kind),
+        post_sampling_probs=kind == "llama" and _boolean(body, "post_sampling_probs", False),
     )
 
 
@@ -317,9 +323,10 @@ def _positive(body: dict, name: str) -> float:
     return _number(body, name, 1.0, MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY)
 
 
-def _logit_bias(body: dict, vocab_size: int) -> tuple[tuple[int, float], ...]:
+def _logit_bias(body: dict, tokenizer: Tokenizer | None) -> tuple[tuple[int, float], ...]:
     """OpenAI's {"token id": bias}, or llama.cpp's [[id, bias], ...]; bias -100..100, or
-    false (llama.cpp: never this token)."""
+    false (llama.cpp: never this token). As llama.cpp, a key that is text, not an id, stands
+    for each token the text is made of."""
     value = body.get("logit_bias")
     if value is None:
         return ()
@@ -332,7 +339,20 @@ def _logit_bias(body: dict, vocab_size: int) -> tuple[tuple[int, float], ...]:
                    "[token id, bias] pairs")
     if len(pairs) > MAX_LOGIT_BIAS:
         raise _bad("logit_bias", f"at most {MAX_LOGIT_BIAS} entries")
-    return tuple(_bias_entry(key, bias, vocab_size) for key, bias in pairs)
+    entries = [(token, bias) for key, bias in pairs for token in _bias_tokens(key, tokenizer)]
+    if len(entries) > MAX_LOGIT_BIAS:
+        raise _bad("logit_bias", f"the texts make more than {MAX_LOGIT_BIAS} tokens")
+    vocab_size = tokenizer.vocab_size if tokenizer is not None else 1 << 31
+    return tuple(_bias_entry(token, bias, vocab_size) for token, bias in entries)
+
+
+def _bias_tokens(key: Any, tokenizer: Tokenizer | None) -> list[Any]:
+    """A key's token ids: itself, or the tokens of a text key (left as is when it is neither:
+    `_bias_entry` names it)."""
+    if (isinstance(key, str) and key and not re.fullmatch(r"-?[0-9]+", key)
+            and tokenizer is not None and len(key) <= MAX_STOP_CHARS):
+        return tokenizer.encode(key, False) or [key]
+    return [key]
 
 
 def _bias_entry(key: Any, bias: Any, vocab_size: int) -> tuple[int, float]:
@@ -414,6 +434,19 @@ def _include_usage(body: dict) -> bool:
     if options and body.get("stream") is not True:
         raise _bad("stream_options", "stream options can only be defined when `stream=True`")
     return _boolean(options, "include_usage", False)
+
+
+def _continuous_usage(body: dict) -> bool:
+    """vLLM's `stream_options.continuous_usage_stats`: usage in every chunk (with
+    `include_usage`, as vLLM reads it)."""
+    options = body.get("stream_options")
+    if not isinstance(options, dict):
+        return False
+    return _include_usage(body) and _boolean(options, "continuous_usage_stats", False)
+
+
+def _return_progress(body: dict) -> bool:
+    return _boolean(body, "return_progress", False)
 
 
 def _message_text(message: dict, index: int, role: str) -> str | None:
@@ -764,6 +797,9 @@ def parse_chat(body: dict, tokenizer: Tokenizer, limits: InputLimits) -> Generat
         params=params,
         stream=_boolean(body, "stream", False),
         include_usage=_include_usage(body),
+        continuous_usage=_continuous_usage(body),
+        tokens_as_ids=_boolean(body, "return_tokens_as_token_ids", False),
+        return_progress=_return_progress(body),
         model=_model(body),
         priority=_priority(body),
         prompt_ids=_chat_prompt(chat_turn(body, messages), tokenizer, plan),
@@ -789,6 +825,9 @@ def parse_completion(body: dict, tokenizer: Tokenizer, limits: InputLimits) -> G
         params=params,
         stream=_boolean(body, "stream", False),
         include_usage=_include_usage(body),
+        continuous_usage=_continuous_usage(body),
+        tokens_as_ids=_boolean(body, "return_tokens_as_token_ids", False),
+        return_progress=_return_progress(body),
         model=_model(body),
         priority=_priority(body),
         prompt_ids=prompt_ids,
@@ -810,6 +849,7 @@ def parse_llama_completion(body: dict, tokenizer: Tokenizer, limits: InputLimits
         params=params,
         stream=_boolean(body, "stream", False),
         include_usage=False,
+        return_progress=_return_progress(body),
         model=_model(body),
         return_tokens=_boolean(body, "return_tokens", False),
         priority=_priority(body),
@@ -852,6 +892,9 @@ def parse_completions(body: dict, tokenizer: Tokenizer, limits: InputLimits
     common = dict(kind="completion", params=_completion_params(body, tokenizer, limits),
                   show_prompt_logprobs=body.get("prompt_logprobs") is not None,
                   stream=_boolean(body, "stream", False), include_usage=_include_usage(body),
+                  continuous_usage=_continuous_usage(body),
+                  tokens_as_ids=_boolean(body, "return_tokens_as_token_ids", False),
+                  return_progress=_return_progress(body),
                   model=_model(body), priority=_priority(body),
                   grammar=structured_output(body, tokenizer))
     requests = []

@@ -16,6 +16,7 @@ from .sampling import (
     TokenLogprob,
     get_logprob,
     get_prompt_logprob,
+    post_sampling_logprobs,
     process_logits,
     sample,
 )
@@ -140,13 +141,15 @@ class ModelRunner:
         constraint's mask; then the same draw."""
         raw: dict[int, torch.Tensor] = {}
         for row, (item, p) in enumerate(zip(sampling, params)):
-            if p.logprobs is not None:
+            if p.logprobs is not None and not p.post_sampling_probs:
                 raw[row] = torch.log_softmax(logits[row], dim=-1)
             if p.needs_processing:
                 logits[row] = process_logits(logits[row], p, item.seq.tokens,
                                              item.seq.num_prompt)
             if item.seq.constraint is not None:
                 item.seq.constraint.mask(logits[row])
+            if p.logprobs is not None and p.post_sampling_probs:
+                raw[row] = post_sampling_logprobs(logits[row], p)
         tokens = sample(logits, params, generators)
         return {id(item): Sampled(token, get_logprob(raw[row], token, p.logprobs)
                                   if row in raw else None)

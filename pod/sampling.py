@@ -34,6 +34,9 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k: the sampled token's and the k most likely
     # None: none; k: each prompt token's logprob (after the first) and the k most likely there
     prompt_logprobs: int | None = None
+    # llama.cpp's post_sampling_probs: logprobs of the distribution the draw used (after the
+    # penalties, the bias, the grammar, temperature and the filters) instead of the raw model's
+    post_sampling_probs: bool = False
     needs_processing: bool = field(init=False, repr=False, compare=False)
     is_plain: bool = field(init=False, repr=False, compare=False)  # no processing, no logprobs
 
@@ -193,6 +196,16 @@ def get_logprob(raw_logprobs: torch.Tensor, token: int, k: int) -> TokenLogprob:
         values, ids = torch.topk(raw_logprobs, k)
         top = tuple(zip(ids.tolist(), values.tolist()))
     return TokenLogprob(token, float(raw_logprobs[token]), top)
+
+
+def post_sampling_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits: [vocab] after processing and masking -> log of the probabilities the draw used:
+    the filters' distribution, or all mass on the argmax for a greedy request."""
+    if params.is_greedy:
+        chosen = torch.full_like(logits, float("-inf"))
+        chosen[int(logits.argmax())] = 0.0
+        return chosen
+    return torch.log(filter_logits(logits, params))
 
 
 def get_prompt_logprob(raw_logprobs: torch.Tensor, token: int, k: int) -> TokenLogprob:

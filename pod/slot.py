@@ -40,6 +40,7 @@ class SeqEvent(str, enum.Enum):
     PARKED = "parked"
     RESUMED = "resumed"
     RECOMPUTED = "recomputed"  # a recompute replay caught up with where it was parked
+    PROGRESS = "progress"  # a chunk of the prompt (as sent, not a replay) was computed
     FINISHED = "finished"  # see finish_reason
 
 

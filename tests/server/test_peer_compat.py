@@ -201,3 +201,124 @@ def test_conflicting_prefill_fields_are_400s(tiny_server, body, param, words):
 
 def test_version(tiny_server):
     assert httpx.get(f"{tiny_server.url}/version", timeout=10).json()["version"]
+
+
+def sse_chunks(server, path, body):
+    chunks = []
+    with httpx.stream("POST", f"{server.url}{path}", json={**body, "stream": True},
+                      timeout=120) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                chunks.append(json.loads(line[6:]))
+    return chunks
+
+
+LONG = "one two three four five " * 160  # ~800 tokens: more than one 512-token chunk
+
+
+def test_return_progress_reports_each_prompt_chunk_before_the_text(tiny_server):
+    chunks = sse_chunks(tiny_server, "/completion", {"prompt": LONG, "n_predict": 2,
+                                                     "return_progress": True,
+                                                     "ignore_eos": True})
+    progress = [c["prompt_progress"] for c in chunks if "prompt_progress" in c]
+    first_text = next(i for i, c in enumerate(chunks) if "prompt_progress" not in c)
+    assert chunks[first_text]["content"] and first_text == len(progress)
+    total = progress[-1]["total"]
+    assert len(progress) >= 2 and progress[-1]["processed"] == total > 512
+    processed = [p["processed"] for p in progress]
+    assert processed == sorted(processed) and len(set(processed)) == len(processed)
+    assert all(p["total"] == total and p["time_ms"] > 0 for p in progress)
+    # again: the prefix cache holds its whole pages, and llama.cpp counts them as processed
+    again = sse_chunks(tiny_server, "/completion", {"prompt": LONG, "n_predict": 2,
+                                                    "return_progress": True})
+    cached = [c["prompt_progress"] for c in again if "prompt_progress" in c]
+    assert cached[0]["cache"] > 0 and cached[-1]["processed"] == total
+    assert all("prompt_progress" not in c for c in sse_chunks(
+        tiny_server, "/completion", {"prompt": LONG, "n_predict": 2}))
+
+
+def test_return_progress_on_a_chat_stream(tiny_server):
+    chunks = sse_chunks(tiny_server, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": LONG}], "max_tokens": 2,
+        "return_progress": True})
+    progress = [c for c in chunks if "prompt_progress" in c]
+    assert progress and all(c["choices"] == [] for c in progress)
+    assert progress[-1]["prompt_progress"]["processed"] == progress[-1]["prompt_progress"]["total"]
+
+
+def test_continuous_usage_stats_in_every_chunk(tiny_server):
+    chunks = sse_chunks(tiny_server, "/v1/completions", {
+        "prompt": PROMPT, "max_tokens": 5, "ignore_eos": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    usages = [c["usage"] for c in chunks]
+    assert all(u is not None for u in usages)
+    counts = [u["completion_tokens"] for u in usages]
+    assert counts == sorted(counts) and counts[-1] == 5 and counts[0] <= 1
+    assert {u["prompt_tokens"] for u in usages} == {usages[-1]["prompt_tokens"]}
+    plain = sse_chunks(tiny_server, "/v1/completions", {
+        "prompt": PROMPT, "max_tokens": 2, "stream_options": {"include_usage": True}})
+    assert [c["usage"] for c in plain[:-1]] == [None] * (len(plain) - 1)
+
+
+def test_completion_answers_carry_llama_cpps_fields(tiny_server):
+    body = {"prompt": PROMPT, "n_predict": 6, "temperature": 0, "ignore_eos": True,
+            "return_tokens": True}
+    whole = tiny_server.post("/completion", body).json()
+    assert len(whole["tokens"]) == 6 and whole["truncated"] is False
+    assert whole["has_new_line"] == ("\n" in whole["content"])
+    settings = whole["generation_settings"]
+    assert settings["n_predict"] == 6 and settings["temperature"] == 0
+    assert settings["ignore_eos"] is True and settings["stream"] is False
+    chunks = sse_chunks(tiny_server, "/completion", body)
+    assert [t for c in chunks for t in c["tokens"]] == whole["tokens"]
+    assert chunks[-1]["generation_settings"]["stream"] is True
+    assert all(c["id_slot"] is not None for c in chunks)
+    without = tiny_server.post("/completion", {**body, "return_tokens": False}).json()
+    assert without["tokens"] == []
+
+
+def test_post_sampling_probs_describe_the_draws_distribution(tiny_server):
+    base = {"prompt": PROMPT, "n_predict": 3, "n_probs": 4, "post_sampling_probs": True}
+    greedy = tiny_server.post("/completion", {**base, "temperature": 0}).json()
+    for entry in greedy["completion_probabilities"]:
+        assert entry["prob"] == 1.0 and "logprob" not in entry
+        assert [t["id"] for t in entry["top_probs"]] == [entry["id"]]
+    sampled = tiny_server.post("/completion", {**base, "temperature": 1.0, "top_k": 3,
+                                               "seed": 5}).json()
+    for entry in sampled["completion_probabilities"]:
+        tops = entry["top_probs"]
+        assert len(tops) == 3 and sum(t["prob"] for t in tops) == pytest.approx(1.0, abs=1e-5)
+        assert entry["id"] in [t["id"] for t in tops]
+    raw = tiny_server.post("/completion", {**base, "post_sampling_probs": False,
+                                           "temperature": 0}).json()
+    assert "logprob" in raw["completion_probabilities"][0]
+
+
+def test_logit_bias_keyed_by_text_bans_its_tokens(tiny_server):
+    body = {"prompt": PROMPT, "n_predict": 1, "temperature": 0, "return_tokens": True}
+    first = tiny_server.post("/completion", body).json()["tokens"][0]
+    text = tiny_server.post("/detokenize", {"tokens": [first]}).json()["content"]
+    assert tiny_server.post("/tokenize", {"content": text}).json()["tokens"] == [first]
+    for bias in ([[text, False]], {text: -100}):
+        banned = tiny_server.post("/completion", {**body, "logit_bias": bias}).json()
+        assert banned["tokens"][0] != first, bias
+    oai = tiny_server.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 1,
+                                               "temperature": 0, "logit_bias": {text: -100},
+                                               "logprobs": 0}).json()
+    assert oai["choices"][0]["text"] != text
+
+
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(tiny_server):
+    chat = tiny_server.post("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "logprobs": True,
+        "top_logprobs": 2, "return_tokens_as_token_ids": True, "ignore_eos": True}).json()
+    entries = chat["choices"][0]["logprobs"]["content"]
+    assert len(entries) == 3
+    for entry in entries:
+        assert entry["token"].startswith("token_id:") and int(entry["token"][9:]) >= 0
+        assert all(t["token"].startswith("token_id:") for t in entry["top_logprobs"])
+    text = tiny_server.post("/v1/completions", {
+        "prompt": PROMPT, "max_tokens": 2, "logprobs": 1, "ignore_eos": True,
+        "return_tokens_as_token_ids": True}).json()["choices"][0]
+    assert all(t.startswith("token_id:") for t in text["logprobs"]["tokens"])
+    assert not text["text"].startswith("token_id:")  # the text itself is unchanged
