@@ -11,6 +11,10 @@ stand-ins for validating webhooks, each told (emulator, request) before a write 
 raising kmock.KubernetesError to refuse it (see `keda_webhook`, and `typed_apply` for the typing
 that server-side apply does). `Api` is a plain `kubernetes`
 client for the tests' own calls, with its own User-Agent.
+
+`RealCluster` is the same `Cluster` on a real API server from a kubeconfig (conftest.py's
+`cluster` runs the shared tests on both): each test in a namespace of its own, watched by an
+operator of its own.
 """
 
 from __future__ import annotations
@@ -20,9 +24,11 @@ import contextlib
 import copy
 import dataclasses
 import datetime
+import hashlib
 import itertools
 import json
 import os
+import re
 import shutil
 import threading
 import time
@@ -33,6 +39,7 @@ from typing import Any, TypeVar
 
 import aiohttp.web
 import kmock
+import pytest
 from kubernetes import client
 
 T = TypeVar("T")
@@ -299,6 +306,12 @@ class Cluster:
         self.api = api
         self.server = server  # None on a real cluster
 
+    @contextlib.contextmanager
+    def test_namespace(self, test_name: str) -> Iterator[str]:
+        """A namespace of the test's own. kmock's operator watches all namespaces and kmock
+        needs none made: the name is all there is."""
+        yield get_namespace_name("", test_name)
+
     @staticmethod
     def path(kind: str, ns: str, name: str = "", sub: str = "") -> str:
         return "/".join(p for p in (PATHS[kind].format(ns=ns), name, sub) if p)
@@ -362,16 +375,13 @@ def running_operator(resources: list, workdir: Path, peering: str = "") -> Itera
     from kopf.testing import KopfRunner
     from kubernetes import config as kconfig
 
-    from kvpark.operator import handlers, kube
+    from kvpark.operator import handlers
     from kvpark.operator.__main__ import get_kopf_args
     from kvpark.operator.config import OperatorConfig
 
-    with KmockServer(resources) as server:
-        kubeconfig = server.write_kubeconfig(workdir / "kubeconfig")
-        saved = os.environ.get("KUBECONFIG")
-        os.environ["KUBECONFIG"] = str(kubeconfig)
-        kube.reset()
-        cluster = Cluster(Api(kconfig.new_client_from_config(str(kubeconfig))), server)
+    with KmockServer(resources) as server, operator_kubeconfig(
+            str(server.write_kubeconfig(workdir / "kubeconfig"))) as kubeconfig:
+        cluster = Cluster(Api(kconfig.new_client_from_config(kubeconfig)), server)
         config, saved_config = OperatorConfig(liveness="", peering=peering), handlers.CONFIG
         if peering:
             cluster.api.create("/apis/kopf.dev/v1/clusterkopfpeerings", {
@@ -384,8 +394,131 @@ def running_operator(resources: list, workdir: Path, peering: str = "") -> Itera
             assert runner.exit_code == 0, runner.output[-4000:]
         finally:
             handlers.CONFIG = saved_config
-            if saved is None:
-                os.environ.pop("KUBECONFIG", None)
-            else:
-                os.environ["KUBECONFIG"] = saved
-            kube.reset()
+
+
+def kmock_only(cluster: Cluster, why: str) -> None:
+    """Skip on a real cluster a test that drives what only the emulator lets a test drive."""
+    if cluster.server is None:
+        pytest.skip(f"kmock only: {why}")
+
+
+def get_namespace_name(prefix: str, test_name: str) -> str:
+    """A DNS-1123 label from a test's name (`test_scale[kmock]` -> `scale-kmock`)."""
+    name = prefix + re.sub(r"[^a-z0-9]+", "-", test_name.lower().removeprefix("test_")).strip("-")
+    if len(name) > 63:  # a label's limit: a digest keeps the parameters' ids apart
+        name = name[:56].rstrip("-") + "-" + hashlib.sha1(name.encode()).hexdigest()[:6]
+    return name
+
+
+def has_kubeconfig(kubeconfig: str) -> bool:
+    return bool(kubeconfig) and all(Path(p).is_file() for p in kubeconfig.split(os.pathsep))
+
+
+CRD_PATH = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
+# Stand-ins for the CRDs of other projects that the operator writes to, made on a real cluster
+# only where the real ones are absent (a stand-in takes any spec: the operator's objects are
+# checked against the projects' own schemas in the builders' tests).
+STAND_IN_CRDS = [
+    ("monitoring.coreos.com", "v1", "podmonitors", "PodMonitor"),
+    ("keda.sh", "v1alpha1", "scaledobjects", "ScaledObject"),
+    ("inference.networking.k8s.io", "v1", "inferencepools", "InferencePool"),
+]
+
+
+def get_stand_in_crd(group: str, version: str, plural: str, kind: str) -> dict[str, Any]:
+    any_object = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+    meta = {"name": f"{plural}.{group}", "labels": {"kvpark.io/test": "stand-in"}}
+    if group.endswith(".k8s.io"):  # the API server protects these groups (KEP 1111)
+        meta["annotations"] = {"api-approved.kubernetes.io": "unapproved, a test stand-in"}
+    return {"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+            "metadata": meta,
+            "spec": {"group": group, "scope": "Namespaced",
+                     "names": {"plural": plural, "kind": kind},
+                     "versions": [{"name": version, "served": True, "storage": True,
+                                   "subresources": {"status": {}},
+                                   "schema": {"openAPIV3Schema": any_object}}]}}
+
+
+class RealCluster(Cluster):
+    """A real API server from a kubeconfig. Each test gets a fresh namespace and an operator
+    (kopf in-process, as the kmock tests run it) that watches only that namespace, so that on
+    a shared cluster no one else's PreemptServer is reconciled; the namespace goes after."""
+
+    def __init__(self, kubeconfig: str) -> None:
+        from kubernetes import config as kconfig
+
+        super().__init__(Api(kconfig.new_client_from_config(config_file=kubeconfig)))
+        self.kubeconfig = kubeconfig
+        self.run_id = uuid.uuid4().hex[:5]
+        self.made_crds: list[str] = []
+
+    def install_crds(self) -> None:
+        """kvpark's CRD applied server-side (the kubeconfig needs cluster-admin-like rights),
+        and the stand-ins; wait until each is Established."""
+        from kvpark.operator import crd
+
+        self.apply_crd(crd.get_crd())
+        for group, version, plural, kind in STAND_IN_CRDS:
+            if self.api.get(f"{CRD_PATH}/{plural}.{group}") is None:
+                self.api.create(CRD_PATH, get_stand_in_crd(group, version, plural, kind))
+                self.made_crds.append(f"{plural}.{group}")
+        for name in [f"{crd.PLURAL}.{crd.GROUP}", *self.made_crds]:
+            wait_for(f"CRD {name} to be established", lambda n=name: is_established(
+                self.api.get(f"{CRD_PATH}/{n}")))
+
+    def remove_stand_ins(self) -> None:
+        for name in self.made_crds:
+            self.api.delete(f"{CRD_PATH}/{name}")
+
+    def apply_crd(self, body: Mapping[str, Any]) -> dict[str, Any] | None:
+        name = body["metadata"]["name"]
+        return self.api.call("PATCH", f"{CRD_PATH}/{name}?fieldManager=kvpark-tests&force=true",
+                             body, content_type="application/apply-patch+yaml")
+
+    @contextlib.contextmanager
+    def test_namespace(self, test_name: str) -> Iterator[str]:
+        from kopf.testing import KopfRunner
+
+        from kvpark.operator.__main__ import get_kopf_args
+        from kvpark.operator.config import OperatorConfig
+
+        with self.namespace(test_name) as name:
+            config = OperatorConfig(namespaces=(name,), liveness="")
+            with operator_kubeconfig(self.kubeconfig), \
+                    KopfRunner(get_kopf_args(config), timeout=60) as runner:
+                yield name
+            assert runner.exit_code == 0, runner.output[-4000:]
+
+    @contextlib.contextmanager
+    def namespace(self, test_name: str) -> Iterator[str]:
+        """A fresh namespace named after the test and this run, deleted after."""
+        name = get_namespace_name(f"kvpark-{self.run_id}-", test_name)
+        self.api.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",
+                                               "metadata": {"name": name}})
+        try:
+            yield name
+        finally:
+            self.api.delete(f"/api/v1/namespaces/{name}")
+
+
+def is_established(crd: Mapping[str, Any] | None) -> bool:
+    conditions = ((crd or {}).get("status") or {}).get("conditions") or []
+    return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
+
+
+@contextlib.contextmanager
+def operator_kubeconfig(kubeconfig: str) -> Iterator[str]:
+    """$KUBECONFIG as the operator reads it (kube.py and kopf's login), for one block."""
+    from kvpark.operator import kube
+
+    saved = os.environ.get("KUBECONFIG")
+    os.environ["KUBECONFIG"] = kubeconfig
+    kube.reset()
+    try:
+        yield kubeconfig
+    finally:
+        if saved is None:
+            os.environ.pop("KUBECONFIG", None)
+        else:
+            os.environ["KUBECONFIG"] = saved
+        kube.reset()

@@ -8,6 +8,8 @@ import pytest
 from kmock_harness import CORE_RESOURCES, Cluster, condition, running_operator
 
 
+# kmock only: a real cluster serves the APIs it has (the shared tests add stand-in PodMonitor and
+# ScaledObject CRDs), and the first test reads kmock's request log.
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
     with running_operator(CORE_RESOURCES, tmp_path_factory.mktemp("kmock")) as cluster:

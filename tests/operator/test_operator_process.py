@@ -32,6 +32,7 @@ def healthy(url: str) -> bool:
         return False
 
 
+# kmock only: which namespaces the process touched is read from kmock's request log.
 def test_the_operator_process(tmp_path: Path) -> None:
     with KmockServer(CORE_RESOURCES) as server:
         kubeconfig = server.write_kubeconfig(tmp_path / "kubeconfig")

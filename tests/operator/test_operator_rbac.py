@@ -62,6 +62,7 @@ def called(requests: Iterable, agent: str) -> set[Triple]:
     return triples
 
 
+# kmock only: the scenario's calls are read from kmock's request log, and a 500 is injected.
 @pytest.fixture(scope="module")
 def calls(tmp_path_factory: pytest.TempPathFactory) -> dict[str, set[Triple]]:
     """Run the scenario once; the calls kube.py and kopf made, by agent."""
