@@ -45,8 +45,8 @@ def real_cluster() -> Iterator[RealCluster]:
     if not has_kubeconfig(KUBECONFIG):
         pytest.skip("no KUBECONFIG: a real cluster is needed")
     cluster = RealCluster(KUBECONFIG)
-    cluster.install_crds()
     try:
+        cluster.install_crds()
         yield cluster
     finally:
         cluster.remove_stand_ins()

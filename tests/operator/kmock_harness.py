@@ -427,7 +427,7 @@ STAND_IN_CRDS = [
 
 def get_stand_in_crd(group: str, version: str, plural: str, kind: str) -> dict[str, Any]:
     any_object = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
-    meta = {"name": f"{plural}.{group}", "labels": {"kvpark.io/test": "stand-in"}}
+    meta = {"name": f"{plural}.{group}", "labels": {"kvpark.io/test": "stand-in"}}  # is_stand_in
     if group.endswith(".k8s.io"):  # the API server protects these groups (KEP 1111)
         meta["annotations"] = {"api-approved.kubernetes.io": "unapproved, a test stand-in"}
     return {"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
@@ -459,8 +459,10 @@ class RealCluster(Cluster):
 
         self.apply_crd(crd.get_crd())
         for group, version, plural, kind in STAND_IN_CRDS:
-            if self.api.get(f"{CRD_PATH}/{plural}.{group}") is None:
+            found = self.api.get(f"{CRD_PATH}/{plural}.{group}")
+            if found is None:
                 self.api.create(CRD_PATH, get_stand_in_crd(group, version, plural, kind))
+            if found is None or is_stand_in(found):  # or one an interrupted run left
                 self.made_crds.append(f"{plural}.{group}")
         for name in [f"{crd.PLURAL}.{crd.GROUP}", *self.made_crds]:
             wait_for(f"CRD {name} to be established", lambda n=name: is_established(
@@ -499,6 +501,10 @@ class RealCluster(Cluster):
             yield name
         finally:
             self.api.delete(f"/api/v1/namespaces/{name}")
+
+
+def is_stand_in(crd: Mapping[str, Any]) -> bool:
+    return (crd["metadata"].get("labels") or {}).get("kvpark.io/test") == "stand-in"
 
 
 def is_established(crd: Mapping[str, Any] | None) -> bool:
