@@ -15,6 +15,7 @@ import copy
 import datetime
 import logging
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -99,6 +100,41 @@ def server_event(type: str | None, body: kopf.Body, **_: Any) -> None:
         MEMORY.forget(body.metadata.uid or "")
     else:
         MEMORY.servers[key] = copy.deepcopy(dict(body))
+
+
+PEERING_WAIT_SECONDS = 60.0  # a fresh cluster serves the peering CRDs a moment after applying
+
+
+@kopf.on.startup()
+async def create_peering(**_: Any) -> None:
+    if CONFIG.peering:
+        await asyncio.to_thread(ensure_peering, CONFIG.peering, CONFIG.namespaces)
+
+
+def ensure_peering(name: str, namespaces: tuple[str, ...],
+                   wait_seconds: float = PEERING_WAIT_SECONDS) -> None:
+    """Create the peering objects that are missing (409: there already). A 404 means their CRD
+    is not served yet (applied together with this Deployment): asked again each second for a
+    while, then left to a human, since kopf keeps every replica paused without it."""
+    for collection, body in peering.get_objects(name, namespaces):
+        deadline = time.monotonic() + wait_seconds
+        while True:
+            try:
+                if kube.call("POST", collection, body=body) is not None:
+                    logger.info("created the peering object %s/%s", collection, name)
+                    break
+            except kube.Conflict:
+                break
+            except kube.ApiError as error:  # e.g. 403 under an older Role without `create`
+                logger.warning("creating the peering object %r failed (%s); kopf keeps this "
+                               "operator paused until it exists", name, error)
+                break
+            if time.monotonic() >= deadline:
+                logger.warning("%s is not served: the peering object %r cannot be made and "
+                               "kopf keeps this operator paused until it exists (apply "
+                               "manifests/kopf-peering.yaml)", collection, name)
+                break
+            time.sleep(1.0)  # the API server publishes a new CRD within a second or two
 
 
 @kopf.on.startup()

@@ -24,6 +24,24 @@ def get_paths(name: str, namespaces: Iterable[str]) -> list[str]:
     return [f"/apis/{GROUP_VERSION}/namespaces/{ns}/kopfpeerings/{name}" for ns in namespaces]
 
 
+def get_objects(name: str, namespaces: Iterable[str]) -> list[tuple[str, dict[str, Any]]]:
+    """The peering objects to create where missing: (collection path, body) each. kopf pauses
+    every replica while its peering object is absent, so the operator makes its own and one
+    `kubectl apply -f manifests/` (whose peering CRDs are not served yet while it runs) needs
+    no second pass."""
+    objects = []
+    for path in get_paths(name, namespaces):
+        collection, _, _ = path.rpartition("/")
+        namespace = path.split("/namespaces/")[1].split("/")[0] if "/namespaces/" in path else ""
+        kind = "KopfPeering" if namespace else "ClusterKopfPeering"
+        metadata = {"name": name, "labels": {"app.kubernetes.io/name": "kvpark-operator",
+                                             "app.kubernetes.io/part-of": "kvpark"},
+                    **({"namespace": namespace} if namespace else {})}
+        objects.append((collection, {"apiVersion": GROUP_VERSION, "kind": kind,
+                                     "metadata": metadata}))
+    return objects
+
+
 def parse_time(text: str) -> datetime.datetime:
     parsed = datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=datetime.timezone.utc)

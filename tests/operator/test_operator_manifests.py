@@ -85,16 +85,20 @@ def check_operator_deployment(deployment: dict) -> None:
 
 def test_operator_manifest() -> None:
     docs = load(REPO / "manifests" / "operator.yaml")
+    # no ClusterKopfPeering: it would reach the API server in the same `kubectl apply -f
+    # manifests/` as its CRD, before that is served; the operator makes it at start
     assert [d["kind"] for d in docs] == ["Namespace", "ServiceAccount", "ClusterRole",
                                          "ClusterRoleBinding", "Deployment",
-                                         "PodDisruptionBudget", "ClusterKopfPeering"]
+                                         "PodDisruptionBudget"]
     deployment = operator_deployment(docs)
     check_operator_deployment(deployment)
     check_operator_pdb(docs, deployment)
-    (peering,) = [d for d in docs if d["kind"] == "ClusterKopfPeering"]
     env = {e["name"]: e.get("value") for e in
            deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
-    assert peering["metadata"]["name"] == env["KVPARK_PEERING"]
+    assert env["KVPARK_PEERING"] == "kvpark-operator"
+    (role,) = [d for d in docs if d["kind"] == "ClusterRole"]
+    (rule,) = [r for r in role["rules"] if "clusterkopfpeerings" in r["resources"]]
+    assert "create" in rule["verbs"]
     assert deployment["spec"]["template"]["spec"]["containers"][0]["image"] == \
         "kvpark/kvpark-operator:0.1.0"
     assert env["KVPARK_SERVER_IMAGE"] == "kvpark/kvpark:0.1.0"

@@ -144,3 +144,43 @@ def test_a_paused_replica_forgets_what_it_saw(monkeypatch: pytest.MonkeyPatch) -
     assert reconciled[0]["metadata"]["name"] == "t"
     assert all(b["metadata"]["name"] != "s" for b in reconciled)
     assert set(rounds) == {5}  # asked with this replica's priority
+
+
+def test_the_operator_makes_its_peering_object_once_the_crd_is_served(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """kopf pauses every replica without the object; a CRD applied with the Deployment is served
+    a moment later: 404s are asked again until the deadline, a 409 means it is there."""
+    answers: list[object] = [None, None, {"metadata": {"name": "p"}}]
+    asked: list[tuple[str, str, dict]] = []
+
+    def call(method: str, path: str, body: dict | None = None, **_: object) -> object:
+        asked.append((method, path, body))
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(kube, "call", call)
+    monkeypatch.setattr(handlers.time, "sleep", lambda seconds: None)
+    handlers.ensure_peering("p", ())
+    assert [(m, p) for m, p, _ in asked] == [("POST", "/apis/kopf.dev/v1/clusterkopfpeerings")] * 3
+    assert asked[0][2]["kind"] == "ClusterKopfPeering" and asked[0][2]["metadata"]["name"] == "p"
+    asked.clear()
+    answers[:] = [kube.Conflict(409, "exists"), kube.Conflict(409, "exists")]
+    handlers.ensure_peering("p", ("a", "b"))
+    assert [p for _, p, _ in asked] == ["/apis/kopf.dev/v1/namespaces/a/kopfpeerings",
+                                        "/apis/kopf.dev/v1/namespaces/b/kopfpeerings"]
+    assert asked[1][2]["metadata"] == {"name": "p", "namespace": "b", "labels": {
+        "app.kubernetes.io/name": "kvpark-operator", "app.kubernetes.io/part-of": "kvpark"}}
+
+
+def test_a_peering_crd_never_served_is_said_and_left(monkeypatch: pytest.MonkeyPatch,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(kube, "call", lambda *a, **k: None)  # 404 for ever
+    with caplog.at_level("WARNING"):
+        handlers.ensure_peering("p", (), wait_seconds=0)
+    assert "kopf keeps this operator paused" in caplog.text
+    monkeypatch.setattr(kube, "call", lambda *a, **k: (_ for _ in ()).throw(
+        kube.ApiError(403, "forbidden")))
+    handlers.ensure_peering("p", (), wait_seconds=0)  # a refusal is said, never raised
+    assert "403 forbidden" in caplog.text

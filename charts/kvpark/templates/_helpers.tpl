@@ -92,5 +92,5 @@ who may update the owner's finalizers.
 {{- define "kvpark.peeringRules" -}}
 - apiGroups: [kopf.dev]
   resources: [{{ . }}]
-  verbs: [get, list, watch, patch]
+  verbs: [get, list, watch, patch, create]
 {{- end -}}
