@@ -138,3 +138,31 @@ def test_bad_echo_fields_are_400s(tiny_server, body, param):
     response = tiny_server.post("/v1/completions", {"prompt": TEXT, **body})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+def test_a_prompt_in_many_chunks_gets_the_same_prompt_logprobs(tiny_server):
+    """Prefilled 16 tokens a step (and with another request beside it), each row's logprobs are
+    recorded once, at its place, with the bits of a one-chunk prefill."""
+    body = {"prompt": TEXT * 4, "max_tokens": 1, "prompt_logprobs": 1}
+    whole = tiny_server.post("/v1/completions", body).json()["choices"][0]["prompt_logprobs"]
+    with ServerProcess(["-np", "2", "-c", "1024", "-b", "16"]) as chunked:
+        beside = chunked.post("/v1/completions", {**body, "prompt": TEXT, "n": 2})
+        assert beside.status_code == 200
+        assert chunked.post("/v1/completions", body).json()["choices"][0][
+            "prompt_logprobs"] == whole
+    assert len(whole) >= 16 * 3  # three chunks or more
+
+
+def test_edge_cases_one_token_prompts_and_streamed_echo_without_output(tiny_server):
+    one = tiny_server.post("/v1/completions", {"prompt": [42], "max_tokens": 1,
+                                               "prompt_logprobs": 3}).json()
+    assert one["choices"][0]["prompt_logprobs"] == [None]
+    chunks = []
+    with httpx.stream("POST", f"{tiny_server.url}/v1/completions", json={
+            "prompt": TEXT, "echo": True, "max_tokens": 0, "logprobs": 0, "stream": True},
+            timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                chunks.append(json.loads(line[6:])["choices"][0])
+    assert "".join(c["text"] for c in chunks) == TEXT
+    assert chunks[-1]["finish_reason"] == "length"
