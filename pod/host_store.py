@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-UNLIMITED = -1
+from .preemption import UNLIMITED_BYTES, fits_budget
 
 
 class HostAllocationError(RuntimeError):
@@ -19,7 +19,7 @@ class HostAllocationError(RuntimeError):
 class HostStore:
     def __init__(self, budget_bytes: int, pin_memory: bool = False,
                  fail_allocations: bool = False) -> None:
-        assert budget_bytes >= UNLIMITED, f"budget {budget_bytes} must be >= -1"
+        assert budget_bytes >= UNLIMITED_BYTES, f"budget {budget_bytes} must be >= -1"
         self.budget_bytes = budget_bytes
         self.pin_memory = pin_memory
         self.fail_allocations = fail_allocations  # --preempt-fail-swap (tests)
@@ -28,10 +28,10 @@ class HostStore:
 
     @property
     def unlimited(self) -> bool:
-        return self.budget_bytes == UNLIMITED
+        return self.budget_bytes == UNLIMITED_BYTES
 
     def can_hold(self, num_bytes: int) -> bool:
-        return self.unlimited or self.held_bytes + num_bytes <= self.budget_bytes
+        return fits_budget(num_bytes, self.budget_bytes, self.held_bytes)
 
     def allocate(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A host buffer charged to the budget; raises HostAllocationError when refused."""

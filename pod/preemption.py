@@ -79,14 +79,17 @@ def _smallest_fresh(candidates: list[Sequence]) -> Sequence:
     return min(candidates, key=lambda s: (held_tokens(s), -s.arrival, -s.seq_id))
 
 
-def choose_mode(swap_bytes: int, budget_bytes: int, held_bytes: int) -> PreemptMode:
-    """Swap when the victim's pages fit what remains of the budget, else recompute.
-
-    A budget of 0 never copies (always recompute); -1 has no limit (never recompute).
-    """
+def fits_budget(num_bytes: int, budget_bytes: int, held_bytes: int) -> bool:
+    """The one `--preempt-ram` rule, for the decision and for the store that keeps it: -1 has
+    no limit, 0 holds nothing (always recompute), N holds at most N bytes in all."""
     if budget_bytes == UNLIMITED_BYTES:
-        return PreemptMode.SWAP
-    fits = budget_bytes > 0 and held_bytes + swap_bytes <= budget_bytes
+        return True
+    return budget_bytes > 0 and held_bytes + num_bytes <= budget_bytes
+
+
+def choose_mode(swap_bytes: int, budget_bytes: int, held_bytes: int) -> PreemptMode:
+    """Swap when the victim's pages fit what remains of the budget, else recompute."""
+    fits = fits_budget(swap_bytes, budget_bytes, held_bytes)
     return PreemptMode.SWAP if fits else PreemptMode.RECOMPUTE
 
 

@@ -69,3 +69,19 @@ def test_real_allocation_failure_is_reported():
     with pytest.raises(HostAllocationError):
         store.allocate((1 << 50,), torch.float32)  # 4 PiB: the allocator refuses
     assert store.held_bytes == 0
+
+
+@pytest.mark.parametrize("budget", [-1, 0, 1, 1000])
+def test_the_store_and_the_decision_keep_one_budget_rule(budget):
+    """The decision to swap and the store that holds the bytes agree for every size, the empty
+    budget included (0: nothing is ever held, not even a victim with no pages)."""
+    from kvpark.pod import preemption as policy
+    from kvpark.pod.slot import PreemptMode
+
+    store = HostStore(budget)
+    for held in (0, 1, 999):
+        store.held_bytes = held if budget in (-1, 1000) else 0
+        for size in (0, 1, 500, 1000, 1 << 40):
+            swaps = policy.choose_mode(size, budget, store.held_bytes) is PreemptMode.SWAP
+            assert store.can_hold(size) == swaps, (budget, store.held_bytes, size)
+    assert not HostStore(0).can_hold(0)
