@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 
 from .bridge import Event, PromptProgress, RequestStream, StreamEvent
 from .model.tokenizer import Tokenizer
-from .protocol import ApiError
+from .request_errors import ApiError
 from .sampling import SamplingParams, TokenLogprob
 from .slot import FinishReason, Sequence
 from .tools import ParsedOutput, parse_output

@@ -11,16 +11,18 @@ import json
 import logging
 import math
 import re
-import reprlib
 import threading
 from dataclasses import dataclass
 from typing import Any
 
 from . import tools
 from .generation_defaults import GenerationDefaults
-from .grammar import ANY_JSON_OBJECT, Grammar, GrammarError, get_grammars
+from .grammar import Grammar
 from .model.tokenizer import Tokenizer
+from .request_errors import MAX_SHOWN, ApiError, clip, shown
+from .request_errors import bad_field as _bad
 from .sampling import SamplingParams
+from .structured_fields import compiled, structured_output, tool_plan
 
 log = logging.getLogger("kvpark.protocol")
 
@@ -31,7 +33,6 @@ CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 # No tokenizer packs more characters than this into a token on average, so a prompt longer than
 # 32 x the context can never fit: it is refused before the chat template and the tokenizer run.
 CHARS_PER_TOKEN = 32
-MAX_SHOWN = 100  # characters of client input an error message may quote
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs (OpenAI's limit)
 MAX_COMPLETION_LOGPROBS = 5  # completions' logprobs (OpenAI's limit)
 MAX_N_PROBS = 100  # llama.cpp's n_probs
@@ -39,24 +40,6 @@ MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 MAX_PENALTY = 2.0  # presence and frequency penalties: OpenAI's range is -2..2
 # multiplicative penalties: far outside this a logit divided by one overflows float32
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 error_type: str = "invalid_request_error",
-                 headers: dict[str, str] | None = None,
-                 details: dict[str, Any] | None = None) -> None:
-        super().__init__(message)
-        self.headers = headers or {}
-        self.details = details or {}  # more fields of the error object
-        self.status = status
-        self.message = message
-        self.param = param
-        self.error_type = error_type
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.error_type,
-                          "param": self.param, "code": self.status, **self.details}}
 
 
 @dataclass(frozen=True)
@@ -88,24 +71,6 @@ class GenerationRequest:
     return_progress: bool = False  # llama.cpp's: a stream reports the prompt's progress
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name token ids
-
-
-def _bad(param: str, message: str) -> ApiError:
-    return ApiError(400, f"'{param}': {message}", param=param)
-
-
-_REPR = reprlib.Repr()
-_REPR.maxstring = _REPR.maxother = _REPR.maxlong = MAX_SHOWN
-_REPR.fillvalue = "…"  # Python 3.11+; 3.10 cuts with "..."
-
-
-def clip(text: str, limit: int = MAX_SHOWN) -> str:
-    return text if len(text) <= limit else text[:limit - 1] + "…"
-
-
-def shown(value: Any) -> str:
-    """`repr(value)` cut short: an error message quotes client input, never all of it."""
-    return clip(_REPR.repr(value))
 
 
 # ---- the body -------------------------------------------------------------------------------
@@ -532,148 +497,6 @@ def chat_messages(body: dict, limits: InputLimits) -> list[dict[str, Any]]:
     return cleaned
 
 
-# ---- structured output and tools ------------------------------------------------------------
-
-def _response_format(body: dict) -> tuple[str, Grammar] | None:
-    """OpenAI's `response_format`: (the field to blame, its grammar), None for text."""
-    value = body.get("response_format")
-    if value is None:
-        return None
-    kind = value.get("type") if isinstance(value, dict) else None
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return "response_format", _from_schema("response_format", ANY_JSON_OBJECT)
-    if kind != "json_schema":
-        raise _bad("response_format", "expected {'type': 'text'}, {'type': 'json_object'} or "
-                   "{'type': 'json_schema', 'json_schema': {...}}")
-    spec = value.get("json_schema")
-    if not isinstance(spec, dict):
-        raise _bad("response_format.json_schema", "expected an object with 'name' and 'schema'")
-    schema = spec.get("schema", {})
-    if not isinstance(schema, (dict, bool)):
-        raise _bad("response_format.json_schema.schema", "expected a JSON schema object")
-    if not isinstance(spec.get("strict", False), (bool, type(None))):
-        raise _bad("response_format.json_schema.strict", "expected true or false")
-    # strict or not, the output is made to match the schema
-    where = "response_format.json_schema.schema"
-    return where, _from_schema(where, schema)
-
-
-def _from_schema(field_name: str, schema: Any) -> Grammar:
-    try:
-        return Grammar.from_json_schema(schema)
-    except GrammarError as exc:
-        raise _bad(field_name, f"does not compile: {clip(str(exc), 2 * MAX_SHOWN)}") from None
-
-
-def _llama_grammar(body: dict) -> tuple[str, Grammar] | None:
-    """llama.cpp's `grammar` (GBNF) or `json_schema` (a schema object)."""
-    grammar, schema = body.get("grammar"), body.get("json_schema")
-    if grammar not in (None, "") and schema not in (None, {}):
-        raise _bad("grammar", "send either 'grammar' or 'json_schema', not both")
-    if grammar not in (None, ""):
-        if not isinstance(grammar, str):
-            raise _bad("grammar", "expected GBNF text")
-        try:
-            return "grammar", Grammar.from_gbnf(grammar)
-        except GrammarError as exc:
-            raise _bad("grammar", clip(str(exc), 2 * MAX_SHOWN)) from None
-    if schema not in (None, {}):
-        if not isinstance(schema, dict):
-            raise _bad("json_schema", "expected a JSON schema object")
-        return "json_schema", _from_schema("json_schema", schema)
-    return None
-
-
-# vLLM's `structured_outputs` keys (and its older top-level `guided_*` fields) -> grammar makers
-VLLM_KINDS = ("json", "regex", "choice", "grammar", "json_object")
-GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
-          "guided_grammar": "grammar"}
-
-
-def _vllm_constraint(kind: str, value: Any, where: str) -> Grammar:
-    try:
-        if kind == "json":
-            schema = json.loads(value) if isinstance(value, str) else value
-            if not isinstance(schema, (dict, bool)):
-                raise _bad(where, "expected a JSON schema (an object, or its JSON text)")
-            return Grammar.from_json_schema(schema)
-        if kind == "json_object":
-            if value is not True:
-                raise _bad(where, "expected true")
-            return Grammar.from_json_schema(ANY_JSON_OBJECT)
-        if kind == "choice":
-            if not (isinstance(value, list) and value and all(isinstance(c, str) for c in value)):
-                raise _bad(where, "expected a non-empty list of strings")
-            return Grammar.from_choice(value)
-        if not isinstance(value, str) or not value:
-            raise _bad(where, "expected a non-empty string")
-        return Grammar.from_regex(value) if kind == "regex" else Grammar.from_gbnf(value)
-    except (GrammarError, ValueError) as exc:  # ValueError: `json` text that is not JSON
-        raise _bad(where, f"does not compile: {clip(str(exc), 2 * MAX_SHOWN)}") from None
-
-
-def _structured_outputs(body: dict) -> tuple[str, Grammar] | None:
-    """vLLM's `structured_outputs` object (one constraint kind in it), or a `guided_*` field."""
-    given = {GUIDED[name]: body[name] for name in GUIDED if body.get(name) is not None}
-    value = body.get("structured_outputs")
-    if value is not None:
-        if not isinstance(value, dict):
-            raise _bad("structured_outputs", "expected an object such as {\"json\": {...}}, "
-                       "{\"regex\": ...}, {\"choice\": [...]} or {\"grammar\": ...}")
-        given.update({k: v for k, v in value.items() if k in VLLM_KINDS and v not in (None, False)})
-    if not given:
-        return None
-    if len(given) > 1:  # vLLM's rule
-        raise _bad("structured_outputs", "You can only use one kind of structured outputs "
-                   f"constraint but multiple are specified: {', '.join(sorted(given))}")
-    (kind, spec), = given.items()
-    where = f"structured_outputs.{kind}"
-    return where, _vllm_constraint(kind, spec, where)
-
-
-def structured_output(body: dict, tokenizer: Tokenizer) -> Grammar | None:
-    """The grammar the output must match (compiled here: an error is the client's 400)."""
-    chosen = [c for c in (_response_format(body), _llama_grammar(body),
-                          _structured_outputs(body)) if c is not None]
-    if len(chosen) > 1:
-        raise _bad("response_format", "send one of 'response_format', 'grammar', "
-                   "'json_schema' and 'structured_outputs'")
-    if not chosen:
-        return None
-    field_name, grammar = chosen[0]
-    return _compiled(field_name, grammar, tokenizer)
-
-
-def _compiled(field_name: str, grammar: Grammar, tokenizer: Tokenizer) -> Grammar:
-    try:
-        get_grammars(tokenizer).compile(grammar)
-    except GrammarError as exc:
-        raise _bad(field_name, f"does not compile: {clip(str(exc), 2 * MAX_SHOWN)}") from None
-    return grammar
-
-
-def tool_plan(body: dict, grammar: Grammar | None) -> tools.ToolPlan | None:
-    try:
-        plan = tools.get_tool_plan(body)
-    except tools.ToolError as exc:
-        raise ApiError(400, str(exc), param=exc.param) from None
-    if plan is None or not plan.can_call:
-        return plan
-    if grammar is not None and grammar.source != "json_schema":
-        raise _bad("grammar", "a grammar cannot be combined with tools")
-    if grammar is None:
-        return plan
-    # a plain answer (tool_choice auto) holds the asked-for JSON in `response`
-    fmt = body.get("response_format") or {}
-    if fmt.get("type") == "json_schema":
-        schema = fmt["json_schema"].get("schema", {})
-    else:
-        schema = body.get("json_schema") or ANY_JSON_OBJECT
-    return dataclasses.replace(plan, response_schema=schema)
-
-
 def _check_chars(param: str, num_chars: int, limits: InputLimits) -> None:
     """Refused before the template and the tokenizer see it: it could never fit anyway."""
     if num_chars > limits.max_prompt_chars:
@@ -791,7 +614,7 @@ def parse_chat(body: dict, tokenizer: Tokenizer, limits: InputLimits) -> Generat
     grammar = structured_output(body, tokenizer)
     plan = tool_plan(body, grammar)
     if plan is not None and plan.can_call:  # the output is a call or a wrapped answer
-        grammar = _compiled("tools", plan.grammar(), tokenizer)
+        grammar = compiled("tools", plan.grammar(), tokenizer)
     return GenerationRequest(
         kind="chat",
         params=params,

@@ -8,7 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 from .model.tokenizer import Tokenizer
-from .protocol import ApiError, InputLimits, render_chat, shown
+from .protocol import InputLimits, render_chat
+from .request_errors import ApiError, shown
 from .text_output import token_piece
 
 
