@@ -1,9 +1,10 @@
 """A decoder layer's block rows in two C calls around the attention (`csrc/layer_ops.c`).
 
-A batch-1 decode step on the CPU paid ~2.7 us an aten op, 33 ops a layer: 6 of SmolLM2-135M's
-37 ms went to norms, RoPE, residual adds and Python. `FusedLayer.attention_inputs` (norm, qkv,
-RoPE) and `FusedLayer.mlp_residual` (o, residual, norm, gate_up, silu * up, down, residual) do
-a layer's work for the rows that read the GGUF's blocks; the linears are the same
+A batch-1 decode step on the CPU paid a per-op overhead on 33 aten ops a layer: a large share
+of SmolLM2-135M's step went to norms, RoPE, residual adds and Python (benchmarks/README.md).
+`FusedLayer.attention_inputs` (norm, qkv, RoPE) and `FusedLayer.mlp_residual` (o, residual,
+norm, gate_up, silu * up, down, residual) do a layer's work for the rows that read the GGUF's
+blocks; the linears are the same
 `kvpark_quant_linear` calls as `quant_linear`. A row's bits depend on that row alone, whatever
 the other rows of the call or the thread count.
 """

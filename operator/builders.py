@@ -28,8 +28,6 @@ GRACE_MARGIN_SECONDS = 15
 UID = 10001  # the image's unprivileged user
 TMP_SIZE = "2Gi"  # the /tmp emptyDir (caches: HF, Triton, FlashInfer JIT)
 GPU = "nvidia.com/gpu"
-MAX_TORCH_THREADS = 512  # kvpark-server's --threads and --kernel-threads accept at most these
-MAX_KERNEL_THREADS = 64
 POD_MONITORS = "monitoring.coreos.com/v1/podmonitors"
 SCALED_OBJECTS = "keda.sh/v1alpha1/scaledobjects"
 # the Gateway API Inference Extension, GA group first: the operator makes its pool in the first
@@ -195,18 +193,18 @@ def get_download_size(model: Mapping[str, Any]) -> str:
 # The shared cache's download: one pod at a time per folder (flock on a file in it, which NFS
 # and CephFS honour across nodes), skipped once a complete download left its marker. A pod
 # killed mid-download leaves no marker; the next one resumes where it stopped.
-CACHED_FETCH = """set -eu
+CACHE_MARKER = ".kvpark-complete"
+CACHED_FETCH = f"""set -eu
 folder="$1"; shift
 mkdir -p "$folder"
 exec 9>>"$folder/.kvpark-lock"
 flock 9
-if [ -f "$folder/.kvpark-complete" ]; then
+if [ -f "$folder/{CACHE_MARKER}" ]; then
   echo "kvpark: $folder is complete in the cache"; exit 0
 fi
 "$@" --local-dir "$folder"
-date -u +%Y-%m-%dT%H:%M:%SZ > "$folder/.kvpark-complete"
+date -u +%Y-%m-%dT%H:%M:%SZ > "$folder/{CACHE_MARKER}"
 """
-CACHE_MARKER = ".kvpark-complete"
 DEFAULT_BRANCH_FOLDER = "default-branch"  # defaultBranch: true: the first download stays
 
 
@@ -261,8 +259,8 @@ def get_server_args(spec: Mapping[str, Any], sizing: Sizing, model_flag: str) ->
         args += ["--no-preempt"]
     threads = get_threads(spec)
     if threads is not None:  # the server's limits: 512 torch threads, 64 C kernel threads
-        args += ["--threads", str(min(threads, MAX_TORCH_THREADS)),
-                 "--kernel-threads", str(min(threads, MAX_KERNEL_THREADS))]
+        args += ["--threads", str(min(threads, server_args.MAX_TORCH_THREADS)),
+                 "--kernel-threads", str(min(threads, server_args.MAX_KERNEL_THREADS))]
     return args + list(spec["server"].get("args", []))
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -70,6 +70,7 @@ def get_dummy_layout(bucket: int, scratch_page: int, page_size: int) -> StepLayo
 
 
 # ---- capture -----------------------------------------------------------------------------------
+@runtime_checkable
 class GraphBackend(Protocol):
     """What a backend must offer to be captured (FlashInferPagedAttention does)."""
 
@@ -110,7 +111,7 @@ class DecodeGraphRunner:
 
     def __init__(self, model: LlamaModel, pool: KVPool, backend: AttentionBackend,
                  max_batch: int, capture: CaptureFn | None = None) -> None:
-        assert hasattr(backend, "plan_graph"), f"the {backend.name} backend cannot be captured"
+        assert isinstance(backend, GraphBackend), f"the {backend.name} backend cannot be captured"
         self.model = model
         self.pool = pool
         self.backend = backend

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from .paging import pages_for
 from .runner import ModelRunner
 from .sampling import ChunkOutput
 from .scheduler import Scheduler
@@ -45,7 +46,7 @@ class Capacity:
         return self.num_pages * self.page_size
 
     def pages_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
+        return pages_for(num_tokens, self.page_size)
 
     def pages_for_family(self, num_seqs: int, prompt: int, each: int) -> int:
         """Pages `num_seqs` siblings of up to `each` tokens need side by side: the prompt's

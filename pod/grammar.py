@@ -1,11 +1,10 @@
 """Grammar-constrained output through llguidance (JSON schemas, free JSON, llama.cpp's GBNF,
 Lark): a `GrammarConstraint` per sequence implements `constraint.TokenConstraint`.
 
-llguidance was picked by measurement (benchmarks/grammar_overhead.py): about 1 ms to compile
-a schema, tens to a hundred-odd microseconds a token, and no dependencies (xgrammar, a little
-faster per token, requires transformers and triton). Its tokenizer view takes about a second
-to build, so it is built once per tokenizer (per server) on first use; compiled grammars are
-kept in an LRU cache and each sequence gets a copy.
+llguidance was picked by measurement (benchmarks/grammar_overhead.py, its numbers in
+benchmarks/README.md) and has no dependencies (xgrammar requires transformers and triton). Its
+tokenizer view is slow to build, so it is built once per tokenizer (per server) on first use;
+compiled grammars are kept in an LRU cache and each sequence gets a copy.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .paging import pages_for
 from .prefix_cache import PrefixCache
 
 if TYPE_CHECKING:
@@ -72,7 +73,7 @@ class KVPool:
         return per_layer * len(self.caches)
 
     def pages_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
+        return pages_for(num_tokens, self.page_size)
 
     def can_allocate(self, num_pages: int) -> bool:
         return num_pages <= self.num_free_pages

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from .paging import pages_for
 from .slot import PreemptMode, Sequence
 
 PREEMPT_N_STARVED = 3
@@ -142,7 +143,7 @@ def preempt_kv_reserve(running: Iterable[Sequence], page_size: int) -> int:
     reserve = 0
     for seq in running:
         if seq.is_replaying:
-            total = -(-(len(seq.tokens) + 1) // page_size)
+            total = pages_for(len(seq.tokens) + 1, page_size)
             reserve += max(0, total - len(seq.page_table))
     return reserve
 
@@ -151,7 +152,7 @@ def promised_pages(running: Iterable[Sequence], page_size: int, batch_size: int)
     """Pages the running sequences will claim before a parked one may have any: each one's
     next step, and the whole remaining replay of resuming recomputes."""
     running = list(running)
-    next_steps = sum(-(-(s.num_computed + next_step_tokens(s, batch_size)) // page_size)
+    next_steps = sum(pages_for(s.num_computed + next_step_tokens(s, batch_size), page_size)
                      - len(s.page_table) for s in running if not s.is_replaying)
     return preempt_kv_reserve(running, page_size) + next_steps
 

@@ -51,35 +51,45 @@ class ModelRunner:
         """Feed every planned chunk; return a sampled token (and its logprobs, if asked for)
         for the rows that reach the end, and the prompt rows' logprobs where asked for.
         Changes no sequence: a failed step is rerun."""
+        self.check_fault(plan)
+        # generated-token rows read the GGUF's quantised blocks: a property of each row alone
+        from_blocks = [p >= item.seq.num_prompt for item in plan
+                       for p in range(item.seq.num_computed,
+                                      item.seq.num_computed + item.num_tokens)]
+        rows = BlockRows.from_mask(from_blocks) if self.model.has_blocks else None
+        hidden = self.forward(plan, rows)
+        prompt_logprobs = self.prompt_logprobs(plan, hidden, rows)
+        sampled = self.sample_ends(plan, hidden, from_blocks if rows is not None else None)
+        return [ChunkOutput(sampled.get(id(item)), prompt_logprobs.get(id(item), ()))
+                for item in plan]
+
+    def check_fault(self, plan: list[ScheduledSeq]) -> None:
         if self.fault_token is not None:
             for item in plan:
                 if self.fault_token in item.seq.prompt_ids:
                     raise InjectedFault(f"injected fault in {item.seq.request_id}")
+
+    def forward(self, plan: list[ScheduledSeq], rows: BlockRows | None) -> torch.Tensor:
+        """The final hidden state of every fed row, by a captured graph where one fits."""
         ids: list[int] = []
         positions: list[int] = []
         for item in plan:
             start = item.seq.num_computed
             ids.extend(item.seq.tokens[start : start + item.num_tokens])
             positions.extend(range(start, start + item.num_tokens))
-        device = self.model.device
         layout = self.get_layout(plan)
-        rows = None
-        if self.model.has_blocks:  # generated-token rows read the GGUF's quantised blocks
-            rows = BlockRows.from_mask([p >= item.seq.num_prompt for item in plan
-                                        for p in range(item.seq.num_computed,
-                                                       item.seq.num_computed + item.num_tokens)])
         if self.graphs is not None and self.graphs.can_run(layout) and rows is None:
-            hidden = self.graphs.run(ids, positions, layout)  # a view the next replay rewrites
-        else:
-            self.backend.plan(layout)
-            hidden = self.model(
-                torch.tensor(ids, dtype=torch.long, device=device),
-                torch.tensor(positions, dtype=torch.long, device=device),
-                self.backend,
-                self.pool.caches,
-                rows,
-            )
-        prompt_logprobs = self.prompt_logprobs(plan, hidden, rows)
+            return self.graphs.run(ids, positions, layout)  # a view the next replay rewrites
+        self.backend.plan(layout)
+        device = self.model.device
+        return self.model(torch.tensor(ids, dtype=torch.long, device=device),
+                          torch.tensor(positions, dtype=torch.long, device=device),
+                          self.backend, self.pool.caches, rows)
+
+    def sample_ends(self, plan: list[ScheduledSeq], hidden: torch.Tensor,
+                    from_blocks: list[bool] | None) -> dict[int, Sampled]:
+        """A token for each chunk that reaches the end of what its sequence has fed, from its
+        last row (the head reads the blocks where that row did)."""
         last_rows, sampling = [], []
         end = 0
         for item in plan:
@@ -87,17 +97,13 @@ class ModelRunner:
             if item.samples:
                 last_rows.append(end - 1)
                 sampling.append(item)
-        sampled: dict[int, Sampled] = {}
-        if sampling:
-            if len(last_rows) < hidden.shape[0]:  # a decode-only step samples every row
-                hidden = hidden[torch.tensor(last_rows, device=device)]
-            head_rows = None if rows is None else BlockRows.from_mask(
-                [item.seq.num_computed + item.num_tokens - 1 >= item.seq.num_prompt
-                 for item in sampling])
-            logits = self.model.logits(hidden, head_rows).cpu()
-            sampled = self.sample(sampling, logits)
-        return [ChunkOutput(sampled.get(id(item)), prompt_logprobs.get(id(item), ()))
-                for item in plan]
+        if not sampling:
+            return {}
+        if len(last_rows) < hidden.shape[0]:  # a decode-only step samples every row
+            hidden = hidden[torch.tensor(last_rows, device=self.model.device)]
+        head_rows = None if from_blocks is None else BlockRows.from_mask(
+            [from_blocks[row] for row in last_rows])
+        return self.sample(sampling, self.model.logits(hidden, head_rows).cpu())
 
     def prompt_logprobs(self, plan: list[ScheduledSeq], hidden: torch.Tensor,
                         rows: BlockRows | None) -> dict[int, tuple[TokenLogprob, ...]]:

@@ -23,6 +23,7 @@ from kvpark.kernels.torch_paged import TorchPagedAttention
 from .args import MAX_TORCH_THREADS, ServerArgs
 from .batch_invariance import cap_onednn, check_gemm_kernels
 from .budget import Budget, resolve_budget
+from .cuda_graphs import DecodeGraphRunner, GraphBackend
 from .engine import Engine
 from .generation_defaults import GenerationDefaults, defaults_for
 from .host_store import HostStore
@@ -213,8 +214,9 @@ def measure_decode_linears(model: LlamaModel, thread_counts: list[int]) -> Decod
 
 def choose_decode_weights(args: ServerArgs, model: LlamaModel) -> None:
     """By measurement on this machine: `--weights auto` keeps decode rows on the GGUF's blocks
-    only where they are faster than float32 (on an AVX2 EPYC they were 2.4x slower, on AVX-512
-    2.3x faster); `--kernel-threads 0` takes more threads only where they are faster."""
+    only where they are faster than float32 (slower on an AVX2 EPYC, faster on AVX-512:
+    benchmarks/README.md); `--kernel-threads 0` takes more threads only where they are
+    faster."""
     auto_threads = args.kernel_threads == 0
     if not model.has_blocks or (args.weights != "auto" and not auto_threads):
         return
@@ -272,8 +274,8 @@ def measure_prompt_gemms(model: LlamaModel, thread_counts: list[int]) -> PromptT
 
 def choose_torch_threads(args: ServerArgs, model: LlamaModel) -> None:
     """`--threads 0` on the CPU with decode rows in the C kernels: every core for the prompt
-    GEMMs where a start-up measurement finds them 30% faster than one thread (idle 2-core EPYC:
-    2x, and 1.13-1.42x the aggregate tok/s; on a machine busy at start-up one thread stays).
+    GEMMs where a start-up measurement finds them 30% faster than one thread (on a machine busy
+    at start-up one thread stays; measurements in benchmarks/README.md).
     Decode steps of block rows make few torch calls, so the extra OpenMP thread costs them
     nothing measurable; without blocks (float32 decode in torch ops) half the cores stay, as
     `pick_threads` says why."""
@@ -307,9 +309,9 @@ def pick_kernel_threads(args: ServerArgs) -> int:
 
 def pick_threads(args: ServerArgs) -> int:
     # Half the cores, measured on a 2-core machine shared with other jobs (benchmarks/README.md,
-    # "CPU decode step"): with 2 threads a batch-4 decode step was ~15% faster in wall time but
-    # took ~55% more CPU, and a batch-1 step was 2x slower; a GEMM pass that must wait for a
-    # descheduled thread waits for all. Batch invariance holds at any count (oneDNN linears).
+    # "CPU decode step"): every core made a small decode step slower and cost much more CPU; a
+    # GEMM pass that must wait for a descheduled thread waits for all. Batch invariance holds
+    # at any count (oneDNN linears).
     return args.threads if args.threads > 0 else max(1, usable_cores().count // 2)
 
 
@@ -437,9 +439,7 @@ def build_stack(args: ServerArgs) -> ServingStack:
     backend = pick_backend(args, device, config, dtype)
     stages.done(f"attention kernel ready ({backend.name}; a C kernel is compiled on first use)")
     graphs = None
-    if args.cuda_graph and device.type == "cuda" and hasattr(backend, "plan_graph"):
-        from .cuda_graphs import DecodeGraphRunner
-
+    if args.cuda_graph and device.type == "cuda" and isinstance(backend, GraphBackend):
         graphs = DecodeGraphRunner(model, pool, backend, max_batch=args.parallel)
         graphs.capture_all()  # before the scheduler hands out pages: it takes a scratch page
         stages.done(f"CUDA graphs captured for batch buckets {graphs.buckets}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .paging import pages_for
 from .slot import Sequence
 
 
@@ -19,7 +20,7 @@ class ScheduledSeq:
 
     def new_pages(self, page_size: int) -> int:
         """Pages the step adds to the sequence's page table."""
-        return -(-(self.seq.num_computed + self.num_tokens) // page_size) - len(
+        return pages_for(self.seq.num_computed + self.num_tokens, page_size) - len(
             self.seq.page_table)
 
 

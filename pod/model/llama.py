@@ -93,9 +93,9 @@ class BlockRows:
 class Linear:
     """y = x W^T (+ b); on the CPU the weight is reordered once into oneDNN's blocked layout.
 
-    A decode step's GEMMs have a handful of rows, so they stream the weight: on a 2-core EPYC
-    (Zen 5) MKL's sgemm read it at 6-11 GB/s, oneDNN with a prepacked weight at ~23 GB/s, and
-    oneDNN is also 3x faster at prefill (MKL takes its AVX2 path on AMD). On CUDA: `F.linear`.
+    A decode step's GEMMs have a handful of rows, so they stream the weight: oneDNN with a
+    prepacked weight streams it faster than MKL's sgemm and is faster at prefill too (MKL takes
+    its AVX2 path on AMD; measured in benchmarks/README.md). On CUDA: `F.linear`.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
