@@ -168,13 +168,13 @@ def test_more_threads_than_cores_is_warned(monkeypatch, caplog):
     import logging
 
     from kvpark.kernels.cores import Cores
-    from kvpark.pod import server
+    from kvpark.pod import autotune
 
-    monkeypatch.setattr(server, "usable_cores", lambda: Cores(2, "CPU quota 1.5 in cpu.max"))
-    with caplog.at_level(logging.WARNING, logger="kvpark.server"):
-        server.warn_if_oversubscribed(2, 2)
+    monkeypatch.setattr(autotune, "usable_cores", lambda: Cores(2, "CPU quota 1.5 in cpu.max"))
+    with caplog.at_level(logging.WARNING, logger="kvpark.autotune"):
+        autotune.warn_if_oversubscribed(2, 2)
         assert not caplog.records
-        server.warn_if_oversubscribed(1, 8)
+        autotune.warn_if_oversubscribed(1, 8)
     [record] = caplog.records
     assert "1 torch and 8 C kernel threads on 2 cores this process may keep busy (CPU quota 1.5" \
         in record.getMessage()
@@ -182,7 +182,7 @@ def test_more_threads_than_cores_is_warned(monkeypatch, caplog):
 
 def test_kernel_threads_flag_env_and_default():
     from kvpark.kernels import worker_pool
-    from kvpark.pod.server import pick_kernel_threads
+    from kvpark.pod.autotune import pick_kernel_threads
 
     assert parse_args([], env={}).kernel_threads == 0
     assert parse_args(["--kernel-threads", "2"], env={}).kernel_threads == 2

@@ -13,7 +13,7 @@ from kvpark.kernels import worker_pool
 from kvpark.kernels.attention import StepLayout
 from kvpark.kernels.cores import Cores
 from kvpark.kernels.cpu_paged import CpuPagedAttention
-from kvpark.pod import server
+from kvpark.pod import autotune
 from kvpark.pod.args import parse_args
 from kvpark.pod.kv_pool import KVPool
 from kvpark.pod.model.llama import BlockRows, LlamaModel
@@ -187,8 +187,8 @@ def test_auto_measures_then_logs_and_keeps_the_faster(smollm2, caplog, monkeypat
     model = LlamaModel(smollm2.config, smollm2.weights, quantized=smollm2.quantized)
     auto = parse_args([], env={})
     monkeypatch.setattr(worker_pool, "_num_threads", 2)  # what pick_kernel_threads set: try 2
-    with caplog.at_level(logging.INFO, logger="kvpark.server"):
-        server.choose_decode_weights(auto, model)
+    with caplog.at_level(logging.INFO, logger="kvpark.autotune"):
+        autotune.choose_decode_weights(auto, model)
     [line] = [r.getMessage() for r in caplog.records if "--weights auto" in r.getMessage()]
     found = re.search(r"GGUF blocks (\d+\.\d+) ms at 1 thread, (\d+\.\d+) ms at 2 threads, "
                       r"float32 oneDNN (\d+\.\d+) ms", line)
@@ -201,22 +201,22 @@ def test_auto_measures_then_logs_and_keeps_the_faster(smollm2, caplog, monkeypat
 
     caplog.clear()  # float32 measured faster: every row dense from then on
     model = LlamaModel(smollm2.config, smollm2.weights, quantized=smollm2.quantized)
-    monkeypatch.setattr(server, "measure_decode_linears",
-                        lambda m, counts: server.DecodeTimings({1: 0.004, 2: 0.003}, 0.001, IDLE))
+    monkeypatch.setattr(autotune, "measure_decode_linears",
+                        lambda m, counts: autotune.DecodeTimings({1: 0.004, 2: 0.003}, 0.001, IDLE))
     monkeypatch.setattr(worker_pool, "_num_threads", 2)
-    with caplog.at_level(logging.INFO, logger="kvpark.server"):
-        server.choose_decode_weights(auto, model)
+    with caplog.at_level(logging.INFO, logger="kvpark.autotune"):
+        autotune.choose_decode_weights(auto, model)
     assert not model.has_blocks and all(layer.qkv.blocks is None for layer in model.layers)
     assert "float32 (faster here)" in caplog.text and "4.00 ms at 1 thread" in caplog.text
     assert worker_pool.get_num_threads() == 2  # 25% faster than 1: worth the second thread
 
     model = LlamaModel(smollm2.config, smollm2.weights, quantized=smollm2.quantized)
-    server.choose_decode_weights(parse_args(["--weights", "gguf", "--kernel-threads", "1"],
+    autotune.choose_decode_weights(parse_args(["--weights", "gguf", "--kernel-threads", "1"],
                                             env={}), model)
     assert model.has_blocks  # gguf insists: no measurement overrules it
 
 
-IDLE = server.Conditions(load_average=0.1, cores=2, spread=0.02, rounds=8)
+IDLE = autotune.Conditions(load_average=0.1, cores=2, spread=0.02, rounds=8)
 
 
 @pytest.mark.parametrize("load,spread,busy", [(0.1, 0.02, False), (2.5, 0.02, True),
@@ -224,7 +224,7 @@ IDLE = server.Conditions(load_average=0.1, cores=2, spread=0.02, rounds=8)
 def test_a_busy_machine_during_the_measurement_is_said_in_the_log(load, spread, busy):
     """A loaded machine measures thread counts wrong (a chosen 1 thread where an idle machine
     picks 2): the start-up line shows the load average and the rounds' spread, and says so."""
-    conditions = server.Conditions(load_average=load, cores=2, spread=spread, rounds=8)
+    conditions = autotune.Conditions(load_average=load, cores=2, spread=spread, rounds=8)
     text = conditions.describe()
     assert conditions.busy == busy
     assert f"load average {load:.2f} on 2 cores" in text and f"{spread:.0%}" in text
@@ -233,11 +233,11 @@ def test_a_busy_machine_during_the_measurement_is_said_in_the_log(load, spread, 
 
 def test_the_measured_choice_logs_the_machines_load(smollm2, caplog, monkeypatch):
     model = LlamaModel(smollm2.config, smollm2.weights, quantized=smollm2.quantized)
-    monkeypatch.setattr(server, "usable_cores", lambda: Cores(2, "a test"))
-    monkeypatch.setattr(server.os, "getloadavg", lambda: (3.5, 1.0, 0.5))
+    monkeypatch.setattr(autotune, "usable_cores", lambda: Cores(2, "a test"))
+    monkeypatch.setattr(autotune.os, "getloadavg", lambda: (3.5, 1.0, 0.5))
     try:
-        with caplog.at_level(logging.INFO, logger="kvpark.server"):
-            server.choose_torch_threads(parse_args([], env={}), model)
+        with caplog.at_level(logging.INFO, logger="kvpark.autotune"):
+            autotune.choose_torch_threads(parse_args([], env={}), model)
     finally:
         torch.set_num_threads(1)
     assert "load average 3.50 on 2 cores" in caplog.text
@@ -252,7 +252,7 @@ class SlowClock:
 
     def perf_counter(self) -> float:
         self.reads += 1
-        return self.reads * server.AUTO_BUDGET_S
+        return self.reads * autotune.AUTO_BUDGET_S
 
 
 @pytest.mark.parametrize("measure", ["decode", "prompt"])
@@ -262,13 +262,13 @@ def test_start_up_measurements_stop_at_their_budget(smollm2, monkeypatch, measur
     the deadline, one to check it), not AUTO_ROUNDS rounds."""
     model = LlamaModel(smollm2.config, smollm2.weights, quantized=smollm2.quantized)
     clock = SlowClock()
-    monkeypatch.setattr(server, "time", clock)
+    monkeypatch.setattr(autotune, "time", clock)
     if measure == "decode":
-        timings = server.measure_decode_linears(model, [1, 2])
+        timings = autotune.measure_decode_linears(model, [1, 2])
         variants = 3  # 1 thread, 2 threads, float32
         assert set(timings.blocks) == {1, 2} and timings.dense > 0
     else:
-        timings = server.measure_prompt_gemms(model, [1, 2])
+        timings = autotune.measure_prompt_gemms(model, [1, 2])
         variants = 2
         assert set(timings.by_threads) == {1, 2}
     assert timings.conditions.rounds == 1
@@ -281,10 +281,10 @@ def test_threads_auto_takes_every_core_only_where_prompt_gemms_gain(smollm2, cap
     core only when they are 30% faster, and only where decode rows run in the C kernels."""
     model = LlamaModel(smollm2.config, smollm2.weights, quantized=smollm2.quantized)
     auto = parse_args([], env={})
-    monkeypatch.setattr(server, "usable_cores", lambda: Cores(2, "a test"))
+    monkeypatch.setattr(autotune, "usable_cores", lambda: Cores(2, "a test"))
     try:
-        with caplog.at_level(logging.INFO, logger="kvpark.server"):
-            server.choose_torch_threads(auto, model)  # measured for real
+        with caplog.at_level(logging.INFO, logger="kvpark.autotune"):
+            autotune.choose_torch_threads(auto, model)  # measured for real
         found = re.search(r"--threads auto: (\d) torch threads? .* (\d+\.\d+) ms at 1 thread, "
                           r"(\d+\.\d+) ms at 2", caplog.text)
         assert found, caplog.text
@@ -292,15 +292,15 @@ def test_threads_auto_takes_every_core_only_where_prompt_gemms_gain(smollm2, cap
         assert chosen == (2 if two * 1.3 < one else 1) == torch.get_num_threads()
 
         for timings, expected in (({1: 0.010, 2: 0.005}, 2), ({1: 0.010, 2: 0.009}, 1)):
-            measured = server.PromptTimings(timings, IDLE)
-            monkeypatch.setattr(server, "measure_prompt_gemms", lambda m, c, t=measured: t)
-            server.choose_torch_threads(auto, model)
+            measured = autotune.PromptTimings(timings, IDLE)
+            monkeypatch.setattr(autotune, "measure_prompt_gemms", lambda m, c, t=measured: t)
+            autotune.choose_torch_threads(auto, model)
             assert torch.get_num_threads() == expected
 
         torch.set_num_threads(1)
-        server.choose_torch_threads(parse_args(["--threads", "1"], env={}), model)
+        autotune.choose_torch_threads(parse_args(["--threads", "1"], env={}), model)
         dense = LlamaModel(smollm2.config, smollm2.weights)  # float32 decode in torch ops
-        server.choose_torch_threads(auto, dense)
+        autotune.choose_torch_threads(auto, dense)
         assert torch.get_num_threads() == 1  # neither measured nor changed
     finally:
         torch.set_num_threads(1)
