@@ -489,14 +489,6 @@ def merge_streams(streams: list[RequestStream]) -> RequestStream:
     return first
 
 
-def flag(body: dict[str, Any], name: str) -> bool:
-    value = body.get(name, False)
-    if not isinstance(value, bool):
-        raise ApiError(400, f"'{name}': expected true or false, got {protocol.shown(value)}",
-                       param=name)
-    return value
-
-
 def special_text(tokenizer: Tokenizer, token_id: int | None) -> str:
     return "" if token_id is None else tokenizer.token_text(token_id)
 

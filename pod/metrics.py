@@ -25,7 +25,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from .metrics_llamacpp import LlamacppCollector, LlamacppTotals
+from .metrics_llamacpp import LlamacppTotals, llamacpp_families
 from .scheduler import Scheduler
 from .slot import FinishReason, Sequence
 from .step_plan import ScheduledSeq
@@ -46,14 +46,16 @@ PARKS_BUCKETS = (0, 1, 2, 3, 5, 8, 13, 21, 50)
 class SchedulerCollector(Collector):
     """Reads the scheduler's state at scrape time, on the engine's lock (one consistent read)."""
 
-    def __init__(self, scheduler: Scheduler, lock: threading.RLock, model_name: str) -> None:
+    def __init__(self, scheduler: Scheduler, lock: threading.RLock, model_name: str,
+                 llamacpp: LlamacppTotals) -> None:
         self.scheduler = scheduler
         self.lock = lock
         self.model_name = model_name
+        self.llamacpp = llamacpp
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         with self.lock:
-            families = list(self._families())
+            families = [*self._families(), *llamacpp_families(self.scheduler, self.llamacpp)]
         yield from families
 
     def _families(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
@@ -130,10 +132,9 @@ class Metrics:
                  model_name: str = "kvpark") -> None:
         self.scheduler = scheduler
         self.registry = CollectorRegistry()
-        lock = lock or threading.RLock()
-        self.registry.register(SchedulerCollector(scheduler, lock, model_name))
         self.llamacpp = LlamacppTotals()
-        self.registry.register(LlamacppCollector(scheduler, self.llamacpp, lock))
+        self.registry.register(SchedulerCollector(scheduler, lock or threading.RLock(),
+                                                  model_name, self.llamacpp))
         # seq_id -> (when its latest token came, tokens generated then)
         self.last_token_at: dict[int, tuple[float, int]] = {}
         r = self.registry

@@ -8,11 +8,9 @@ slots processing and the requests deferred (queued or parked) now.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.registry import Collector
 
 from .scheduler import Scheduler
 from .slot import Sequence
@@ -41,39 +39,29 @@ class LlamacppTotals:
         self.busy_slots += num_sequences
 
 
-class LlamacppCollector(Collector):
-    def __init__(self, scheduler: Scheduler, totals: LlamacppTotals,
-                 lock: threading.RLock) -> None:
-        self.scheduler = scheduler
-        self.totals = totals
-        self.lock = lock
-
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        with self.lock:
-            families = list(self._families())
-        yield from families
-
-    def _families(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        t, s = self.totals, self.scheduler
-        yield _counter("prompt_tokens", "Number of prompt tokens processed.", t.prompt_tokens)
-        yield _counter("prompt_seconds", "Prompt process time", t.prompt_seconds)
-        yield _counter("tokens_predicted", "Number of generation tokens processed.",
-                       t.predicted_tokens)
-        yield _counter("tokens_predicted_seconds", "Predict process time", t.predicted_seconds)
-        yield _counter("n_decode", "Total number of llama_decode() calls", t.decode_calls)
-        yield _gauge("n_busy_slots_per_decode", "Average number of busy slots per "
-                     "llama_decode() call", t.busy_slots / max(1, t.decode_calls))
-        yield _gauge("prompt_tokens_seconds", "Average prompt throughput in tokens/s.",
-                     t.prompt_tokens / t.prompt_seconds if t.prompt_seconds else 0.0)
-        yield _gauge("predicted_tokens_seconds", "Average generation throughput in tokens/s.",
-                     t.predicted_tokens / t.predicted_seconds if t.predicted_seconds else 0.0)
-        yield _gauge("kv_cache_usage_ratio", "KV-cache usage. 1 means 100 percent usage.",
-                     s.pool.usage_ratio)
-        yield _gauge("kv_cache_tokens", "KV-cache tokens.",
-                     s.pool.num_used_pages * s.pool.page_size)
-        yield _gauge("requests_processing", "Number of requests processing.", len(s.running))
-        yield _gauge("requests_deferred", "Number of requests deferred.",
-                     len(s.waiting) + len(s.parked))
+def llamacpp_families(scheduler: Scheduler, totals: LlamacppTotals
+                      ) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """The series, read in the same locked scrape as the `kvpark:` ones (metrics.py)."""
+    t, s = totals, scheduler
+    yield _counter("prompt_tokens", "Number of prompt tokens processed.", t.prompt_tokens)
+    yield _counter("prompt_seconds", "Prompt process time", t.prompt_seconds)
+    yield _counter("tokens_predicted", "Number of generation tokens processed.",
+                   t.predicted_tokens)
+    yield _counter("tokens_predicted_seconds", "Predict process time", t.predicted_seconds)
+    yield _counter("n_decode", "Total number of llama_decode() calls", t.decode_calls)
+    yield _gauge("n_busy_slots_per_decode", "Average number of busy slots per "
+                 "llama_decode() call", t.busy_slots / max(1, t.decode_calls))
+    yield _gauge("prompt_tokens_seconds", "Average prompt throughput in tokens/s.",
+                 t.prompt_tokens / t.prompt_seconds if t.prompt_seconds else 0.0)
+    yield _gauge("predicted_tokens_seconds", "Average generation throughput in tokens/s.",
+                 t.predicted_tokens / t.predicted_seconds if t.predicted_seconds else 0.0)
+    yield _gauge("kv_cache_usage_ratio", "KV-cache usage. 1 means 100 percent usage.",
+                 s.pool.usage_ratio)
+    yield _gauge("kv_cache_tokens", "KV-cache tokens.",
+                 s.pool.num_used_pages * s.pool.page_size)
+    yield _gauge("requests_processing", "Number of requests processing.", len(s.running))
+    yield _gauge("requests_deferred", "Number of requests deferred.",
+                 len(s.waiting) + len(s.parked))
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -215,7 +215,7 @@ def _integer(body: dict, name: str, default: int | None, lo: int, hi: int) -> in
     return value
 
 
-def _boolean(body: dict, name: str, default: bool) -> bool:
+def boolean_field(body: dict, name: str, default: bool) -> bool:
     value = body.get(name, default)
     if value is None:
         return default
@@ -266,7 +266,7 @@ def sampling_params(body: dict, max_context: int, max_tokens_names: tuple[str, .
         seed=None if seed == -1 else seed,  # llama.cpp's -1: random
         max_tokens=max_tokens,
         stop=_stops(body),
-        ignore_eos=_boolean(body, "ignore_eos", False),
+        ignore_eos=boolean_field(body, "ignore_eos", False),
         n=int(_integer(body, "n", 1, 1, MAX_N)),
         presence_penalty=_number(body, "presence_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
@@ -279,7 +279,7 @@ def sampling_params(body: dict, max_context: int, max_tokens_names: tuple[str, .
         eos_ids=tokenizer.eos_token_ids if tokenizer is not None and min_tokens else frozenset(),
         logprobs=_logprobs(body, kind),
         prompt_logprobs=_prompt_logprobs(body, kind),
-        post_sampling_probs=kind == "llama" and _boolean(body, "post_sampling_probs", False),
+        post_sampling_probs=kind == "llama" and boolean_field(body, "post_sampling_probs", False),
     )
 
 
@@ -340,7 +340,7 @@ def _logprobs(body: dict, kind: str) -> int | None:
     """How many alternatives per token (None: no logprobs). Chat: `logprobs` true plus
     `top_logprobs`; completions: `logprobs` k; llama.cpp: `n_probs` k (0: none)."""
     if kind == "chat":
-        wanted = _boolean(body, "logprobs", False)
+        wanted = boolean_field(body, "logprobs", False)
         top = _integer(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
         if top and not wanted:
             raise _bad("top_logprobs", "needs 'logprobs': true")
@@ -357,7 +357,7 @@ def _prompt_logprobs(body: dict, kind: str) -> int | None:
     if kind == "llama":
         return None
     asked = _integer(body, "prompt_logprobs", None, 0, MAX_TOP_LOGPROBS)
-    if kind == "completion" and _boolean(body, "echo", False):
+    if kind == "completion" and boolean_field(body, "echo", False):
         echoed = _integer(body, "logprobs", None, 0, MAX_COMPLETION_LOGPROBS)
         if echoed is not None:
             return max(asked or 0, echoed)
@@ -367,7 +367,7 @@ def _prompt_logprobs(body: dict, kind: str) -> int | None:
 def _echo_max_tokens(body: dict) -> dict:
     """`echo` with `max_tokens: 0` scores a prompt and generates nothing (OpenAI's legacy
     completions, lm-evaluation-harness): the body without the 0, for the parser's checks."""
-    if _boolean(body, "echo", False) and body.get("max_tokens") == 0 and type(
+    if boolean_field(body, "echo", False) and body.get("max_tokens") == 0 and type(
             body.get("max_tokens")) is int:
         return {k: v for k, v in body.items() if k != "max_tokens"}
     return body
@@ -376,7 +376,7 @@ def _echo_max_tokens(body: dict) -> dict:
 def _echo_text(body: dict, prompt: Any, prompt_ids: list[int], tokenizer: Tokenizer
                ) -> str | None:
     """The prompt as the echo shows it: a text prompt as sent, token ids decoded."""
-    if not _boolean(body, "echo", False):
+    if not boolean_field(body, "echo", False):
         return None
     return prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids, False)
 
@@ -398,7 +398,7 @@ def _include_usage(body: dict) -> bool:
     # learns it gets none; null or {} asks for nothing (vLLM's rule)
     if options and body.get("stream") is not True:
         raise _bad("stream_options", "stream options can only be defined when `stream=True`")
-    return _boolean(options, "include_usage", False)
+    return boolean_field(options, "include_usage", False)
 
 
 def _continuous_usage(body: dict) -> bool:
@@ -407,11 +407,11 @@ def _continuous_usage(body: dict) -> bool:
     options = body.get("stream_options")
     if not isinstance(options, dict):
         return False
-    return _include_usage(body) and _boolean(options, "continuous_usage_stats", False)
+    return _include_usage(body) and boolean_field(options, "continuous_usage_stats", False)
 
 
 def _return_progress(body: dict) -> bool:
-    return _boolean(body, "return_progress", False)
+    return boolean_field(body, "return_progress", False)
 
 
 def _message_text(message: dict, index: int, role: str) -> str | None:
@@ -547,9 +547,9 @@ class ChatTurn:
 def chat_turn(body: dict, messages: list[dict[str, Any]]) -> ChatTurn:
     """vLLM's `add_generation_prompt` / `continue_final_message`, and llama.cpp's prefill: a
     conversation ending in an assistant message, with neither field sent, continues it."""
-    continues = _boolean(body, "continue_final_message", False)
+    continues = boolean_field(body, "continue_final_message", False)
     asked = body.get("add_generation_prompt")
-    generation_prompt = _boolean(body, "add_generation_prompt", True)
+    generation_prompt = boolean_field(body, "add_generation_prompt", True)
     last = messages[-1]
     ends_in_reply = last["role"] == "assistant" and not last.get("tool_calls")
     if continues and asked is True:  # vLLM's rule and words
@@ -585,22 +585,35 @@ def _chat_prompt(turn: ChatTurn, tokenizer: Tokenizer,
         return tokenizer.encode_chat(messages, add_generation_prompt=turn.add_generation_prompt,
                                      tools=offered, prefill=turn.prefill)
     except Exception as exc:  # the model's own template rejected the conversation
-        raise _bad("messages", "the chat template rejected the messages: "
-                   f"{clip(str(exc), 2 * MAX_SHOWN)}") from exc
+        raise _template_rejected(exc) from exc
 
 
-def render_chat(body: dict, tokenizer: Tokenizer, limits: InputLimits) -> tuple[str, list[int]]:
-    """llama.cpp's /apply-template and vLLM's /tokenize with `messages`: the prompt a chat
-    request with this body would run, as text and as the ids it runs."""
-    messages = chat_messages(body, limits)
-    plan = tool_plan(body, None)
-    turn = chat_turn(body, messages)
-    ids = _chat_prompt(turn, tokenizer, plan)
-    template_messages, offered = _template_input(turn, plan)
+def _template_rejected(exc: Exception) -> ApiError:
+    return _bad("messages", f"the chat template rejected the messages: "
+                f"{clip(str(exc), 2 * MAX_SHOWN)}")
+
+
+def _chat_input(body: dict, limits: InputLimits) -> tuple[ChatTurn, tools.ToolPlan | None]:
+    return chat_turn(body, chat_messages(body, limits)), tool_plan(body, None)
+
+
+def chat_prompt_ids(body: dict, tokenizer: Tokenizer, limits: InputLimits) -> list[int]:
+    """vLLM's /tokenize with `messages`: the ids a chat request with this body would run."""
+    turn, plan = _chat_input(body, limits)
+    return _chat_prompt(turn, tokenizer, plan)
+
+
+def render_chat(body: dict, tokenizer: Tokenizer, limits: InputLimits) -> str:
+    """llama.cpp's /apply-template: the text a chat request with this body would run."""
+    turn, plan = _chat_input(body, limits)
+    messages, offered = _template_input(turn, plan)
     extra = {"tools": offered} if offered else {}
-    text = tokenizer.apply_chat_template(
-        template_messages, add_generation_prompt=turn.add_generation_prompt, **extra)
-    return text + turn.prefill, ids
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=turn.add_generation_prompt, **extra)
+    except Exception as exc:
+        raise _template_rejected(exc) from exc
+    return text + turn.prefill
 
 
 # The parsers template and tokenise: CPU-bound on a long prompt, so they run off the event loop.
@@ -618,10 +631,10 @@ def parse_chat(body: dict, tokenizer: Tokenizer, limits: InputLimits) -> Generat
     return GenerationRequest(
         kind="chat",
         params=params,
-        stream=_boolean(body, "stream", False),
+        stream=boolean_field(body, "stream", False),
         include_usage=_include_usage(body),
         continuous_usage=_continuous_usage(body),
-        tokens_as_ids=_boolean(body, "return_tokens_as_token_ids", False),
+        tokens_as_ids=boolean_field(body, "return_tokens_as_token_ids", False),
         return_progress=_return_progress(body),
         model=_model(body),
         priority=_priority(body),
@@ -646,10 +659,10 @@ def parse_completion(body: dict, tokenizer: Tokenizer, limits: InputLimits) -> G
     return GenerationRequest(
         kind="completion",
         params=params,
-        stream=_boolean(body, "stream", False),
+        stream=boolean_field(body, "stream", False),
         include_usage=_include_usage(body),
         continuous_usage=_continuous_usage(body),
-        tokens_as_ids=_boolean(body, "return_tokens_as_token_ids", False),
+        tokens_as_ids=boolean_field(body, "return_tokens_as_token_ids", False),
         return_progress=_return_progress(body),
         model=_model(body),
         priority=_priority(body),
@@ -670,11 +683,11 @@ def parse_llama_completion(body: dict, tokenizer: Tokenizer, limits: InputLimits
     return GenerationRequest(
         kind="llama",
         params=params,
-        stream=_boolean(body, "stream", False),
+        stream=boolean_field(body, "stream", False),
         include_usage=False,
         return_progress=_return_progress(body),
         model=_model(body),
-        return_tokens=_boolean(body, "return_tokens", False),
+        return_tokens=boolean_field(body, "return_tokens", False),
         priority=_priority(body),
         prompt_ids=_prompt_ids(body, tokenizer, limits),
         grammar=structured_output(body, tokenizer),
@@ -714,9 +727,9 @@ def parse_completions(body: dict, tokenizer: Tokenizer, limits: InputLimits
                    "in one request")
     common = dict(kind="completion", params=_completion_params(body, tokenizer, limits),
                   show_prompt_logprobs=body.get("prompt_logprobs") is not None,
-                  stream=_boolean(body, "stream", False), include_usage=_include_usage(body),
+                  stream=boolean_field(body, "stream", False), include_usage=_include_usage(body),
                   continuous_usage=_continuous_usage(body),
-                  tokens_as_ids=_boolean(body, "return_tokens_as_token_ids", False),
+                  tokens_as_ids=boolean_field(body, "return_tokens_as_token_ids", False),
                   return_progress=_return_progress(body),
                   model=_model(body), priority=_priority(body),
                   grammar=structured_output(body, tokenizer))

@@ -55,11 +55,12 @@ class ModelRunner:
         # generated-token rows read the GGUF's quantised blocks: a property of each row alone
         from_blocks = [p >= item.seq.num_prompt for item in plan
                        for p in range(item.seq.num_computed,
-                                      item.seq.num_computed + item.num_tokens)]
-        rows = BlockRows.from_mask(from_blocks) if self.model.has_blocks else None
+                                      item.seq.num_computed + item.num_tokens)
+                       ] if self.model.has_blocks else None
+        rows = None if from_blocks is None else BlockRows.from_mask(from_blocks)
         hidden = self.forward(plan, rows)
         prompt_logprobs = self.prompt_logprobs(plan, hidden, rows)
-        sampled = self.sample_ends(plan, hidden, from_blocks if rows is not None else None)
+        sampled = self.sample_ends(plan, hidden, from_blocks)
         return [ChunkOutput(sampled.get(id(item)), prompt_logprobs.get(id(item), ()))
                 for item in plan]
 
@@ -113,18 +114,20 @@ class ModelRunner:
         found: dict[int, tuple[TokenLogprob, ...]] = {}
         start_row = 0
         for item in plan:
+            start_row += item.num_tokens
             seq, k = item.seq, item.seq.params.prompt_logprobs
+            if k is None:  # nearly every sequence: nothing to compute
+                continue
             first = max(seq.num_computed, len(seq.prompt_logprobs))  # row p predicts p + 1
             last = min(seq.num_computed + item.num_tokens, seq.num_prompt - 1)
-            if k is not None and first < last:
-                offset = start_row - seq.num_computed
+            if first < last:
+                offset = start_row - item.num_tokens - seq.num_computed
                 picked = hidden[offset + first : offset + last]
                 head_rows = None if rows is None else BlockRows.all_dense(len(picked))
                 raw = torch.log_softmax(self.model.logits(picked, head_rows).float().cpu(), -1)
                 found[id(item)] = tuple(
                     get_prompt_logprob(raw[i], seq.prompt_ids[p + 1], k)
                     for i, p in enumerate(range(first, last)))
-            start_row += item.num_tokens
         return found
 
     @staticmethod

@@ -3,6 +3,7 @@ top-k, top-p, min-p with a seeded generator per request; and the logprobs a requ
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -211,9 +212,8 @@ def post_sampling_logprobs(logits: torch.Tensor, params: SamplingParams) -> torc
 def get_prompt_logprob(raw_logprobs: torch.Tensor, token: int, k: int) -> TokenLogprob:
     """A prompt token's logprob from the row before it, with its rank (vLLM's
     `prompt_logprobs`): 1 + how many tokens the model found more likely."""
-    entry = get_logprob(raw_logprobs, token, k)
     rank = int((raw_logprobs > raw_logprobs[token]).sum()) + 1
-    return TokenLogprob(entry.token, entry.logprob, entry.top, rank)
+    return dataclasses.replace(get_logprob(raw_logprobs, token, k), rank=rank)
 
 
 class ChunkOutput(NamedTuple):

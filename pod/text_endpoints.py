@@ -8,18 +8,9 @@ from __future__ import annotations
 from typing import Any
 
 from .model.tokenizer import Tokenizer
-from .protocol import InputLimits, render_chat
-from .request_errors import ApiError, shown
+from .protocol import InputLimits, boolean_field, chat_prompt_ids, render_chat
+from .request_errors import ApiError
 from .text_output import token_piece
-
-
-def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise ApiError(400, f"'{name}': expected true or false, got {shown(value)}", param=name)
-    return value
 
 
 def _text(body: dict[str, Any], name: str, limits: InputLimits) -> str:
@@ -37,21 +28,22 @@ def tokenize(body: dict[str, Any], tokenizer: Tokenizer, limits: InputLimits) ->
     "add_special_tokens"} or {"messages", "add_generation_prompt", ...} -> {"tokens", "count",
     "max_model_len"}. Every answer carries all three keys (and `token_strs` when asked)."""
     if "messages" in body:
-        ids = render_chat(body, tokenizer, limits)[1]  # the template adds the special tokens
+        ids = chat_prompt_ids(body, tokenizer, limits)  # the template adds the special tokens
     else:
         name = "content" if "content" in body else "prompt"
         if name not in body:
             raise ApiError(400, "'content': expected a string (or vLLM's 'prompt' or "
                            "'messages')", param="content")
         text = _text(body, name, limits)
-        add_special = _flag(body, "add_special", False) if name == "content" else _flag(
-            body, "add_special_tokens", True)  # each server's own default
+        # each server's own name and default
+        add_special = (boolean_field(body, "add_special", False) if name == "content"
+                       else boolean_field(body, "add_special_tokens", True))
         ids = tokenizer.encode(text, add_special)
     answer: dict[str, Any] = {"tokens": ids, "count": len(ids),
                               "max_model_len": limits.max_context}
-    if _flag(body, "with_pieces", False):
+    if boolean_field(body, "with_pieces", False):
         answer["tokens"] = [{"id": i, "piece": token_piece(tokenizer, i)} for i in ids]
-    if _flag(body, "return_token_strs", False):
+    if boolean_field(body, "return_token_strs", False):
         answer["token_strs"] = [tokenizer.token_text(i) for i in ids]
     return answer
 
@@ -70,4 +62,4 @@ def detokenize(body: dict[str, Any], tokenizer: Tokenizer) -> dict[str, Any]:
 def apply_template(body: dict[str, Any], tokenizer: Tokenizer, limits: InputLimits
                    ) -> dict[str, Any]:
     """llama.cpp's /apply-template: the text a chat request with these messages would run."""
-    return {"prompt": render_chat(body, tokenizer, limits)[0]}
+    return {"prompt": render_chat(body, tokenizer, limits)}
