@@ -6,6 +6,12 @@ have. `SyncCopyEngine` finishes before it returns; `CudaAsyncCopyEngine` runs th
 separate CUDA stream into pinned buffers, so decoding of other slots goes on meanwhile. Both
 move bytes with the one `copy_out` / `copy_in`. Which sequence a copy belongs to, and what to
 give back when it lands, is the serving side's business (`kvpark.pod.swap`).
+
+The host tier of the prefix cache keeps pages one by one (each `[layers, 2, ps, Hkv, D]`, so one
+can be dropped alone): `save` and `load` move such pages and are *ordered*, not waited on: work
+queued after them (a step overwriting a saved page, a step reading a loaded one) runs after the
+copy. On the CPU that is a plain copy; on CUDA the copy runs on the copy stream and the compute
+stream waits for it there, so the host thread never stalls.
 """
 
 from __future__ import annotations
@@ -50,6 +56,22 @@ def copy_in(pool: PagePool, pages: list[int], host_buf: torch.Tensor,
                                                            non_blocking=non_blocking))
 
 
+def save_pages(pool: PagePool, pages: list[int], host_pages: list[torch.Tensor],
+               non_blocking: bool = False) -> None:
+    """Each of `pages` (every layer) into its own host tensor `[layers, 2, ps, Hkv, D]`."""
+    for page, host_page in zip(pages, host_pages, strict=True):
+        for layer, cache in enumerate(pool.caches):
+            host_page[layer].copy_(cache[page], non_blocking=non_blocking)
+
+
+def load_pages(pool: PagePool, pages: list[int], host_pages: list[torch.Tensor],
+               non_blocking: bool = False) -> None:
+    """Host tensors (as `save_pages` filled them) into `pages`."""
+    for page, host_page in zip(pages, host_pages, strict=True):
+        for layer, cache in enumerate(pool.caches):
+            cache[page].copy_(host_page[layer], non_blocking=non_blocking)
+
+
 class CopyKind(str, enum.Enum):
     PARK = "park"  # pool -> host
     RESUME = "resume"  # host -> pool
@@ -82,6 +104,14 @@ class CopyEngine(ABC):
     def wait(self, ticket: Ticket) -> None:
         """Block until the ticket's bytes have landed."""
 
+    @abstractmethod
+    def save(self, pages: list[int], host_pages: list[torch.Tensor]) -> None:
+        """Copy `pages` into host pages, ordered before any work queued after it."""
+
+    @abstractmethod
+    def load(self, pages: list[int], host_pages: list[torch.Tensor]) -> None:
+        """Copy host pages into `pages`, ordered before any work queued after it."""
+
 
 class SyncCopyEngine(CopyEngine):
     """The copy is complete when `start_*` returns."""
@@ -104,6 +134,15 @@ class SyncCopyEngine(CopyEngine):
 
     def wait(self, ticket: Ticket) -> None:
         return None
+
+    def save(self, pages: list[int], host_pages: list[torch.Tensor]) -> None:
+        save_pages(self.pool, pages, host_pages,
+                   non_blocking=bool(host_pages) and host_pages[0].is_pinned())
+        self._settle()
+
+    def load(self, pages: list[int], host_pages: list[torch.Tensor]) -> None:
+        load_pages(self.pool, pages, host_pages, non_blocking=True)
+        self._settle()
 
     def _settle(self) -> None:
         # copies into pinned memory are non_blocking: "done" must mean the bytes are on the host
@@ -136,6 +175,21 @@ class CudaAsyncCopyEngine(CopyEngine):
 
     def wait(self, ticket: Ticket) -> None:
         ticket.event.synchronize()
+
+    def save(self, pages: list[int], host_pages: list[torch.Tensor]) -> None:
+        with self._on_copy_stream():
+            save_pages(self.pool, pages, host_pages, non_blocking=True)
+        self._order_compute_after_copies()
+
+    def load(self, pages: list[int], host_pages: list[torch.Tensor]) -> None:
+        with self._on_copy_stream():
+            load_pages(self.pool, pages, host_pages, non_blocking=True)
+        self._order_compute_after_copies()
+
+    def _order_compute_after_copies(self) -> None:
+        # the next step may overwrite a page just saved, or read one just loaded: the compute
+        # stream waits for the copy stream on the device, the host thread goes on
+        torch.cuda.current_stream(self.pool.device).wait_stream(self.stream)
 
     def _on_copy_stream(self) -> torch.cuda.StreamContext:
         # a park reads K/V the last queued step may still be writing; a resume writes pages

@@ -19,6 +19,7 @@ from kvpark.kernels.worker_pool import MAX_THREADS as MAX_KERNEL_THREADS
 
 ALIASES = {
     "preempt_ram": ("LLAMA_ARG_PREEMPT_RAM",),
+    "cache_ram": ("LLAMA_ARG_CACHE_RAM",),
     "preempt": ("LLAMA_ARG_PREEMPT",),
     "preempt_every": ("LLAMA_SERVER_PREEMPT_EVERY",),
 }
@@ -43,6 +44,8 @@ class ServerArgs:
     preempt_low: float = 80.0  # % of the pool: restore only below it
     preempt_resume: str = "spec"  # restore order: spec (measured lower worst wait) or fair
     prefix_cache: bool = True  # keep full KV pages across requests, shared by hash
+    host_cache: bool = True  # evicted prefix-cache pages to host RAM, inside --preempt-ram
+    cache_ram: int = -1  # MiB the host cache may hold at most; -1: what parks leave, 0: off
     sse_keepalive: float = 2.0  # seconds between ": keepalive" comments: parked or queued
     api_key: str | None = None
     admin_key: str | None = None  # POST /slots actions; they are off without this or api_key
@@ -105,6 +108,13 @@ def _preempt_ram(value: str) -> str:
     if mib < -1:
         raise argparse.ArgumentTypeError(f"--preempt-ram must be >= -1, got {mib}")
     return str(mib)
+
+
+def _cache_ram(value: str) -> int:
+    mib = _number(int, value)
+    if mib < -1:
+        raise argparse.ArgumentTypeError(f"--cache-ram must be >= -1, got {mib}")
+    return mib
 
 
 def _percent(value: str) -> float:
@@ -348,6 +358,12 @@ def add_preemption_flags(g: argparse._ArgumentGroup) -> None:
     _add(g, "--preempt-ram", dest="preempt_ram", type=_preempt_ram, metavar="MIB",
          text="host RAM for swapped sequences in MiB: -1 = no limit, 0 = always recompute, "
          "auto = what the machine can spare")
+    _add(g, "--host-cache", dest="host_cache", action=argparse.BooleanOptionalAction,
+         text="keep pages the prefix cache evicts in host RAM (inside --preempt-ram, parks "
+         "first) and copy them back instead of computing them again")
+    _add(g, "--cache-ram", dest="cache_ram", type=_cache_ram, metavar="MIB",
+         text="host RAM the host cache may hold at most, in MiB, inside --preempt-ram: -1 = "
+         "what parked sequences leave, 0 = off (as llama-server's --cache-ram)")
     _add(g, "--preempt-high", dest="preempt_high", type=_percent, metavar="PCT",
          text="park proactively when the next step would pass PCT of the pool")
     _add(g, "--preempt-low", dest="preempt_low", type=_percent, metavar="PCT",

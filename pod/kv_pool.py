@@ -7,6 +7,9 @@ than free. Cached pages count as allocatable: `allocate` takes free pages first,
 least recently used cached ones, so the pool is full only when free + cached pages run out.
 Swapping (`swap.py`, with `kernels/kv_copy.py`) moves whole pages between the pool and a host
 buffer, so a parked sequence comes back bit for bit.
+
+With a host tier (`host_tier.py`) an evicted cached page is copied to host RAM before its new
+owner writes it, and a prefix the pool misses is looked up there next and copied back.
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from .paging import pages_for
-from .prefix_cache import PrefixCache
+from .prefix_cache import Evicted, PrefixCache
 
 if TYPE_CHECKING:
+    from .host_tier import HostTier
     from .slot import Sequence
 
 
@@ -43,6 +47,7 @@ class KVPool:
         self._free = list(range(num_pages))
         self._refs = [0] * num_pages  # holders of each page: page tables and copies in flight
         self.cache = cache
+        self.tier: HostTier | None = None  # set once the copy engine exists (server wiring)
 
     @property
     def num_free_pages(self) -> int:
@@ -83,12 +88,23 @@ class KVPool:
         assert self.can_allocate(num_pages), (
             f"asked for {num_pages} pages with {self.num_free_pages} free"
         )
-        pages = [heapq.heappop(self._free) if self._free else self.cache.evict()
-                 for _ in range(num_pages)]
+        pages, evicted = [], []
+        for _ in range(num_pages):
+            if self._free:
+                pages.append(heapq.heappop(self._free))
+            else:
+                evicted.append(self.cache.evict())
+                pages.append(evicted[-1].page)
+        self._keep_on_host(evicted)
         for page in pages:
             assert self._refs[page] == 0, f"page {page} handed out while held"
             self._refs[page] = 1
         return pages
+
+    def _keep_on_host(self, evicted: list[Evicted]) -> None:
+        # before the new owners write them: the copy is ordered ahead of the next step
+        if evicted and self.tier is not None:
+            self.tier.keep(evicted)
 
     def share(self, pages: list[int]) -> None:
         """One more reference to each page (a cache hit); cached pages leave the LRU."""
@@ -113,12 +129,28 @@ class KVPool:
         if self.cache is None:
             return
         limit = (seq.num_prompt - 1) // self.page_size
-        pages = self.cache.lookup(self.cache.extend_hashes(seq, limit))
+        hashes = self.cache.extend_hashes(seq, limit)
+        pages = self.cache.lookup(hashes)
         self.share(pages)
+        self.cache.stats.queries += seq.num_prompt
+        self.cache.stats.hits += len(pages) * self.page_size
+        pages += self.load_from_host(hashes[len(pages):])
         seq.page_table = pages
         seq.num_computed = seq.num_cached = len(pages) * self.page_size
-        self.cache.stats.queries += seq.num_prompt
-        self.cache.stats.hits += seq.num_cached
+
+    def load_from_host(self, hashes: list[bytes]) -> list[int]:
+        """Fresh pages (one reference each) holding the longest run of `hashes` the host tier
+        has, as many as the pool can give; registered as cached content with their origins."""
+        if self.tier is None or not hashes:
+            return []
+        run = self.tier.lookup(hashes)[:self.num_free_pages]
+        self.tier.hold(run)  # the allocation below may make the tier drop pages for room
+        pages = self.allocate(len(run))
+        self.tier.load(pages, run)
+        for page, host_page in zip(pages, run):
+            self.cache.register(page, host_page.hash, host_page.origin)
+        self.tier.let_go(run)
+        return pages
 
     def register_filled(self, seq: Sequence, num_fed: int) -> None:
         """Pages the last `num_fed` tokens filled become findable in the prefix cache."""
@@ -172,6 +204,11 @@ class KVPool:
 
     def free_page_ids(self) -> list[int]:
         return sorted(self._free)
+
+    @property
+    def host_page_shape(self) -> tuple[int, ...]:
+        """One page of every layer as the host tier keeps it: [layers, 2, page_size, Hkv, D]."""
+        return (len(self.caches), *self.page_shape)
 
     def swap_shape(self, num_pages: int) -> tuple[int, ...]:
         return (len(self.caches), num_pages, *self.page_shape)

@@ -25,6 +25,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from .host_tier import HostTier, TierStats
 from .metrics_llamacpp import LlamacppTotals, llamacpp_families
 from .scheduler import Scheduler
 from .slot import FinishReason, Sequence
@@ -85,10 +86,15 @@ class SchedulerCollector(Collector):
                        cache.hits if cache else 0)
         yield _counter("prefix_cache_evictions", "Cached pages evicted for new content",
                        cache.evictions if cache else 0)
-        yield _gauge("preempt_ram_bytes", "Host bytes held by swapped sequences now",
-                     s.swapper.host.held_bytes)
-        yield _gauge("preempt_ram_budget_bytes", "Host byte budget for swaps (-1: no limit)",
-                     s.swapper.host.budget_bytes)
+        tier = s.pool.tier
+        cached_on_host = tier.cached_bytes if tier is not None else 0
+        yield _gauge("preempt_ram_bytes", "Host bytes held by parked sequences now",
+                     s.swapper.host.held_bytes - cached_on_host)
+        yield _gauge("preempt_ram_budget_bytes", "Host byte budget for parked sequences and "
+                     "the host cache together (-1: no limit)", s.swapper.host.budget_bytes)
+        yield _gauge("host_ram_peak_bytes", "Most host bytes held at once, parked and cached "
+                     "together (never past the budget)", s.swapper.host.peak_bytes)
+        yield from _host_cache_families(tier)
         yield _counter("n_preempt", "Parks, swap and recompute", stats.n_preempt)
         yield _counter("n_resume", "Resumes of parked sequences", stats.n_resume)
         yield _counter("n_preempt_swap", "Parks by copying pages to host RAM",
@@ -111,6 +117,25 @@ class SchedulerCollector(Collector):
         yield _counter("n_restore_refused_watermark",
                        "Restores that fit but were held back by the low watermark",
                        stats.n_restore_refused_watermark)
+
+
+def _host_cache_families(tier: HostTier | None) -> Iterator[GaugeMetricFamily |
+                                                             CounterMetricFamily]:
+    """The host tier of the prefix cache (zeros when it is off)."""
+    stats = tier.stats if tier is not None else TierStats()
+    yield _gauge("host_cache_bytes", "Host bytes of cached prefix pages nobody holds "
+                 "(inside the preempt-ram budget; parks drop them first)",
+                 tier.cached_bytes if tier is not None else 0)
+    yield _gauge("host_cache_pages", "Pages in the host cache, held by parks or cached",
+                 tier.num_pages if tier is not None else 0)
+    yield _counter("host_cache_lookups", "Pages looked up in the host cache after the pool "
+                   "missed them", stats.lookups)
+    yield _counter("host_cache_hits", "Pages copied back from the host cache", stats.hits)
+    yield _counter("host_cache_saves", "Pages the pool evicted, copied to the host cache",
+                   stats.saves)
+    yield _counter("host_cache_skipped", "Pages the pool evicted with no room in host RAM",
+                   stats.skipped)
+    yield _counter("host_cache_evictions", "Cached host pages dropped for room", stats.drops)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -168,6 +193,12 @@ class Metrics:
         self.resume_copy = Histogram("kvpark:preempt_resume_seconds",
                                      "Duration of a swap resume (host to pages)",
                                      buckets=COPY_BUCKETS, registry=r)
+        self.host_save = Histogram("kvpark:host_cache_save_seconds",
+                                   "Copying a batch of evicted pages to the host cache",
+                                   buckets=COPY_BUCKETS, registry=r)
+        self.host_load = Histogram("kvpark:host_cache_load_seconds",
+                                   "Copying a run of pages back from the host cache",
+                                   buckets=COPY_BUCKETS, registry=r)
 
         self.request_preemptions = Histogram(
             "kvpark:request_preemptions", "Parks per finished request",
@@ -183,10 +214,13 @@ class Metrics:
         decoding = sum(1 for item in plan if item.num_tokens == 1 and item.samples)
         if decoding:
             self.decode_batch.observe(decoding)
-        stats = self.scheduler.stats
-        for attr, histogram in (("park_seconds", self.park_copy),
-                                ("resume_seconds", self.resume_copy)):
-            observed = getattr(stats, attr)
+        tier = self.scheduler.pool.tier
+        drained = [(self.scheduler.stats.park_seconds, self.park_copy),
+                   (self.scheduler.stats.resume_seconds, self.resume_copy)]
+        if tier is not None:
+            drained += [(tier.stats.save_seconds, self.host_save),
+                        (tier.stats.load_seconds, self.host_load)]
+        for observed, histogram in drained:
             while observed:
                 histogram.observe(observed.pop())
 

@@ -7,6 +7,10 @@ evicts it. The pool (`kv_pool.py`) owns the reference counts and the free list; 
 hash table and the LRU. Hashes are SHA-256 over (predecessor, tokens), seeded with the model
 identity, so a collision would have to be a SHA-256 one.
 
+Each registered page also carries an *origin*: a number naming the computation that wrote its
+bytes. Copies keep it (the host tier's, a swap's), so "the same bytes" can be asked exactly
+where the same hash is not enough (on CUDA two computations of one page may differ in bits).
+
 Where prompt rows and generated rows run through different weights (a GGUF's decode rows read
 its quantised blocks on the CPU) their K/V bytes differ for the same tokens, so the hash also
 says how many of the page's tokens were prompt rows (`split_kinds`): a page decoded in one
@@ -16,6 +20,7 @@ request is not reused as prompt by the next, and the cache never changes an outp
 from __future__ import annotations
 
 import hashlib
+import itertools
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
@@ -29,6 +34,15 @@ class CacheStats:
     queries: int = 0  # prompt tokens looked up at admission
     hits: int = 0  # of which found cached
     evictions: int = 0  # cached pages taken back for new content
+
+
+@dataclass(frozen=True)
+class Evicted:
+    """A cached page given up for new content: what the host tier needs to keep a copy."""
+
+    page: int
+    hash: bytes
+    origin: int
 
 
 def seed_hash(identity: str) -> bytes:
@@ -53,6 +67,8 @@ class PrefixCache:
         self.stats = CacheStats()
         self._pages: dict[bytes, int] = {}  # hash -> page holding that content
         self._hash_of: dict[int, bytes] = {}  # page -> its hash (registered pages only)
+        self._origin_of: dict[int, int] = {}  # page -> the computation that wrote its bytes
+        self._origins = itertools.count(1)
         self._lru: OrderedDict[int, None] = OrderedDict()  # unreferenced cached pages, oldest 1st
 
     @property
@@ -97,12 +113,21 @@ class PrefixCache:
         """The page holding this content, if any."""
         return self._pages.get(h)
 
-    def register(self, page: int, h: bytes) -> None:
-        """A page just filled; the first page seen with some content keeps that content's
-        entry (a duplicate stays private and goes back to the free list when released)."""
+    def register(self, page: int, h: bytes, origin: int | None = None) -> None:
+        """A page just filled (or copied in, keeping the `origin` of its bytes); the first page
+        seen with some content keeps that content's entry (a duplicate stays private and goes
+        back to the free list when released)."""
         if h not in self._pages and page not in self._hash_of:
             self._pages[h] = page
             self._hash_of[page] = h
+            self._origin_of[page] = origin if origin is not None else next(self._origins)
+
+    def new_origin(self) -> int:
+        """A name for bytes computed apart from the registered page with the same hash."""
+        return next(self._origins)
+
+    def origin_of(self, page: int) -> int | None:
+        return self._origin_of.get(page)
 
     # ---- the LRU of unreferenced pages (called by the pool) ----------------------------------
     def keep(self, page: int) -> bool:
@@ -120,14 +145,16 @@ class PrefixCache:
         """An unreferenced cached page dropped on purpose (a slot erased); the caller frees it."""
         del self._lru[page]
         del self._pages[self._hash_of.pop(page)]
+        del self._origin_of[page]
 
     def is_cached(self, page: int) -> bool:
         """Registered and held by nobody (in the LRU)."""
         return page in self._lru
 
-    def evict(self) -> int:
+    def evict(self) -> Evicted:
         """The least recently used cached page, forgotten; the caller reuses it."""
         page, _ = self._lru.popitem(last=False)
-        del self._pages[self._hash_of.pop(page)]
+        h = self._hash_of.pop(page)
+        del self._pages[h]
         self.stats.evictions += 1
-        return page
+        return Evicted(page, h, self._origin_of.pop(page))

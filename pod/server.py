@@ -14,7 +14,7 @@ from kvpark.kernels import cpu_features, quant_linear, worker_pool
 from kvpark.kernels.attention import AttentionBackend
 from kvpark.kernels.cores import usable_cores
 from kvpark.kernels.cpu_features import CpuFeatures
-from kvpark.kernels.kv_copy import make_copy_engine
+from kvpark.kernels.kv_copy import CopyEngine, make_copy_engine
 from kvpark.kernels.quant_linear import QuantizedWeight
 from kvpark.kernels.torch_paged import TorchPagedAttention
 
@@ -27,17 +27,19 @@ from .autotune import (
     warn_if_oversubscribed,
 )
 from .batch_invariance import cap_onednn, check_gemm_kernels
-from .budget import Budget, resolve_budget
+from .budget import MIB, Budget, resolve_budget
 from .cuda_graphs import DecodeGraphRunner, GraphBackend
 from .engine import Engine
 from .generation_defaults import GenerationDefaults, defaults_for
 from .host_store import HostStore
+from .host_tier import HostTier
 from .kv_pool import KVPool
 from .metrics import Metrics
 from .model.config import ModelConfig
 from .model.llama import LlamaModel, WeightFormat
 from .model.loader import LoadedModel, load_model_files
 from .model.tokenizer import Tokenizer
+from .preemption import UNLIMITED_BYTES
 from .prefix_cache import PrefixCache
 from .protocol import check_defaults
 from .runner import ModelRunner
@@ -187,6 +189,20 @@ class Stages:
         return time.perf_counter() - self.started
 
 
+def make_host_tier(args: ServerArgs, pool: KVPool, host: HostStore, copy: CopyEngine
+                   ) -> HostTier | None:
+    """The prefix cache's host tier, inside the --preempt-ram budget; off without a prefix
+    cache, with --no-host-cache, --cache-ram 0 or a budget of 0."""
+    if pool.cache is None or not args.host_cache or args.cache_ram == 0 or host.budget_bytes == 0:
+        log.info("host cache: off")
+        return None
+    cap = UNLIMITED_BYTES if args.cache_ram < 0 else args.cache_ram * MIB
+    log.info("host cache: on, inside the --preempt-ram budget, %s",
+             "up to what parked sequences leave" if cap == UNLIMITED_BYTES
+             else f"at most {args.cache_ram} MiB")
+    return HostTier(host, copy, pool.host_page_shape, pool.dtype, cap)
+
+
 def build_stack(args: ServerArgs) -> ServingStack:
     stages = Stages()
     defaults = defaults_for(args)  # a bad generation config fails before the weights load
@@ -256,7 +272,9 @@ def build_stack(args: ServerArgs) -> ServingStack:
         preempt_low=args.preempt_low / 100,
         resume_order=args.preempt_resume,
     )
-    swapper = Swapper(pool, host, make_copy_engine(pool, args.preempt_async))
+    copy = make_copy_engine(pool, args.preempt_async)
+    pool.tier = make_host_tier(args, pool, host, copy)
+    swapper = Swapper(pool, host, copy)
     scheduler = Scheduler(scheduler_config, swapper)
     lock = threading.RLock()  # the engine's: the metrics collector reads state under it
     served = args.served_model_name[0] if args.served_model_name else loaded.name

@@ -20,6 +20,7 @@ from .sampling import SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:  # the GPU check imports this module without the tokenizer's dependencies
     from .constraint import TokenConstraint
+    from .host_tier import HostPage
     from .text_output import TextOutput
 
 _seq_ids = itertools.count()
@@ -82,12 +83,16 @@ class ParkState:
     host_kv: torch.Tensor | None = None  # swap: the pages, [layers, pages, 2, ps, Hkv, D]
     host_bytes: int = 0
     swapped_tokens: int = 0  # num_computed at the moment of a swap park
-    # swap: leading pages left in the pool because others held them too (host_kv starts after)
+    # swap: leading pages left in the pool because others held them too; with a host tier the
+    # full pages after them, held there (host_kv starts after both)
     resident_pages: int = 0
+    tier_pages: list[HostPage] = field(default_factory=list)
     # prefix cache: the full pages its park released into the cache, those a resume found
     # there again, and (while a resume copy is in flight) the ones it holds meanwhile
     cached_pages: list[int] = field(default_factory=list)
     restored_pages: int = 0
+    restored_from_host: int = 0  # pages copied back from the host tier
+    resumed_from: tuple[str, ...] = ()  # the latest resume's sources: pool, host, recompute
     held_pages: list[int] = field(default_factory=list)
     tokens_since_forced: int = 0  # for KVPARK_PREEMPT_EVERY
     manual: bool = False  # parked through POST /slots/{id}?action=park; waits for unpark
@@ -200,6 +205,7 @@ class SlotView:
     num_generated: int
     priority: int
     phase: str  # parked, replay, prompt or generating
+    resumed_from: tuple[str, ...]  # where its latest resume found its K/V (empty: never)
 
     @classmethod
     def of(cls, seq: Sequence) -> SlotView:
@@ -208,4 +214,5 @@ class SlotView:
         mode = seq.parking.mode
         return cls(seq.request_id, seq.is_parked, seq.parking.n_preempt, seq.parking.n_recompute,
                    mode.value if mode else None, seq.parking.manual, seq.num_computed,
-                   seq.num_prompt, seq.num_generated, seq.priority, phase)
+                   seq.num_prompt, seq.num_generated, seq.priority, phase,
+                   seq.parking.resumed_from)

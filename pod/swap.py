@@ -15,6 +15,12 @@ the rest (its own pages only, so a swap stays exact on any device), and a recomp
 replays only from the first page the cache lost (often just its partial last page). Should a
 resident page be lost while parked (its other holders finished and it was evicted), the host
 copy cannot fill the hole and the resume replays from there instead.
+
+With a host tier (`host_tier.py`) a swap keeps its full pages there, held for it: pages the tier
+has with the same bytes are not copied again, and only the partial last page goes into a buffer
+of its own. Cached host pages make room for a swap before it would fall through to recompute.
+A resume takes its pages from the pool first, then the tier, then its own buffer; a recompute
+resume replays only what neither tier holds.
 """
 
 from __future__ import annotations
@@ -24,12 +30,13 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvpark.kernels.kv_copy import CopyEngine, CopyKind, SyncCopyEngine, Ticket
 
 from . import preemption as policy
 from .host_store import HostAllocationError, HostStore
+from .host_tier import HostPage, HostTier
 from .kv_pool import KVPool
 from .preemption import PreemptStats
 from .slot import PreemptMode, Sequence
@@ -73,6 +80,17 @@ class ParkTransfer:
         if self.kind is CopyKind.PARK:
             return Release(Outcome.PARKED, self.pages, release_host=False)
         return Release(Outcome.RESUMED, (), release_host=True)
+
+
+@dataclass(frozen=True)
+class TierPart:
+    """The full pages a swap keeps in the host tier, and what that costs in host bytes."""
+
+    pages: list[int] = field(default_factory=list)
+    hashes: list[bytes] = field(default_factory=list)
+    origins: list[int] = field(default_factory=list)
+    new_bytes: int = 0  # for the pages the tier does not hold with the same bytes
+    reclaimable_bytes: int = 0  # cached host bytes a swap may drop (not those it reuses)
 
 
 class TransferTracker:
@@ -128,6 +146,10 @@ class Swapper:
         self.transfers = TransferTracker()
 
     @property
+    def tier(self) -> HostTier | None:
+        return self.pool.tier
+
+    @property
     def num_in_flight(self) -> int:
         return len(self.transfers)
 
@@ -150,11 +172,13 @@ class Swapper:
         started = time.perf_counter()
         self._offer_full_pages(seq)
         resident = self._num_resident(seq)
-        pages, copied = seq.page_table, seq.page_table[resident:]
-        num_bytes = self.pool.swap_bytes(len(copied))
-        mode = policy.choose_mode(num_bytes, self.host.budget_bytes, self.host.held_bytes)
-        ticket = self._start_park_copy(seq, copied, num_bytes) if mode is PreemptMode.SWAP \
-            else None
+        tiered = self._tier_part(seq, resident)
+        pages, copied = seq.page_table, seq.page_table[resident + len(tiered.pages):]
+        num_bytes = self.pool.swap_bytes(len(copied)) + tiered.new_bytes
+        mode = policy.choose_mode(num_bytes, self.host.budget_bytes,
+                                  self.host.held_bytes - tiered.reclaimable_bytes)
+        ticket = self._start_park_copy(seq, tiered, copied, num_bytes) \
+            if mode is PreemptMode.SWAP else None
         if ticket is None:
             mode = PreemptMode.RECOMPUTE
             seq.parking.replay_until, seq.num_computed = seq.num_computed, 0
@@ -163,7 +187,7 @@ class Swapper:
         if ticket is not None and wait:
             self.copy.wait(ticket)
         if ticket is not None and not self.copy.poll(ticket):
-            self.pool.free(pages[:resident])
+            self.pool.free(pages[:resident + len(tiered.pages)])  # the tier's copy is ordered
             self.transfers.start(seq, ticket)  # the copied pages stay allocated until it lands
         else:
             self.pool.free(pages)
@@ -196,12 +220,25 @@ class Swapper:
         self.stats.n_recompute_tokens += replay
         parked_by = seq.parking.mode.value
         released = seq.parking.cached_pages
+        seq.parking.resumed_from = self._resumed_from(seq, replay)
         if released and seq.parking.restored_pages == len(released) and not replay:
             seq.parking.mode = PreemptMode.CACHED
             self.stats.n_preempt_cached += 1
         log.info("seq %s (slot %s) resumed after %.1f ms parked by %s: %d tokens back in the "
-                 "pool, %d to replay", seq.request_id, seq.slot_id, parked_for * 1e3, parked_by,
-                 seq.num_computed, replay)
+                 "pool (from %s), %d to replay", seq.request_id, seq.slot_id, parked_for * 1e3,
+                 parked_by, seq.num_computed, "+".join(seq.parking.resumed_from) or "nothing",
+                 replay)
+
+    def _resumed_from(self, seq: Sequence, replay: int) -> tuple[str, ...]:
+        """Where the resume found its K/V, for /slots: pages still in the pool, host RAM (the
+        host tier or its own swap buffer), and a recompute of the rest."""
+        p = seq.parking
+        swapped = p.mode is PreemptMode.SWAP and not replay
+        from_pool = p.restored_pages - (0 if swapped else p.restored_from_host)
+        from_host = p.restored_from_host > 0 or (
+            swapped and from_pool < self.pool.pages_for(p.swapped_tokens))
+        return tuple(name for name, used in (("pool", from_pool > 0), ("host", from_host),
+                                             ("recompute", replay > 0)) if used)
 
     def _offer_full_pages(self, seq: Sequence) -> None:
         """With a prefix cache: make sure its full computed pages are registered, so that they
@@ -223,18 +260,45 @@ class Swapper:
             num += 1
         return num
 
-    def _start_park_copy(self, seq: Sequence, pages: list[int], num_bytes: int
-                         ) -> Ticket | None:
-        """The copy into a fresh host buffer, or None where the host refused the buffer."""
+    def _tier_part(self, seq: Sequence, resident: int) -> TierPart:
+        """With a host tier: the full pages after the resident ones, which the tier keeps (a
+        page the pool's cache did not register, its content having come first from another
+        page, gets an origin of its own), and the bytes a swap would need and could free."""
+        if self.tier is None:
+            return TierPart()
+        cache, pages = self.pool.cache, seq.parking.cached_pages[resident:]
+        hashes = seq.page_hashes[resident:resident + len(pages)]
+        origins = [cache.origin_of(page) if cache.find(h) == page else cache.new_origin()
+                   for page, h in zip(pages, hashes, strict=True)]
+        return TierPart(pages, hashes, origins, self.tier.new_bytes_for(hashes, origins),
+                        self.tier.reclaimable_bytes(sparing=hashes))
+
+    def _start_park_copy(self, seq: Sequence, tiered: TierPart, pages: list[int],
+                         num_bytes: int) -> Ticket | None:
+        """The copy into the host tier and a fresh host buffer, or None where the host refused
+        a buffer."""
         try:
+            seq.parking.tier_pages = self._save_to_tier(tiered, num_bytes)
             seq.parking.host_kv = self.host.allocate(self.pool.swap_shape(len(pages)),
                                                      self.pool.dtype)
         except HostAllocationError as exc:
             log.warning("seq %s: %s; parking by recompute", seq.request_id, exc)
             self.stats.n_swap_fallbacks += 1
+            self._let_go_of_tier(seq)
             return None
         seq.parking.host_bytes, seq.parking.swapped_tokens = num_bytes, seq.num_computed
         return self.copy.start_park(pages, seq.parking.host_kv)
+
+    def _save_to_tier(self, tiered: TierPart, num_bytes: int) -> list[HostPage]:
+        if self.tier is None:
+            return []
+        self.tier.reclaim(num_bytes, sparing=tiered.hashes)  # a park wins over cached pages
+        return self.tier.save_held(tiered.pages, tiered.hashes, tiered.origins)
+
+    def _let_go_of_tier(self, seq: Sequence) -> None:
+        if seq.parking.tier_pages:
+            self.tier.let_go(seq.parking.tier_pages)
+        seq.parking.tier_pages = []
 
     # ---- resume ------------------------------------------------------------------------------
     def resume(self, seq: Sequence) -> bool:
@@ -243,16 +307,19 @@ class Swapper:
         found = self._take_back_cached(seq)
         if seq.parking.host_kv is not None and len(found) < seq.parking.resident_pages:
             self._drop_host_copy(seq)  # a resident page was lost: replay from the hole
-        if seq.parking.host_kv is None:  # parked by recompute: replay what the cache lost
+        if seq.parking.host_kv is None:  # parked by recompute: replay what neither tier holds
+            found += self._load_any_from_tier(seq, len(found))
             seq.page_table, seq.num_computed = found, len(found) * self.pool.page_size
             if seq.parking.replay_until <= seq.num_computed:
                 seq.parking.replay_until = 0
             return True
         started = time.perf_counter()
-        num_pages = self.pool.pages_for(seq.parking.swapped_tokens) - len(found)
-        # the pages the cache lost, and the tail (host_kv starts after the resident pages)
-        host_kv = seq.parking.host_kv[:, len(found) - seq.parking.resident_pages:]
-        seq.parking.held_pages = found
+        held = [*found, *self._load_own_from_tier(seq, len(found))]
+        num_pages = self.pool.pages_for(seq.parking.swapped_tokens) - len(held)
+        # what neither the pool nor the tier gave back (host_kv starts after both)
+        skipped = len(held) - seq.parking.resident_pages - len(seq.parking.tier_pages)
+        host_kv = seq.parking.host_kv[:, skipped:]
+        seq.parking.held_pages = held
         ticket = self.copy.start_resume(self.pool.allocate(num_pages), host_kv)
         if not self.copy.poll(ticket):
             self.transfers.start(seq, ticket)
@@ -260,10 +327,33 @@ class Swapper:
         self._resume_landed(seq, ticket, started)
         return True
 
+    def _load_own_from_tier(self, seq: Sequence, num_found: int) -> list[int]:
+        """Fresh pool pages holding its own pages the tier keeps for it, after those the pool
+        still had; registered in the pool's cache again with their origins."""
+        kept = seq.parking.tier_pages[num_found - seq.parking.resident_pages:]
+        if not kept:
+            return []
+        pages = self.pool.allocate(len(kept))
+        self.tier.load(pages, kept)
+        for page, host_page in zip(pages, kept, strict=True):
+            self.pool.cache.register(page, host_page.hash, host_page.origin)
+        seq.parking.restored_from_host = len(kept)
+        return pages
+
+    def _load_any_from_tier(self, seq: Sequence, num_found: int) -> list[int]:
+        """A recompute: pages with the content of those its park released (any origin) that
+        the tier holds after what the pool still had."""
+        released = len(seq.parking.cached_pages)
+        pages = self.pool.load_from_host(seq.page_hashes[num_found:released])
+        seq.parking.restored_pages += len(pages)
+        seq.parking.restored_from_host = len(pages)
+        return pages
+
     def _drop_host_copy(self, seq: Sequence) -> None:
         log.info("seq %s: a page it shared was evicted while parked; replaying from there "
                  "instead of copying back", seq.request_id)
         self.host.release(seq.parking.host_kv)
+        self._let_go_of_tier(seq)
         seq.parking.host_kv, seq.parking.host_bytes = None, 0
         seq.parking.replay_until, seq.parking.resident_pages = seq.parking.swapped_tokens, 0
 
@@ -272,7 +362,7 @@ class Swapper:
         again. A swapped sequence takes back only its own pages (same bytes on any device); a
         recomputed one any page with the same content."""
         cache, released = self.pool.cache, seq.parking.cached_pages
-        seq.parking.restored_pages = 0
+        seq.parking.restored_pages = seq.parking.restored_from_host = 0
         if cache is None or not released:
             return []
         found = cache.lookup(seq.page_hashes[:len(released)])
@@ -288,6 +378,7 @@ class Swapper:
         seq.page_table = [*seq.parking.held_pages, *ticket.pages]
         seq.parking.held_pages = []
         self.host.release(seq.parking.host_kv)
+        self._let_go_of_tier(seq)
         seq.parking.host_kv, seq.parking.host_bytes = None, 0
         seq.parking.resident_pages = 0
         self.stats.resume_seconds.append(time.perf_counter() - started)
@@ -321,5 +412,6 @@ class Swapper:
             if seq.parking.host_kv is not None:
                 self.host.release(seq.parking.host_kv)
         self.pool.free(seq.parking.held_pages)  # cache hits a resume copy was joining
+        self._let_go_of_tier(seq)  # its bytes are copied (ordered) or no longer wanted
         seq.parking.held_pages = []
         seq.page_table, seq.parking.host_kv, seq.parking.host_bytes = [], None, 0

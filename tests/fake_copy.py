@@ -2,7 +2,16 @@
 
 import torch
 
-from kvpark.kernels.kv_copy import CopyEngine, CopyKind, PagePool, Ticket, copy_in, copy_out
+from kvpark.kernels.kv_copy import (
+    CopyEngine,
+    CopyKind,
+    PagePool,
+    Ticket,
+    copy_in,
+    copy_out,
+    load_pages,
+    save_pages,
+)
 
 
 class FakeCopyEngine(CopyEngine):
@@ -16,6 +25,8 @@ class FakeCopyEngine(CopyEngine):
         self.pool = pool
         self.in_flight: list[Ticket] = []
         self._done: set[int] = set()
+        self.saves: list[tuple[int, ...]] = []
+        self.loads: list[tuple[int, ...]] = []
 
     def start_park(self, pages: list[int], host_buf: torch.Tensor) -> Ticket:
         return self._start(Ticket(CopyKind.PARK, tuple(pages), host_buf))
@@ -37,6 +48,17 @@ class FakeCopyEngine(CopyEngine):
     def wait(self, ticket: Ticket) -> None:
         # a real wait would block forever: the test forgot to complete the ticket
         assert self.poll(ticket), f"ticket {ticket.id} waited on but never completed"
+
+    def save(self, pages: list[int], host_pages: list[torch.Tensor]) -> None:
+        # the host tier's copies are ordered, never in flight from the host's point of view
+        self.saves.append(tuple(pages))
+        if self.pool is not None:
+            save_pages(self.pool, pages, host_pages)
+
+    def load(self, pages: list[int], host_pages: list[torch.Tensor]) -> None:
+        self.loads.append(tuple(pages))
+        if self.pool is not None:
+            load_pages(self.pool, pages, host_pages)
 
     def _start(self, ticket: Ticket) -> Ticket:
         self.in_flight.append(ticket)

@@ -76,6 +76,12 @@ class RecordingCopy(CopyEngine):
     def wait(self, ticket: Ticket) -> None:
         self.inner.wait(ticket)
 
+    def save(self, pages: list[int], host_pages: list[torch.Tensor]) -> None:
+        self.inner.save(pages, host_pages)
+
+    def load(self, pages: list[int], host_pages: list[torch.Tensor]) -> None:
+        self.inner.load(pages, host_pages)
+
 
 class Stack:
     """One model's serving stack as `pod/server.py` builds it on CUDA.

@@ -6,7 +6,9 @@ was finished exactly once; and once arrivals stop, everything ends within a boun
 steps. With the prefix cache: a page's reference count is the number of its holders (page
 tables, copies in flight, cache hits a resume holds), so every reference is released exactly
 once; no page is both free and referenced, or cached and referenced; only registered full pages
-are shared, and no step writes into a shared page.
+are shared, and no step writes into a shared page. With the host tier too: host bytes are
+cached + parked bytes, each host page counted once however many parked sequences hold it, never
+past the budget, and the cached part never past `--cache-ram`.
 """
 
 from collections import Counter
@@ -16,7 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvpark.pod.engine import Engine
+from kvpark.kernels.kv_copy import SyncCopyEngine
 from kvpark.pod.host_store import HostStore
+from kvpark.pod.host_tier import HostTier
 from kvpark.pod.kv_pool import KVPool
 from kvpark.pod.prefix_cache import PrefixCache
 from kvpark.pod.sampling import ChunkOutput, Sampled, SamplingParams
@@ -46,14 +50,20 @@ class FakeRunner:
 
 
 def make_engine(budget_pages: int, preempt: bool, preempt_every: int,
-                batch_size: int = 8, prefix_cache: bool = False) -> Engine:
+                batch_size: int = 8, prefix_cache: bool = False,
+                cache_pages: int | None = None) -> Engine:
+    """With `cache_pages` (-1: no cap of its own) the pool gets a host tier."""
     cache = PrefixCache("test-model", PAGE_SIZE) if prefix_cache else None
     pool = KVPool(num_layers=1, num_pages=NUM_PAGES, page_size=PAGE_SIZE, num_kv_heads=1,
                   head_dim=2, cache=cache)
     budget = budget_pages if budget_pages < 0 else budget_pages * pool.page_bytes
+    host = HostStore(budget)
+    if cache_pages is not None:
+        cap = cache_pages if cache_pages < 0 else cache_pages * pool.page_bytes
+        pool.tier = HostTier(host, SyncCopyEngine(pool), pool.host_page_shape, pool.dtype, cap)
     config = SchedulerConfig(num_slots=3, batch_size=batch_size, preempt=preempt,
                              preempt_every=preempt_every)
-    return Engine(Scheduler(config, Swapper(pool, HostStore(budget))),
+    return Engine(Scheduler(config, Swapper(pool, host)),
                   FakeRunner(pool if prefix_cache else None), frozenset({EOS}))
 
 
@@ -79,7 +89,10 @@ def check_invariants(engine: Engine, seqs: list[Sequence], finished: dict) -> No
     assert len(owned) + s.pool.num_free_pages == s.pool.num_pages, "pages leaked"
     parked_bytes = sum(seq.parking.host_bytes for seq in s.active
                        if seq.parking.host_kv is not None)
-    assert s.swapper.host.held_bytes == parked_bytes
+    if s.pool.tier is None:
+        assert s.swapper.host.held_bytes == parked_bytes
+    else:
+        check_host_tier(engine)
     if s.swapper.host.budget_bytes >= 0:
         assert s.swapper.host.held_bytes <= s.swapper.host.budget_bytes
     for seq in seqs:
@@ -91,6 +104,23 @@ def check_invariants(engine: Engine, seqs: list[Sequence], finished: dict) -> No
             assert seq.seq_id not in finished
         if seq.phase is Phase.PARKED:
             assert not seq.page_table
+
+
+def check_host_tier(engine: Engine) -> None:
+    """Host bytes = cached tier pages + tier pages parked sequences hold (once each) + the
+    parks' own buffers; the cached part within its cap."""
+    s = engine.scheduler
+    tier, host = s.pool.tier, s.swapper.host
+    held = Counter(id(page) for seq in s.active for page in seq.parking.tier_pages)
+    pages = {id(page): page for seq in s.active for page in seq.parking.tier_pages}
+    for key, count in held.items():
+        assert pages[key].holders == count, "a host page's holders != parked sequences on it"
+    own = sum(seq.parking.host_kv.untyped_storage().nbytes() for seq in s.active
+              if seq.parking.host_kv is not None)
+    assert host.held_bytes == tier.cached_bytes + len(pages) * tier.page_bytes + own
+    assert tier.parked_bytes <= len(pages) * tier.page_bytes  # replaced pages are not findable
+    if tier.cap_bytes >= 0:
+        assert tier.cached_bytes <= tier.cap_bytes
 
 
 def check_references(engine: Engine) -> None:
@@ -141,8 +171,22 @@ def test_invariants_hold_with_the_prefix_cache(events, budget_pages, preempt, pr
     run_events(events, budget_pages, preempt, preempt_every, prefix_cache=True)
 
 
-def run_events(events, budget_pages, preempt, preempt_every, prefix_cache=False):
-    engine = make_engine(budget_pages, preempt, preempt_every, prefix_cache=prefix_cache)
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(events=st.lists(prefix_event, max_size=60),
+       budget_pages=st.sampled_from([-1, 0, 1, 3, 8, 50]), preempt=st.booleans(),
+       preempt_every=st.sampled_from([0, 0, 3]), cache_pages=st.sampled_from([-1, 1, 4]))
+def test_invariants_hold_with_the_host_tier(events, budget_pages, preempt, preempt_every,
+                                            cache_pages):
+    """The same events with evicted pages kept in host RAM under the one budget: parks take
+    room from cached host pages, resumes and admissions copy pages back."""
+    run_events(events, budget_pages, preempt, preempt_every, prefix_cache=True,
+               cache_pages=cache_pages)
+
+
+def run_events(events, budget_pages, preempt, preempt_every, prefix_cache=False,
+               cache_pages=None):
+    engine = make_engine(budget_pages, preempt, preempt_every, prefix_cache=prefix_cache,
+                         cache_pages=cache_pages)
     s = engine.scheduler
     seqs: list[Sequence] = []
     finished: dict[int, int] = {}
@@ -173,7 +217,9 @@ def run_events(events, budget_pages, preempt, preempt_every, prefix_cache=False)
         engine.step()
         check_invariants(engine, seqs, finished)
     assert not s.has_work, "a request waits forever"
-    assert s.pool.num_free_pages == NUM_PAGES and s.swapper.host.held_bytes == 0
+    cached_on_host = s.pool.tier.cached_bytes if s.pool.tier is not None else 0
+    assert s.pool.num_free_pages == NUM_PAGES and s.swapper.host.held_bytes == cached_on_host
+    assert s.pool.tier is None or s.pool.tier.parked_bytes == 0
     for seq in seqs:
         assert seq.is_finished
         if seq.error is None and seq.finish_reason != "cancelled":
