@@ -1,9 +1,8 @@
 """Whether a generation request gets in: not while draining, not past --max-queue, and never one
-that could not finish even alone in the pool (refused up front with 400, as vLLM does, rather
-than parked forever).
+that could not finish even alone in the pool (refused up front with 400, as vLLM does).
 
-Only the engine's facade is read (`num_queued`, `capacity`): the capacity is fixed at start, so
-these checks run on the event loop without waiting for a step.
+Of the engine only its facade is read (`num_queued`, `capacity`): the capacity is fixed at
+start, so these checks run on the event loop without waiting for a step.
 """
 
 from __future__ import annotations
