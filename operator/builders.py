@@ -1,4 +1,5 @@
-"""Pure: a PreemptServer -> the plain dicts of its children (and the problems only we can see).
+"""Pure: a PreemptServer -> the plain dicts of its children (and, from `validation.py`, the
+problems only we can see).
 
 Every child is named like the PreemptServer, lives in its namespace and is owned by it (a
 controller owner reference), so deleting the PreemptServer garbage-collects them.
@@ -6,14 +7,13 @@ controller owner reference), so deleting the PreemptServer garbage-collects them
 
 from __future__ import annotations
 
-import argparse
 import math
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Mapping, Set
 from typing import Any, NamedTuple
 
 from kubernetes.utils.quantity import parse_quantity
 
-from kvpark.operator import crd, podtemplate
+from kvpark.operator import crd, podtemplate, validation
 from kvpark.operator.config import MANAGER, OperatorConfig
 from kvpark.operator.sizing import Sizing
 from kvpark.operator.status import Problem
@@ -34,17 +34,6 @@ SCALED_OBJECTS = "keda.sh/v1alpha1/scaledobjects"
 # one the cluster serves
 INFERENCE_POOLS = ("inference.networking.k8s.io/v1/inferencepools",
                    "inference.networking.x-k8s.io/v1alpha2/inferencepools")
-
-# ServerArgs fields the operator sets from the spec: server.args may not set them by any
-# spelling, nor server.env by KVPARK_<FIELD> or the llama.cpp aliases.
-RESERVED_FIELDS = ("model", "host", "port", "parallel", "ctx_size", "page_size", "preempt",
-                   "preempt_ram", "api_key", "shutdown_timeout")
-RESERVED_ENV = frozenset(
-    ["KVPARK_MEMORY_LIMIT"]
-    + [f"KVPARK_{f.upper()}" for f in RESERVED_FIELDS]
-    + [alias for f in RESERVED_FIELDS for alias in server_args.ALIASES.get(f, ())]
-)
-
 
 class Signal(NamedTuple):
     hpa_metric: str  # the name prometheus-adapter serves (manifests/autoscaling/)
@@ -523,65 +512,12 @@ def get_inference_pool(body: Mapping[str, Any], spec: Mapping[str, Any],
             "spec": pool}
 
 
-class ArgsError(Exception):
-    """server.args that kvpark-server would refuse."""
-
-
-def parse_server_args(args: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
-    """`args` as kvpark-server reads them, but without abbreviations (`--ctx` for `--ctx-size`):
-    the parsed values, and the tokens that are no flag of the server."""
-    parser = server_args.build_parser()
-    parser.allow_abbrev = False  # short flags with their value (-c4096) still parse
-
-    def fail(message: str) -> None:
-        raise ArgsError(message)
-
-    parser.error = fail  # type: ignore[method-assign]  # argparse would exit
-    return parser.parse_known_args(list(args))
-
-
-def get_flag(parser: argparse.ArgumentParser, field: str) -> str:
-    return next(a.option_strings[0] for a in parser._actions if a.dest == field)
-
-
-def get_args_problems(args: Sequence[str]) -> list[Problem]:
-    try:
-        parsed, unknown = parse_server_args(args)
-    except ArgsError as e:
-        return [Problem("InvalidArgument", f"server.args: {e}")]
-    problems = []
-    parser = server_args.build_parser()
-    reserved = [get_flag(parser, f) for f in RESERVED_FIELDS if getattr(parsed, f) is not None]
-    if reserved:
-        problems.append(Problem("ReservedArgument", f"server.args sets {', '.join(reserved)}, "
-                                "which the operator sets from the spec (use apiKeySecretRef "
-                                "for keys)"))
-    if unknown:
-        problems.append(Problem("UnknownArgument", f"server.args: {' '.join(unknown)}: not "
-                                "kvpark-server flags (spell flags in full: abbreviations are "
-                                "refused)"))
-    return problems
-
-
-def get_spec_problems(spec: Mapping[str, Any], name: str) -> list[Problem]:
-    problems = get_args_problems(spec["server"].get("args", []))
-    problems += podtemplate.get_template_problems(
-        spec.get("podTemplate") or {}, get_selector_labels(name), CONTAINER, RESERVED_ENV)
-    if spec["resources"]["gpus"] > crd.MAX_GPUS:  # a CRD from before the cap let it through
-        problems.append(Problem("TooManyGPUs", f"resources.gpus is {spec['resources']['gpus']} "
-                                f"but kvpark-server uses one device: set at most {crd.MAX_GPUS}"))
-    env = sorted({e["name"] for e in spec["server"].get("env", []) if e["name"] in RESERVED_ENV})
-    if env:
-        problems.append(Problem("ReservedArgument", f"server.env sets {', '.join(env)}, which "
-                                "the operator sets from the spec"))
-    return problems
-
-
 def get_children(body: Mapping[str, Any], spec: Mapping[str, Any], sizing: Sizing,
                  config: OperatorConfig, served: Set[str]) -> Children:
     """What to apply and what to delete; `served` holds the optional APIs the cluster serves."""
     name = body["metadata"]["name"]
-    problems = get_spec_problems(spec, name) + ([sizing.problem] if sizing.problem else [])
+    problems = validation.get_spec_problems(spec, get_selector_labels(name), CONTAINER)
+    problems += [sizing.problem] if sizing.problem else []
     apply = [get_deployment(body, spec, sizing, config), get_service(body)]
     delete: list[tuple[str, str, str]] = []
     notes: list[str] = []

@@ -11,7 +11,7 @@ import threading
 
 import uvicorn
 
-from .api import DRAIN_GRACE_SECONDS, Server, create_app
+from .api import create_app
 from .args import parse_args
 from .connections import (
     AcceptErrorLog,
@@ -20,6 +20,7 @@ from .connections import (
     raise_fd_limit,
     redact_access_log,
 )
+from .lifecycle import DRAIN_GRACE_SECONDS, Server
 
 log = logging.getLogger("kvpark")
 

@@ -339,8 +339,8 @@ def test_abbreviated_flags_are_refused() -> None:
 def test_the_args_check_needs_no_torch() -> None:
     """The operator's image may have no torch: the server's parser comes without it."""
     code = ("import sys; sys.modules['torch'] = None\n"
-            "from kvpark.operator import builders, handlers\n"
-            "assert builders.get_args_problems(['--ctx', '1'])\n")
+            "from kvpark.operator import handlers, validation\n"
+            "assert validation.get_args_problems(['--ctx', '1'])\n")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -30,8 +30,8 @@ def test_the_operator_imports_without_the_servers_dependencies() -> None:
         "import kvpark.operator\n"
         "for m in pkgutil.iter_modules(kvpark.operator.__path__):\n"
         "    importlib.import_module('kvpark.operator.' + m.name)\n"
-        "from kvpark.operator import builders\n"
-        "assert builders.get_args_problems(['--ctx', '1'])\n"
+        "from kvpark.operator import validation\n"
+        "assert validation.get_args_problems(['--ctx', '1'])\n"
         f"assert not any(sys.modules.get(n) for n in {blocked!r})\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd="/")

@@ -6,7 +6,6 @@ import logging
 import resource
 
 from kvpark.pod.__main__ import graceful_timeout
-from kvpark.pod.api import DRAIN_GRACE_SECONDS
 from kvpark.pod.args import parse_args
 from kvpark.pod.connections import (
     AcceptErrorLog,
@@ -15,6 +14,7 @@ from kvpark.pod.connections import (
     raise_fd_limit,
     redact_query,
 )
+from kvpark.pod.lifecycle import DRAIN_GRACE_SECONDS
 
 
 class FakeClock:

@@ -17,8 +17,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvpark.pod.engine import Engine
 from kvpark.kernels.kv_copy import SyncCopyEngine
+from kvpark.pod.engine import Engine
 from kvpark.pod.host_store import HostStore
 from kvpark.pod.host_tier import HostTier
 from kvpark.pod.kv_pool import KVPool

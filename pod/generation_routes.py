@@ -1,0 +1,119 @@
+"""The generation routes (chat, completions, llama.cpp's /completion): admit, read the body into
+requests, submit them to the engine, and answer as one JSON body or as a stream.
+
+A request counts as open from its admission until its response ended, so the drain waits for
+it; `admission.py` decides whether it gets in, `sse.py` shapes a stream, `formats.py` a body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from . import protocol
+from .admission import check_admission, check_fits
+from .auth import check_auth
+from .bridge import RequestStream, SSEResponse, wait_disconnect
+from .build_info import fingerprint
+from .error_handlers import error_response
+from .formats import failure, get_format
+from .lifecycle import SHUT_DOWN, Server
+from .protocol import ApiError
+from .request_body import read_body
+from .server import ServingStack
+from .sse import stream_events
+
+
+class GenerationRoutes:
+    def __init__(self, server: Server) -> None:
+        self.server = server
+
+    async def generate(self, request: Request) -> Response:
+        server = self.server
+        kind = request.scope["route_kind"]
+        check_auth(request, server.args.api_key)
+        stack = server.ready_stack()
+        check_admission(stack, server.draining, server.num_receiving, server.args.max_queue)
+        server.num_open += 1  # admitted: from here the drain waits for this response to end
+        streaming = False
+        try:
+            stream = await self.read_request(request, stack, kind)
+            if stream.request.stream:
+                response = SSEResponse(self.sse_events(stack, stream),
+                                       media_type="text/event-stream",
+                                       headers={"Cache-Control": "no-cache"})
+                response.on_close, streaming = server.end_request, True
+                return response
+            return await self.complete(request, stack, stream)
+        finally:
+            if not streaming:
+                server.end_request()
+
+    async def read_request(self, request: Request, stack: ServingStack,
+                           kind: str) -> RequestStream:
+        """Body -> request -> engine. It counts against --max-queue while its body comes in
+        and is parsed (the engine's queue counts it after)."""
+        server = self.server
+        server.num_receiving += 1
+        try:
+            raw = await read_body(request, server)
+            with stack.metrics.preparing.track_inprogress():  # templating, tokenising: off loop
+                gens = await run_in_threadpool(protocol.parse_requests, kind, raw,
+                                               stack.tokenizer, server.limits(stack),
+                                               stack.defaults)
+            for i, gen in enumerate(gens):
+                check_fits(stack, gen, f"[{i}]" if len(gens) > 1 else "")
+            if server.aborting:
+                raise ApiError(503, SHUT_DOWN, error_type="unavailable",
+                               headers={"Connection": "close"})
+            request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+            stream = merge_streams([RequestStream(asyncio.get_running_loop(), stack.tokenizer,
+                                                  gen, request_id) for gen in gens])
+            stack.engine.submit(stream.seqs)
+            return stream
+        finally:
+            server.num_receiving -= 1
+
+    async def complete(self, request: Request, stack: ServingStack,
+                       stream: RequestStream) -> Response:
+        done = asyncio.ensure_future(stream.wait_finished())
+        gone = asyncio.ensure_future(wait_disconnect(request))
+        await asyncio.wait({done, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not done.done():
+            done.cancel()
+            for seq in stream.seqs:
+                stack.engine.cancel(seq)
+            return Response(status_code=499)
+        gone.cancel()
+        failed = [seq for seq in stream.seqs if seq.failed]
+        if failed:
+            return error_response(failure(failed[0]))
+        return JSONResponse(get_format(self.server.model_name(stack), stream,
+                                       fingerprint(stack.numerics)).body())
+
+    def sse_events(self, stack: ServingStack, stream: RequestStream) -> AsyncIterator[str]:
+        return stream_events(stream, stack.engine, self.server.model_name(stack),
+                             fingerprint(stack.numerics), self.server.args.sse_keepalive)
+
+
+def merge_streams(streams: list[RequestStream]) -> RequestStream:
+    """A batched `prompt` as one stream: prompt p's j-th choice is choice p * n + j (OpenAI's
+    order), and all of them report to the first stream's queue."""
+    first = streams[0]
+    n = first.request.params.n
+    for p, stream in enumerate(streams[1:], 1):
+        for seq in stream.seqs:
+            if seq.index in stream.echoes:
+                first.echoes[p * n + seq.index] = stream.echoes[seq.index]
+            seq.index = p * n + seq.index
+            seq.request_id = f"{first.request_id}/{seq.index}"
+            seq.on_event = first.on_event
+            first.seqs.append(seq)
+    if len(streams) > 1 and n == 1:
+        first.seqs[0].request_id = f"{first.request_id}/0"
+    return first
