@@ -39,7 +39,9 @@ MIB = 1 << 20
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerProcess(["-np", "1", "-c", "1024"]) as server:
+    # the host tier keeps evicted pages by design (bounded by --preempt-ram, tested in
+    # test_host_tier.py): off here, so that what is measured is memory nobody asked for
+    with ServerProcess(["-np", "1", "-c", "1024", "--no-host-cache"]) as server:
         yield server
 
 
