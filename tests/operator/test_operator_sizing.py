@@ -116,3 +116,22 @@ def test_unknown_builtin_model() -> None:
     plan = sizing.get_sizing(spec(model={"uri": "builtin://gpt-5"}))
     assert plan.problem is not None and plan.problem.reason == "UnknownBuiltinModel"
     assert "builtin://smollm2-135m" in plan.problem.message
+
+
+@pytest.mark.parametrize("host_cache", [[], ["--no-host-cache"], ["--cache-ram", "512"],
+                                        ["--cache-ram", "0"]])
+def test_the_host_cache_lives_inside_the_budget_and_changes_no_limit(host_cache) -> None:
+    """The pod's host tier (on by default) is charged to --preempt-ram with the parks: the
+    memory limit, the budget and the flags the operator sets are the same with it on, capped
+    or off; the user's host-cache flags reach the server untouched."""
+    from test_operator_builders import arg, deployment_of, server_container
+
+    plain = server_container(deployment_of({"resources": {"gpus": 0}}))
+    with_flags = server_container(deployment_of({"resources": {"gpus": 0},
+                                                 "server": {"args": host_cache}}))
+    assert with_flags["resources"] == plain["resources"]
+    assert arg(with_flags, "--preempt-ram") == arg(plain, "--preempt-ram")
+    assert with_flags["args"][-len(host_cache) or len(with_flags["args"]):] == host_cache
+    base = sizing.get_sizing(spec(resources={"gpus": 0}))
+    assert base.memory == sizing.get_sizing(spec(resources={"gpus": 0},
+                                                 server={"args": host_cache})).memory
