@@ -20,6 +20,7 @@ from kvpark.kernels.torch_paged import TorchPagedAttention
 from kvpark.pod.cuda_graphs import DecodeGraphRunner
 from kvpark.pod.engine import Engine
 from kvpark.pod.host_store import HostStore
+from kvpark.pod.host_tier import HostTier
 from kvpark.pod.kv_pool import KVPool
 from kvpark.pod.model.llama import LlamaModel
 from kvpark.pod.prefix_cache import PrefixCache
@@ -94,7 +95,8 @@ class Stack:
     def __init__(self, model: LlamaModel, *, backend: str = "flashinfer",
                  graphs: str | None = "graph", prefix_cache: bool = True, num_pages: int = 64,
                  num_slots: int = 4, batch_size: int = 512, budget: int = -1,
-                 copy: str = "async", eos_ids: frozenset[int] = frozenset()) -> None:
+                 copy: str = "async", eos_ids: frozenset[int] = frozenset(),
+                 host_tier: bool = False) -> None:
         c = model.config
         cache = PrefixCache(f"synthetic:smollm2-135m|{DTYPE}", PAGE_SIZE) if prefix_cache \
             else None
@@ -114,6 +116,8 @@ class Stack:
         inner = SyncCopyEngine(self.pool) if copy == "sync" else make_copy_engine(self.pool)
         self.copy = RecordingCopy(inner)
         self.host = HostStore(budget, pin_memory=DEVICE.type == "cuda")
+        if host_tier:  # the prefix cache's host-RAM tier, under the same budget
+            self.pool.tier = HostTier(self.host, self.copy, self.pool.host_page_shape, DTYPE)
         config = SchedulerConfig(num_slots=num_slots, batch_size=batch_size,
                                  preempt_high=1.0, preempt_low=1.0)
         self.scheduler = Scheduler(config, Swapper(self.pool, self.host, self.copy))
