@@ -240,8 +240,7 @@ class Engine:
         The model runs without the lock: it only reads the plan's pages."""
         with self.lock:
             plan = self.scheduler.schedule()
-            if not plan and self.scheduler.swapper.num_in_flight:  # only copies in flight
-                self.scheduler.wait_for_copies()
+            if not plan and self.scheduler.wait_for_copies():  # only copies were in flight
                 return True
         if not plan:
             return False

@@ -25,11 +25,13 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from .host_store import HostStore
 from .host_tier import HostTier, TierStats
 from .metrics_llamacpp import LlamacppTotals, llamacpp_families
 from .scheduler import Scheduler
 from .slot import FinishReason, Sequence
 from .step_plan import ScheduledSeq
+from .swap import CopyTimes
 
 disable_created_metrics()  # no `_created` series: half the scrape, read by nobody
 
@@ -47,9 +49,10 @@ PARKS_BUCKETS = (0, 1, 2, 3, 5, 8, 13, 21, 50)
 class SchedulerCollector(Collector):
     """Reads the scheduler's state at scrape time, on the engine's lock (one consistent read)."""
 
-    def __init__(self, scheduler: Scheduler, lock: threading.RLock, model_name: str,
-                 llamacpp: LlamacppTotals) -> None:
+    def __init__(self, scheduler: Scheduler, host: HostStore, lock: threading.RLock,
+                 model_name: str, llamacpp: LlamacppTotals) -> None:
         self.scheduler = scheduler
+        self.host = host
         self.lock = lock
         self.model_name = model_name
         self.llamacpp = llamacpp
@@ -89,11 +92,11 @@ class SchedulerCollector(Collector):
         tier = s.pool.tier
         cached_on_host = tier.cached_bytes if tier is not None else 0
         yield _gauge("preempt_ram_bytes", "Host bytes held by parked sequences now",
-                     s.swapper.host.held_bytes - cached_on_host)
+                     self.host.held_bytes - cached_on_host)
         yield _gauge("preempt_ram_budget_bytes", "Host byte budget for parked sequences and "
-                     "the host cache together (-1: no limit)", s.swapper.host.budget_bytes)
+                     "the host cache together (-1: no limit)", self.host.budget_bytes)
         yield _gauge("host_ram_peak_bytes", "Most host bytes held at once, parked and cached "
-                     "together (never past the budget)", s.swapper.host.peak_bytes)
+                     "together (never past the budget)", self.host.peak_bytes)
         yield from _host_cache_families(tier)
         yield _counter("n_preempt", "Parks, swap and recompute", stats.n_preempt)
         yield _counter("n_resume", "Resumes of parked sequences", stats.n_resume)
@@ -153,12 +156,16 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
 
 
 class Metrics:
-    def __init__(self, scheduler: Scheduler, lock: threading.RLock | None = None,
-                 model_name: str = "kvpark") -> None:
+    """The scheduler's decisions, and the memory layer's host store and copy times, which the
+    wiring hands over (metrics does not reach through the scheduler into the memory layer)."""
+
+    def __init__(self, scheduler: Scheduler, host: HostStore, copy_times: CopyTimes,
+                 lock: threading.RLock | None = None, model_name: str = "kvpark") -> None:
         self.scheduler = scheduler
+        self.copy_times = copy_times
         self.registry = CollectorRegistry()
         self.llamacpp = LlamacppTotals()
-        self.registry.register(SchedulerCollector(scheduler, lock or threading.RLock(),
+        self.registry.register(SchedulerCollector(scheduler, host, lock or threading.RLock(),
                                                   model_name, self.llamacpp))
         # seq_id -> (when its latest token came, tokens generated then)
         self.last_token_at: dict[int, tuple[float, int]] = {}
@@ -215,8 +222,8 @@ class Metrics:
         if decoding:
             self.decode_batch.observe(decoding)
         tier = self.scheduler.pool.tier
-        drained = [(self.scheduler.stats.park_seconds, self.park_copy),
-                   (self.scheduler.stats.resume_seconds, self.resume_copy)]
+        drained = [(self.copy_times.park, self.park_copy),
+                   (self.copy_times.resume, self.resume_copy)]
         if tier is not None:
             drained += [(tier.stats.save_seconds, self.host_save),
                         (tier.stats.load_seconds, self.host_load)]

@@ -14,7 +14,7 @@ not fit.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .paging import pages_for
 from .slot import PreemptMode, Sequence
@@ -38,8 +38,17 @@ class PreemptStats:
     n_swap_fallbacks: int = 0  # host allocation refused, parked by recompute instead
     n_watermark_parks: int = 0  # parked before the wall: the next step passed the high mark
     n_restore_refused_watermark: int = 0  # a restore that fit, held back by the low mark
-    park_seconds: list[float] = field(default_factory=list)  # copy durations, drained by metrics
-    resume_seconds: list[float] = field(default_factory=list)
+
+    def count_park(self, mode: PreemptMode, fell_back: bool) -> None:
+        self.n_preempt += 1
+        self.n_preempt_swap += mode is PreemptMode.SWAP
+        self.n_preempt_recompute += mode is PreemptMode.RECOMPUTE
+        self.n_swap_fallbacks += fell_back
+
+    def count_resume(self, replay_tokens: int, cached: bool) -> None:
+        self.n_resume += 1
+        self.n_recompute_tokens += replay_tokens
+        self.n_preempt_cached += cached
 
 
 def held_tokens(seq: Sequence) -> int:
@@ -80,6 +89,13 @@ def _smallest_fresh(candidates: list[Sequence]) -> Sequence:
     return min(candidates, key=lambda s: (held_tokens(s), -s.arrival, -s.seq_id))
 
 
+def sibling_prefilling(seq: Sequence, running: Iterable[Sequence], prefix_cache: bool) -> bool:
+    """With a prefix cache, an `n > 1` sibling waits while another computes their shared
+    prompt, then takes its full pages from the cache instead of computing them again."""
+    return prefix_cache and seq.in_family and any(
+        s.in_family and s.in_prompt and s.prompt_ids == seq.prompt_ids for s in running)
+
+
 def fits_budget(num_bytes: int, budget_bytes: int, held_bytes: int) -> bool:
     """The one `--preempt-ram` rule, for the decision and for the store that keeps it: -1 has
     no limit, 0 holds nothing (always recompute), N holds at most N bytes in all."""
@@ -92,6 +108,12 @@ def choose_mode(swap_bytes: int, budget_bytes: int, held_bytes: int) -> PreemptM
     """Swap when the victim's pages fit what remains of the budget, else recompute."""
     fits = fits_budget(swap_bytes, budget_bytes, held_bytes)
     return PreemptMode.SWAP if fits else PreemptMode.RECOMPUTE
+
+
+def came_back_cached(released_pages: int, restored_pages: int, replay_tokens: int) -> bool:
+    """A resume that found every full page its park released in a cache tier, replaying
+    nothing: counted (and shown) as cached."""
+    return released_pages > 0 and restored_pages == released_pages and not replay_tokens
 
 
 def passes_high(used_pages: int, soon_free: int, step_pages: int, high_pages: int) -> bool:
@@ -108,6 +130,49 @@ def may_restore(need_pages: int, available: int, projected: int, low_pages: int,
     fits = need_pages <= available
     below_low = not anyone_running or projected + need_pages <= low_pages
     return fits, below_low
+
+
+@dataclass(frozen=True)
+class Restores:
+    """One step's restore decisions."""
+
+    resume: list[Sequence]
+    never_fit: list[Sequence]  # grown to within the margin of the whole pool: they end
+    refused_by_watermark: int  # restores that fit but the low watermark held back
+
+
+@dataclass(frozen=True)
+class PoolRoom:
+    """The pool as a restore sees it."""
+
+    available: int  # free pages not promised to running sequences
+    projected: int  # used pages once the running ones have taken what they are promised
+    low_pages: int  # the low watermark
+    capacity_tokens: int
+    page_size: int
+
+
+def plan_restores(ordered: list[Sequence], room: PoolRoom, batch_size: int, fair: bool,
+                  anyone_running: bool) -> Restores:
+    """Walk the parked sequences in restore order: each that fits the pages not promised to
+    running ones, keeping the pool below the low watermark, is resumed; in the "fair" order
+    nobody passes a head that does not fit."""
+    resume, never_fit, refused = [], [], 0
+    available, projected = room.available, room.projected
+    for seq in ordered:
+        if can_never_fit(seq, room.capacity_tokens):
+            never_fit.append(seq)
+            continue
+        need = pages_for(restore_need_tokens(seq, batch_size), room.page_size)
+        fits, below_low = may_restore(need, available, projected, room.low_pages,
+                                      anyone_running=anyone_running or bool(resume))
+        refused += fits and not below_low
+        if fits and below_low:
+            available, projected = available - need, projected + need
+            resume.append(seq)
+        elif fair:
+            break  # nobody passes a head that does not fit
+    return Restores(resume, never_fit, refused)
 
 
 def restore_order(parked: Iterable[Sequence], order: str = "spec") -> list[Sequence]:

@@ -38,7 +38,7 @@ class Scheduler:
         # parking copies; on CUDA they run on their own stream while other slots keep decoding,
         # and a sequence whose copy is in flight is neither scheduled nor chosen
         self.swapper = swapper
-        self.stats: PreemptStats = swapper.stats
+        self.stats = PreemptStats()  # counted here, where the decisions are
         self.on_finish: Callable[[Sequence], None] = lambda seq: None  # metrics hook
         self.waiting: deque[Sequence] = deque()
         self.arrived: list[Sequence] = []  # since the last admission: told if they must wait
@@ -76,8 +76,7 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: FinishReason | str,
                error: str | None = None) -> None:
-        """End a sequence exactly once and give back everything it holds; `error` says what
-        went wrong for a failure (the API decides what a client is told)."""
+        """End a sequence once, giving back all it holds; `error` says what went wrong."""
         if seq.is_finished:
             return
         seq.parking.end(time.monotonic())
@@ -86,9 +85,7 @@ class Scheduler:
             self.waiting.remove(seq)
         if seq.slot_id is not None:
             self.slots[seq.slot_id] = None
-        seq.phase = Phase.FINISHED
-        seq.finish_reason, seq.error = FinishReason(reason), error
-        seq.finished_at = time.monotonic()
+        seq.mark_finished(FinishReason(reason), error, time.monotonic())
         log.debug("seq %s finished: %s %s", seq.request_id, seq.finish_reason.value, error or "")
         self.notify(seq, SeqEvent.FINISHED)
 
@@ -98,7 +95,8 @@ class Scheduler:
 
     def _admit(self) -> None:
         for slot_id, occupant in enumerate(self.slots):
-            eligible = [s for s in self.waiting if not self._sibling_prefilling(s)]
+            eligible = [s for s in self.waiting if not policy.sibling_prefilling(
+                s, self.running, self.pool.cache is not None)]
             if occupant is not None or not eligible:
                 continue
             # highest priority first, first come first served within a priority
@@ -114,12 +112,6 @@ class Scheduler:
         for seq in [s for s in self.arrived if s.phase is Phase.WAITING]:
             self.notify(seq, SeqEvent.QUEUED)
         self.arrived = []
-
-    def _sibling_prefilling(self, seq: Sequence) -> bool:
-        """With a prefix cache, an `n > 1` sibling waits while another computes their shared
-        prompt, then takes its full pages from the cache instead of computing them again."""
-        return self.pool.cache is not None and seq.in_family and any(
-            s.in_family and s.in_prompt and s.prompt_ids == seq.prompt_ids for s in self.running)
 
     # ---- the step plan -----------------------------------------------------------------------
     def schedule(self) -> list[ScheduledSeq]:
@@ -159,12 +151,16 @@ class Scheduler:
 
     # ---- parking -----------------------------------------------------------------------------
     def park(self, seq: Sequence, wait: bool = True) -> PreemptMode:
-        """Park a running sequence: swap or recompute, as the budget allows (see `Swapper`)."""
+        """Park a running sequence: swap or recompute, the policy's choice on the swap's cost."""
         assert seq.phase is Phase.RUNNING, f"cannot park a {seq.phase.value} sequence"
-        mode = self.swapper.park(seq, wait)
+        plan = self.swapper.plan_park(seq)
+        mode = policy.choose_mode(plan.swap_bytes, plan.budget_bytes, plan.held_bytes)
+        result = self.swapper.park(seq, plan, mode, wait)
+        seq.parking.begin(result.mode, time.monotonic())
+        self.stats.count_park(result.mode, result.fell_back)
         seq.phase = Phase.PARKED
         self.notify(seq, SeqEvent.PARKED)
-        return mode
+        return result.mode
 
     def park_manually(self, seq: Sequence) -> None:
         """POST /slots/{id}?action=park: the normal mode decision; stays parked until unpark."""
@@ -182,37 +178,27 @@ class Scheduler:
             self.resume(seq)
 
     def _force_parks(self) -> None:
-        every = self.config.preempt_every
-        if every <= 0:
-            return
-        for seq in self.running:
+        every = self.config.preempt_every  # 0: off
+        for seq in self.running if every > 0 else ():
             if seq.parking.tokens_since_forced >= every and not seq.in_family:
                 self.park(seq)
 
     # ---- restoring ---------------------------------------------------------------------------
     def _restore_parked(self) -> None:
-        parked = [s for s in self.parked
-                   if not s.parking.manual and not self.swapper.is_busy(s)]
+        parked = [s for s in self.parked if not s.parking.manual and not self.swapper.is_busy(s)]
         running = self.running
         promised = policy.promised_pages(running, self.pool.page_size, self.config.batch_size)
-        available = self.pool.num_free_pages - promised
-        projected = self.pool.num_used_pages + promised
-        head_of_line = self.config.resume_order == "fair"
-        for seq in policy.restore_order(parked, self.config.resume_order):
-            if policy.can_never_fit(seq, self.pool.capacity_tokens):
-                self.finish(seq, FinishReason.CONTEXT_EXCEEDED, CONTEXT_EXCEEDED)
-                continue
-            need = self.pool.pages_for(policy.restore_need_tokens(seq, self.config.batch_size))
-            fits, below_low = policy.may_restore(need, available, projected, self.low_pages,
-                                                 anyone_running=bool(running))
-            self.stats.n_restore_refused_watermark += fits and not below_low
-            if fits and below_low:
-                available -= need
-                projected += need
-                running = [*running, seq]
-                self.resume(seq)
-            elif head_of_line:
-                break  # nobody passes a head that does not fit
+        room = policy.PoolRoom(self.pool.num_free_pages - promised,
+                               self.pool.num_used_pages + promised, self.low_pages,
+                               self.pool.capacity_tokens, self.pool.page_size)
+        restores = policy.plan_restores(
+            policy.restore_order(parked, self.config.resume_order), room,
+            self.config.batch_size, self.config.resume_order == "fair", bool(running))
+        self.stats.n_restore_refused_watermark += restores.refused_by_watermark
+        for seq in restores.never_fit:
+            self.finish(seq, FinishReason.CONTEXT_EXCEEDED, CONTEXT_EXCEEDED)
+        for seq in restores.resume:
+            self.resume(seq)
 
     def resume(self, seq: Sequence) -> None:
         """Give a parked sequence its pages back; an asynchronous copy completes it later."""
@@ -226,13 +212,26 @@ class Scheduler:
         for seq in self.swapper.reap():
             self._mark_resumed(seq)
 
-    def wait_for_copies(self) -> None:
-        """Block until every copy in flight has landed, then settle them (idle or shutdown)."""
+    def wait_for_copies(self) -> bool:
+        """Block until every copy in flight has landed, then settle them (idle or shutdown);
+        False when none was in flight."""
+        waited = bool(self.swapper.num_in_flight)
         for seq in self.swapper.wait_all():
             self._mark_resumed(seq)
+        return waited
 
     def _mark_resumed(self, seq: Sequence) -> None:
-        self.swapper.account_resume(seq)
+        """Count a landed resume: every full page back from a cache tier, no replay: cached."""
+        parked_for, parked_by = seq.parking.end(time.monotonic()), seq.parking.mode
+        report = self.swapper.resume_report(seq)
+        cached = policy.came_back_cached(report.released_pages, report.restored_pages,
+                                         report.replay_tokens)
+        seq.parking.resumed_from = report.sources
+        seq.parking.mode = PreemptMode.CACHED if cached else parked_by
+        self.stats.count_resume(report.replay_tokens, cached)
+        log.info("seq %s (slot %s) resumed after %.1f ms parked by %s: %d tokens back in the pool "
+                 "(from %s), %d to replay", seq.request_id, seq.slot_id, parked_for * 1e3,
+                 parked_by.value, seq.num_computed, "+".join(report.sources), report.replay_tokens)
         seq.phase = Phase.RUNNING
         self.notify(seq, SeqEvent.RESUMED)
 

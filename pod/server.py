@@ -278,7 +278,7 @@ def build_stack(args: ServerArgs) -> ServingStack:
     scheduler = Scheduler(scheduler_config, swapper)
     lock = threading.RLock()  # the engine's: the metrics collector reads state under it
     served = args.served_model_name[0] if args.served_model_name else loaded.name
-    metrics = Metrics(scheduler, lock, model_name=served)
+    metrics = Metrics(scheduler, host, swapper.copy_times, lock, model_name=served)
     memory = SlotMemory(pool, args.parallel)
 
     def on_finish(seq: Sequence) -> None:

@@ -98,6 +98,13 @@ class ParkState:
     manual: bool = False  # parked through POST /slots/{id}?action=park; waits for unpark
     seconds: float = 0.0  # total time parked
 
+    def begin(self, mode: PreemptMode, now: float) -> None:
+        """A park starts: its mode and clock; the history counts it."""
+        self.mode, self.parked_at = mode, now
+        self.n_preempt += 1
+        self.n_recompute += mode is PreemptMode.RECOMPUTE
+        self.tokens_since_forced = 0
+
     def end(self, now: float) -> float:
         """Close the current park's clock; returns how long it lasted."""
         if self.parked_at is None:
@@ -147,6 +154,10 @@ class Sequence:
     def __post_init__(self) -> None:
         if not self.tokens:
             self.tokens = list(self.prompt_ids)
+
+    def mark_finished(self, reason: FinishReason, error: str | None, now: float) -> None:
+        self.phase = Phase.FINISHED
+        self.finish_reason, self.error, self.finished_at = reason, error, now
 
     @property
     def num_prompt(self) -> int:

@@ -34,11 +34,9 @@ from dataclasses import dataclass, field
 
 from kvpark.kernels.kv_copy import CopyEngine, CopyKind, SyncCopyEngine, Ticket
 
-from . import preemption as policy
 from .host_store import HostAllocationError, HostStore
 from .host_tier import HostPage, HostTier
 from .kv_pool import KVPool
-from .preemption import PreemptStats
 from .slot import PreemptMode, Sequence
 
 log = logging.getLogger("kvpark.swap")
@@ -82,6 +80,14 @@ class ParkTransfer:
         return Release(Outcome.RESUMED, (), release_host=True)
 
 
+@dataclass
+class CopyTimes:
+    """Durations of swap copies, park and resume (seconds; drained by the metrics)."""
+
+    park: list[float] = field(default_factory=list)
+    resume: list[float] = field(default_factory=list)
+
+
 @dataclass(frozen=True)
 class TierPart:
     """The full pages a swap keeps in the host tier, and what that costs in host bytes."""
@@ -91,6 +97,35 @@ class TierPart:
     origins: list[int] = field(default_factory=list)
     new_bytes: int = 0  # for the pages the tier does not hold with the same bytes
     reclaimable_bytes: int = 0  # cached host bytes a swap may drop (not those it reuses)
+
+
+@dataclass(frozen=True)
+class ParkPlan:
+    """One sequence's park as the memory layer sees it: the scheduler decides the mode from
+    the cost (the pure policy) and hands the plan back to `Swapper.park` to carry out."""
+
+    resident: int  # leading pages others hold too: they stay in the pool
+    tiered: TierPart  # full pages the host tier keeps (a swap only)
+    copied: tuple[int, ...]  # pages a swap copies into a buffer of its own
+    swap_bytes: int  # host bytes a swap needs
+    budget_bytes: int  # --preempt-ram
+    held_bytes: int  # held now, less the cached host pages a swap may drop for room
+
+
+@dataclass(frozen=True)
+class ParkResult:
+    mode: PreemptMode  # as carried out: SWAP or RECOMPUTE
+    fell_back: bool = False  # ordered to swap, the host refused a buffer: recomputed
+
+
+@dataclass(frozen=True)
+class ResumeReport:
+    """Where a landed resume found its K/V."""
+
+    released_pages: int  # full pages its park released into the pool's cache
+    restored_pages: int  # of those, back from a cache tier (pool; host too for a recompute)
+    replay_tokens: int  # tokens it still recomputes
+    sources: tuple[str, ...]  # pool, host, recompute: what /slots shows
 
 
 class TransferTracker:
@@ -137,12 +172,11 @@ class TransferTracker:
 class Swapper:
     """Parks and restores sequences' KV; the only pod module (with the runner) using kernels."""
 
-    def __init__(self, pool: KVPool, host: HostStore, copy: CopyEngine | None = None,
-                 stats: PreemptStats | None = None) -> None:
+    def __init__(self, pool: KVPool, host: HostStore, copy: CopyEngine | None = None) -> None:
         self.pool = pool
         self.host = host
         self.copy = copy or SyncCopyEngine(pool)
-        self.stats = stats or PreemptStats()
+        self.copy_times = CopyTimes()
         self.transfers = TransferTracker()
 
     @property
@@ -162,83 +196,61 @@ class Swapper:
         return self.transfers.is_busy(seq)
 
     # ---- park --------------------------------------------------------------------------------
-    def park(self, seq: Sequence, wait: bool = True) -> PreemptMode:
-        """Take a running sequence's pages: swapped when the budget allows, else dropped; with
-        a prefix cache its full pages stay cached once let go.
+    def plan_park(self, seq: Sequence) -> ParkPlan:
+        """What parking a running sequence involves and what a swap would cost the budget; the
+        scheduler picks the mode (the pure policy) and hands the plan back to `park`. With a
+        prefix cache its full pages are registered here, so that they stay cached once let go."""
+        self._offer_full_pages(seq)
+        resident = self._num_resident(seq)
+        tiered = self._tier_part(seq, resident)
+        copied = tuple(seq.page_table[resident + len(tiered.pages):])
+        return ParkPlan(resident, tiered, copied,
+                        swap_bytes=self.pool.swap_bytes(len(copied)) + tiered.new_bytes,
+                        budget_bytes=self.host.budget_bytes,
+                        held_bytes=self.host.held_bytes - tiered.reclaimable_bytes)
+
+    def park(self, seq: Sequence, plan: ParkPlan, mode: PreemptMode, wait: bool = True
+             ) -> ParkResult:
+        """Carry out a park the scheduler decided: swap (falling through to recompute where the
+        host refuses a buffer) or recompute; the sequence's pages go back to the pool.
 
         With `wait=False` an asynchronous copy may still be in flight on return; its pages come
         back to the pool when it lands (`reap`).
         """
         started = time.perf_counter()
-        self._offer_full_pages(seq)
-        resident = self._num_resident(seq)
-        tiered = self._tier_part(seq, resident)
-        pages, copied = seq.page_table, seq.page_table[resident + len(tiered.pages):]
-        num_bytes = self.pool.swap_bytes(len(copied)) + tiered.new_bytes
-        mode = policy.choose_mode(num_bytes, self.host.budget_bytes,
-                                  self.host.held_bytes - tiered.reclaimable_bytes)
-        ticket = self._start_park_copy(seq, tiered, copied, num_bytes) \
-            if mode is PreemptMode.SWAP else None
+        ticket = self._start_park_copy(seq, plan) if mode is PreemptMode.SWAP else None
+        pages = seq.page_table
         if ticket is None:
-            mode = PreemptMode.RECOMPUTE
             seq.parking.replay_until, seq.num_computed = seq.num_computed, 0
         else:
-            seq.parking.resident_pages = resident
+            seq.parking.resident_pages = plan.resident
         if ticket is not None and wait:
             self.copy.wait(ticket)
         if ticket is not None and not self.copy.poll(ticket):
-            self.pool.free(pages[:resident + len(tiered.pages)])  # the tier's copy is ordered
+            self.pool.free(pages[:plan.resident + len(plan.tiered.pages)])  # tier: ordered
             self.transfers.start(seq, ticket)  # the copied pages stay allocated until it lands
         else:
             self.pool.free(pages)
             if ticket is not None:
-                self.stats.park_seconds.append(time.perf_counter() - started)
+                self.copy_times.park.append(time.perf_counter() - started)
         seq.page_table = []
-        self._account_park(seq, mode)
-        return mode
-
-    def _account_park(self, seq: Sequence, mode: PreemptMode) -> None:
-        seq.parking.mode, seq.parking.parked_at = mode, time.monotonic()
-        seq.parking.n_preempt += 1
-        seq.parking.tokens_since_forced = 0
-        self.stats.n_preempt += 1
-        if mode is PreemptMode.SWAP:
-            self.stats.n_preempt_swap += 1
-        else:
-            self.stats.n_preempt_recompute += 1
-            seq.parking.n_recompute += 1
+        done = PreemptMode.SWAP if ticket is not None else PreemptMode.RECOMPUTE
         log.info("seq %s (slot %s) parked by %s: %d tokens, %d host bytes%s", seq.request_id,
-                 seq.slot_id, mode.value, len(seq.tokens), seq.parking.host_bytes,
+                 seq.slot_id, done.value, len(seq.tokens), seq.parking.host_bytes,
                  ", copy in flight" if self.is_busy(seq) else "")
+        return ParkResult(done, fell_back=mode is PreemptMode.SWAP and ticket is None)
 
-    def account_resume(self, seq: Sequence) -> None:
-        """Close the park's clock and count the resume; a resume that took every full page
-        back from the cache and replays nothing counts (and shows in /slots) as cached."""
-        parked_for = seq.parking.end(time.monotonic())
-        self.stats.n_resume += 1
-        replay = seq.parking.replay_until - seq.num_computed if seq.is_replaying else 0
-        self.stats.n_recompute_tokens += replay
-        parked_by = seq.parking.mode.value
-        released = seq.parking.cached_pages
-        seq.parking.resumed_from = self._resumed_from(seq, replay)
-        if released and seq.parking.restored_pages == len(released) and not replay:
-            seq.parking.mode = PreemptMode.CACHED
-            self.stats.n_preempt_cached += 1
-        log.info("seq %s (slot %s) resumed after %.1f ms parked by %s: %d tokens back in the "
-                 "pool (from %s), %d to replay", seq.request_id, seq.slot_id, parked_for * 1e3,
-                 parked_by, seq.num_computed, "+".join(seq.parking.resumed_from) or "nothing",
-                 replay)
-
-    def _resumed_from(self, seq: Sequence, replay: int) -> tuple[str, ...]:
-        """Where the resume found its K/V, for /slots: pages still in the pool, host RAM (the
-        host tier or its own swap buffer), and a recompute of the rest."""
+    def resume_report(self, seq: Sequence) -> ResumeReport:
+        """What a resume that has landed found where (the scheduler classifies and counts it)."""
         p = seq.parking
+        replay = p.replay_until - seq.num_computed if seq.is_replaying else 0
         swapped = p.mode is PreemptMode.SWAP and not replay
         from_pool = p.restored_pages - (0 if swapped else p.restored_from_host)
         from_host = p.restored_from_host > 0 or (
             swapped and from_pool < self.pool.pages_for(p.swapped_tokens))
-        return tuple(name for name, used in (("pool", from_pool > 0), ("host", from_host),
-                                             ("recompute", replay > 0)) if used)
+        sources = tuple(name for name, used in (("pool", from_pool > 0), ("host", from_host),
+                                                ("recompute", replay > 0)) if used)
+        return ResumeReport(len(p.cached_pages), p.restored_pages, replay, sources)
 
     def _offer_full_pages(self, seq: Sequence) -> None:
         """With a prefix cache: make sure its full computed pages are registered, so that they
@@ -273,21 +285,19 @@ class Swapper:
         return TierPart(pages, hashes, origins, self.tier.new_bytes_for(hashes, origins),
                         self.tier.reclaimable_bytes(sparing=hashes))
 
-    def _start_park_copy(self, seq: Sequence, tiered: TierPart, pages: list[int],
-                         num_bytes: int) -> Ticket | None:
+    def _start_park_copy(self, seq: Sequence, plan: ParkPlan) -> Ticket | None:
         """The copy into the host tier and a fresh host buffer, or None where the host refused
         a buffer."""
         try:
-            seq.parking.tier_pages = self._save_to_tier(tiered, num_bytes)
-            seq.parking.host_kv = self.host.allocate(self.pool.swap_shape(len(pages)),
+            seq.parking.tier_pages = self._save_to_tier(plan.tiered, plan.swap_bytes)
+            seq.parking.host_kv = self.host.allocate(self.pool.swap_shape(len(plan.copied)),
                                                      self.pool.dtype)
         except HostAllocationError as exc:
             log.warning("seq %s: %s; parking by recompute", seq.request_id, exc)
-            self.stats.n_swap_fallbacks += 1
             self._let_go_of_tier(seq)
             return None
-        seq.parking.host_bytes, seq.parking.swapped_tokens = num_bytes, seq.num_computed
-        return self.copy.start_park(pages, seq.parking.host_kv)
+        seq.parking.host_bytes, seq.parking.swapped_tokens = plan.swap_bytes, seq.num_computed
+        return self.copy.start_park(list(plan.copied), seq.parking.host_kv)
 
     def _save_to_tier(self, tiered: TierPart, num_bytes: int) -> list[HostPage]:
         if self.tier is None:
@@ -381,7 +391,7 @@ class Swapper:
         self._let_go_of_tier(seq)
         seq.parking.host_kv, seq.parking.host_bytes = None, 0
         seq.parking.resident_pages = 0
-        self.stats.resume_seconds.append(time.perf_counter() - started)
+        self.copy_times.resume.append(time.perf_counter() - started)
 
     # ---- copies in flight --------------------------------------------------------------------
     def reap(self) -> list[Sequence]:
@@ -396,7 +406,7 @@ class Swapper:
             if release.release_host:  # cancelled mid-copy
                 self.host.release(ticket.host_buf)
             else:
-                self.stats.park_seconds.append(time.perf_counter() - ticket.started_at)
+                self.copy_times.park.append(time.perf_counter() - ticket.started_at)
         return resumed
 
     def wait_all(self) -> list[Sequence]:

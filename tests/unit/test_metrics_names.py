@@ -21,9 +21,9 @@ class FakeRunner:
 
 def make_engine() -> tuple[Engine, Metrics]:
     pool = KVPool(num_layers=1, num_pages=32, page_size=4, num_kv_heads=1, head_dim=2)
-    scheduler = Scheduler(SchedulerConfig(num_slots=4, batch_size=64), Swapper(pool,
-                                                                               HostStore(0)))
-    metrics = Metrics(scheduler, model_name="kv-test")
+    swapper = Swapper(pool, HostStore(0))
+    scheduler = Scheduler(SchedulerConfig(num_slots=4, batch_size=64), swapper)
+    metrics = Metrics(scheduler, swapper.host, swapper.copy_times, model_name="kv-test")
     scheduler.on_finish = metrics.on_finish
     return Engine(scheduler, FakeRunner(), frozenset({3}), on_step=metrics.on_step), metrics
 

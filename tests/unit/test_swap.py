@@ -7,11 +7,12 @@ from fake_copy import FakeCopyEngine
 from test_kv_copy import filled_pool
 
 from kvpark.kernels.kv_copy import CopyKind, SyncCopyEngine
+from kvpark.pod import preemption as policy
 from kvpark.pod.host_store import HostStore
 from kvpark.pod.kv_pool import KVPool
 from kvpark.pod.sampling import SamplingParams
 from kvpark.pod.slot import PreemptMode, Sequence
-from kvpark.pod.swap import Outcome, ParkTransfer, Swapper, TransferTracker
+from kvpark.pod.swap import Outcome, ParkResult, ParkTransfer, Swapper, TransferTracker
 
 
 def make_seq(pool: KVPool, num_pages: int) -> Sequence:
@@ -108,13 +109,20 @@ def test_tracker_with_fake_engine_park_resume_cancel():
     assert pool.num_free_pages == 6 and host.held_bytes == 0
 
 
+def park(swapper: Swapper, seq, wait: bool = True) -> ParkResult:
+    """What the scheduler does: the swapper's plan, the policy's mode, the swapper's park."""
+    plan = swapper.plan_park(seq)
+    mode = policy.choose_mode(plan.swap_bytes, plan.budget_bytes, plan.held_bytes)
+    return swapper.park(seq, plan, mode, wait)
+
+
 def test_wait_all_waits_for_every_copy():
     pool = filled_pool()
     engine = FakeCopyEngine(pool)
     swapper = Swapper(pool, HostStore(-1), engine)
     seqs = [make_seq(pool, num_pages=2) for _ in range(3)]
     for s in seqs:
-        swapper.park(s, wait=False)
+        park(swapper, s, wait=False)
     assert swapper.num_in_flight == 3
     with pytest.raises(AssertionError, match="never completed"):
         swapper.wait_all()
@@ -131,7 +139,7 @@ def test_swap_park_then_resume_restores_the_bytes_into_new_pages():
     swapper = Swapper(pool, host, SyncCopyEngine(pool))
     seq = make_seq(pool, num_pages=3)
     before = [cache[seq.page_table].clone() for cache in pool.caches]
-    assert swapper.park(seq) is PreemptMode.SWAP
+    assert park(swapper, seq).mode is PreemptMode.SWAP
     assert seq.page_table == [] and pool.num_free_pages == 8
     assert host.held_bytes == seq.parking.host_bytes == pool.swap_bytes(3)
     pool.allocate(2)  # someone else takes the low pages meanwhile
@@ -148,7 +156,7 @@ def test_over_the_budget_a_park_drops_the_pages_for_a_replay(budget):
     pool = filled_pool()
     swapper = Swapper(pool, HostStore(budget))
     seq = make_seq(pool, num_pages=2)
-    assert swapper.park(seq) is PreemptMode.RECOMPUTE
+    assert park(swapper, seq) == ParkResult(PreemptMode.RECOMPUTE, fell_back=False)
     assert seq.parking.replay_until == 8 and seq.num_computed == 0 and seq.parking.host_kv is None
     assert pool.num_free_pages == 8 and swapper.resume(seq)
 
@@ -164,8 +172,8 @@ def test_a_refused_host_buffer_falls_through_to_recompute(monkeypatch):
 
     monkeypatch.setattr(host, "allocate", refuse)
     seq = make_seq(pool, num_pages=2)
-    assert swapper.park(seq) is PreemptMode.RECOMPUTE
-    assert swapper.stats.n_swap_fallbacks == 1 and pool.num_free_pages == 8
+    assert park(swapper, seq) == ParkResult(PreemptMode.RECOMPUTE, fell_back=True)
+    assert pool.num_free_pages == 8
 
 
 def test_cancel_gives_back_pages_and_host_bytes():
@@ -173,7 +181,7 @@ def test_cancel_gives_back_pages_and_host_bytes():
     host = HostStore(-1)
     swapper = Swapper(pool, host)
     running, parked = make_seq(pool, num_pages=2), make_seq(pool, num_pages=3)
-    swapper.park(parked)
+    park(swapper, parked)
     swapper.cancel(running)
     swapper.cancel(parked)
     assert pool.num_free_pages == 8 and host.held_bytes == 0
