@@ -78,6 +78,8 @@ def chat_turn(url: str, conv: Conversation, text: str, max_tokens: int) -> dict:
                 if not line.startswith("data: {"):
                     continue
                 chunk = json.loads(line[6:])
+                if "error" in chunk:  # llama-server reports a failure mid-stream, after the 200
+                    error = json.dumps(chunk["error"])
                 for choice in chunk.get("choices", []):
                     content = choice.get("delta", {}).get("content")
                     if content:
@@ -88,6 +90,8 @@ def chat_turn(url: str, conv: Conversation, text: str, max_tokens: int) -> dict:
                 usage = chunk.get("usage") or usage
     except httpx.HTTPError as exc:
         error = f"{type(exc).__name__}: {exc}"
+    if error is None and not usage.get("completion_tokens") and not "".join(parts):
+        error = "no answer"
     conv.messages.append({"role": "assistant", "content": "".join(parts)})
     details = usage.get("prompt_tokens_details") or {}
     turn = {"ttft": ttft, "itl": gaps(arrivals), "seconds": time.perf_counter() - started,
