@@ -30,7 +30,7 @@ from kvpark.kernels.kv_copy import CopyEngine
 
 from .host_store import HostAllocationError, HostStore
 from .preemption import UNLIMITED_BYTES
-from .prefix_cache import Evicted
+from .prefix_cache import Evicted, longest_run
 
 
 @dataclass(eq=False)
@@ -90,14 +90,8 @@ class HostTier:
 
     def lookup(self, hashes: Seq[bytes]) -> list[HostPage]:
         """The pages holding the longest run of `hashes` found here."""
-        run = []
-        for h in hashes:
-            page = self._pages.get(h)
-            if page is None:
-                break
-            run.append(page)
         self.stats.lookups += len(hashes)
-        return run
+        return longest_run(hashes, self._pages)
 
     # ---- holding -----------------------------------------------------------------------------
     def hold(self, pages: Iterable[HostPage]) -> None:

@@ -23,10 +23,14 @@ import hashlib
 import itertools
 from array import array
 from collections import OrderedDict
+from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import TypeVar
 
 from .slot import Sequence
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -57,6 +61,18 @@ def chain_hash(prev: bytes, tokens: Seq[int], num_prompt_rows: int | None) -> by
     if num_prompt_rows is not None:
         h.update(num_prompt_rows.to_bytes(4, "little"))
     return h.digest()
+
+
+def longest_run(hashes: Seq[bytes], table: Mapping[bytes, T]) -> list[T]:
+    """The entries of `table` for the longest prefix of `hashes` it holds (a chain of page
+    hashes: a missing page ends what can be reused)."""
+    run = []
+    for h in hashes:
+        entry = table.get(h)
+        if entry is None:
+            break
+        run.append(entry)
+    return run
 
 
 class PrefixCache:
@@ -101,13 +117,7 @@ class PrefixCache:
     # ---- lookups and registration ------------------------------------------------------------
     def lookup(self, hashes: Seq[bytes]) -> list[int]:
         """Pages holding the longest registered prefix of `hashes`."""
-        pages = []
-        for h in hashes:
-            page = self._pages.get(h)
-            if page is None:
-                break
-            pages.append(page)
-        return pages
+        return longest_run(hashes, self._pages)
 
     def find(self, h: bytes) -> int | None:
         """The page holding this content, if any."""
