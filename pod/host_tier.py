@@ -64,8 +64,9 @@ class HostTier:
         self.page_shape = page_shape  # [layers, 2, page_size, Hkv, D]
         self.dtype = dtype
         self.cap_bytes = cap_bytes  # --cache-ram: cached bytes at most (-1: what parks leave)
-        self.page_bytes = torch.Size(page_shape).numel() * torch.empty((), dtype=dtype
-                                                                          ).element_size()
+        # what one page costs the budget (a pinned block is rounded up: host_store.py)
+        self.page_bytes = store.charged_bytes(
+            torch.Size(page_shape).numel() * torch.empty((), dtype=dtype).element_size())
         self.stats = TierStats()
         self._pages: dict[bytes, HostPage] = {}
         self._lru: OrderedDict[bytes, None] = OrderedDict()  # pages nobody holds, oldest first

@@ -205,7 +205,8 @@ class Swapper:
         tiered = self._tier_part(seq, resident)
         copied = tuple(seq.page_table[resident + len(tiered.pages):])
         return ParkPlan(resident, tiered, copied,
-                        swap_bytes=self.pool.swap_bytes(len(copied)) + tiered.new_bytes,
+                        swap_bytes=self.host.charged_bytes(self.pool.swap_bytes(len(copied)))
+                        + tiered.new_bytes,
                         budget_bytes=self.host.budget_bytes,
                         held_bytes=self.host.held_bytes - tiered.reclaimable_bytes)
 

@@ -85,3 +85,15 @@ def test_the_store_and_the_decision_keep_one_budget_rule(budget):
             swaps = policy.choose_mode(size, budget, store.held_bytes) is PreemptMode.SWAP
             assert store.can_hold(size) == swaps, (budget, store.held_bytes, size)
     assert not HostStore(0).can_hold(0)
+
+
+def test_a_pinned_buffer_is_charged_its_power_of_two_block():
+    """PyTorch's caching host allocator rounds pinned blocks up to a power of two: the budget
+    counts what the machine gives (pageable memory: what was asked)."""
+    from kvpark.pod.host_store import charged_bytes
+
+    assert charged_bytes(368_640, pinned=False) == 368_640  # a SmolLM2 bf16 page
+    assert charged_bytes(368_640, pinned=True) == 524_288
+    assert charged_bytes(2 << 20, pinned=True) == 2 << 20  # already a power of two
+    assert charged_bytes(0, pinned=True) == 0
+    assert HostStore(-1, pin_memory=False).charged_bytes(1000) == 1000
