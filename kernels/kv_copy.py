@@ -60,6 +60,9 @@ def save_pages(pool: PagePool, pages: list[int], host_pages: list[torch.Tensor],
                non_blocking: bool = False) -> None:
     """Each of `pages` (every layer) into its own host tensor `[layers, 2, ps, Hkv, D]`."""
     for page, host_page in zip(pages, host_pages, strict=True):
+        if host_page.device == pool.device:  # the CPU: one op a page, not one a layer
+            torch.stack([cache[page] for cache in pool.caches], out=host_page)
+            continue
         for layer, cache in enumerate(pool.caches):
             host_page[layer].copy_(cache[page], non_blocking=non_blocking)
 
