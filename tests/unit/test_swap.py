@@ -12,7 +12,8 @@ from kvpark.pod.host_store import HostStore
 from kvpark.pod.kv_pool import KVPool
 from kvpark.pod.sampling import SamplingParams
 from kvpark.pod.slot import PreemptMode, Sequence
-from kvpark.pod.swap import Outcome, ParkResult, ParkTransfer, Swapper, TransferTracker
+from kvpark.pod.swap import ParkResult, Swapper
+from kvpark.pod.transfers import Outcome, ParkTransfer, TransferTracker
 
 
 def make_seq(pool: KVPool, num_pages: int) -> Sequence:
