@@ -189,6 +189,25 @@ class Stages:
         return time.perf_counter() - self.started
 
 
+def make_prefix_cache(args: ServerArgs, loaded: LoadedModel, model: LlamaModel,
+                      dtype: torch.dtype) -> PrefixCache | None:
+    """Pages are reusable only by the same weights at the same precision; where decode rows read
+    other weights than prompt rows their K/V differ, and the hash tells them apart."""
+    if not args.prefix_cache:
+        return None
+    identity = (f"{loaded.name}|{loaded.source}|{dtype}|{model.weight_format.value}"
+                f"|blocks={model.has_blocks}")
+    return PrefixCache(identity, args.page_size, split_kinds=model.has_blocks)
+
+
+def scheduler_config_of(args: ServerArgs, max_context: int) -> SchedulerConfig:
+    """The scheduler's slice of the flags, in its own units (watermarks as shares)."""
+    return SchedulerConfig(num_slots=args.parallel, batch_size=args.batch_size,
+                           preempt=args.preempt, preempt_every=args.preempt_every,
+                           max_context=max_context, preempt_high=args.preempt_high / 100,
+                           preempt_low=args.preempt_low / 100, resume_order=args.preempt_resume)
+
+
 def make_host_tier(args: ServerArgs, pool: KVPool, host: HostStore, copy: CopyEngine
                    ) -> HostTier | None:
     """The prefix cache's host tier, inside the --preempt-ram budget; off without a prefix
@@ -241,13 +260,7 @@ def build_stack(args: ServerArgs) -> ServingStack:
     warn_if_oversubscribed(torch.get_num_threads(), worker_pool.get_num_threads())
     check_gemm_kernels(model, args.batch_size)  # at the threads the steps will run with
     stages.done(f"model built ({model.weight_format.value} linears)")
-    cache = None
-    if args.prefix_cache:
-        # pages are reusable only by the same weights at the same precision; where decode rows
-        # read other weights than prompt rows their K/V differ, and the hash tells them apart
-        identity = (f"{loaded.name}|{loaded.source}|{dtype}|{model.weight_format.value}"
-                    f"|blocks={model.has_blocks}")
-        cache = PrefixCache(identity, args.page_size, split_kinds=model.has_blocks)
+    cache = make_prefix_cache(args, loaded, model, dtype)
     pool = KVPool(config.num_layers, pick_num_pages(args, config, dtype, device), args.page_size,
                   config.num_kv_heads, config.head_dim, dtype=dtype, device=device, cache=cache)
     backend = pick_backend(args, device, config, dtype)
@@ -260,18 +273,9 @@ def build_stack(args: ServerArgs) -> ServingStack:
     budget = resolve_budget(args.preempt_ram)  # after the load: auto subtracts resident size
     host = HostStore(budget.bytes, pin_memory=device.type == "cuda",
                      fail_allocations=args.preempt_fail_swap)
-    scheduler_config = SchedulerConfig(
-        num_slots=args.parallel,
-        batch_size=args.batch_size,
-        preempt=args.preempt,
-        preempt_every=args.preempt_every,
-        # without max_tokens a sequence ends ("length") at the model's context or when it
-        # alone fills the whole pool, whichever comes first
-        max_context=min(config.max_position, pool.capacity_tokens),
-        preempt_high=args.preempt_high / 100,
-        preempt_low=args.preempt_low / 100,
-        resume_order=args.preempt_resume,
-    )
+    # without max_tokens a sequence ends ("length") at the model's context or when it alone
+    # fills the whole pool, whichever comes first
+    scheduler_config = scheduler_config_of(args, min(config.max_position, pool.capacity_tokens))
     copy = make_copy_engine(pool, args.preempt_async)
     pool.tier = make_host_tier(args, pool, host, copy)
     swapper = Swapper(pool, host, copy)
