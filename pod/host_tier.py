@@ -86,9 +86,6 @@ class HostTier:
         """Bytes of pages parked sequences hold (counted as parked, never as cached)."""
         return (len(self._pages) - len(self._lru)) * self.page_bytes
 
-    def find(self, h: bytes) -> HostPage | None:
-        return self._pages.get(h)
-
     def lookup(self, hashes: Seq[bytes]) -> list[HostPage]:
         """The pages holding the longest run of `hashes` found here."""
         self.stats.lookups += len(hashes)
