@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from . import protocol, text_endpoints
+from .api_fields import COMMON_MAX_TOKENS
 from .auth import check_auth
 from .build_info import build_version
 from .formats import generation_settings
@@ -111,5 +112,5 @@ def special_text(tokenizer: Tokenizer, token_id: int | None) -> str:
 def default_params(stack: ServingStack) -> dict[str, Any]:
     """/props' `params` in llama.cpp's names: what a request that sets nothing gets."""
     params = protocol.sampling_params(stack.defaults.under({}, stack.max_context),
-                                      stack.max_context, ("max_tokens",), stack.tokenizer)
+                                      stack.max_context, (COMMON_MAX_TOKENS,), stack.tokenizer)
     return generation_settings(params)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .api_fields import API_FIELDS, NO_LIMIT, UNLIMITED_AT_NO_LIMIT
 from .protocol import (
     CHAT_ROLES,
     MAX_BATCH_PROMPTS,
@@ -32,7 +33,8 @@ def _ref(name: str) -> dict[str, str]:
     return {"$ref": f"#/components/schemas/{name}"}
 
 
-def _sampling(max_tokens_names: tuple[str, ...], max_context: int) -> dict[str, Any]:
+def _sampling(kind: str, max_context: int) -> dict[str, Any]:
+    """The fields every generation route takes, and its own names for the output limit."""
     props: dict[str, Any] = {
         "model": {"type": "string"},
         "temperature": {"type": "number", "minimum": 0, "maximum": 2},
@@ -51,10 +53,17 @@ def _sampling(max_tokens_names: tuple[str, ...], max_context: int) -> dict[str, 
                            "properties": {"include_usage": {"type": "boolean"}}},
         **_penalties(max_context),
     }
-    for name in max_tokens_names:
-        props[name] = {"type": "integer", "minimum": 1, "maximum": max_context,
-                       "nullable": True}
-    return props
+    return {**props, **_max_tokens(kind, max_context)}
+
+
+def _max_tokens(kind: str, max_context: int) -> dict[str, Any]:
+    """Each of the API's names for the output limit: 1..max_context, or null (not sent); -1
+    (unlimited) too under llama.cpp's name, which is not nullable."""
+    limited = {"type": "integer", "minimum": 1, "maximum": max_context, "nullable": True}
+    unlimited = {"type": "integer", "oneOf": [{"enum": [NO_LIMIT]},
+                                              {"minimum": 1, "maximum": max_context}]}
+    return {name: unlimited if name in UNLIMITED_AT_NO_LIMIT else limited
+            for name in API_FIELDS[kind].max_tokens}
 
 
 def _penalties(max_context: int) -> dict[str, Any]:
@@ -191,14 +200,14 @@ def get_openapi(limits: InputLimits) -> dict[str, Any]:
         "ChatRequest": {"type": "object", "required": ["messages"], "properties": {
             "messages": {"type": "array", "items": message, "minItems": 1,
                          "maxItems": limits.max_messages},
-            **_sampling(("max_tokens", "max_completion_tokens"), max_context),
+            **_sampling("chat", max_context),
             **_structured(), **_tools(),
             "logprobs": {"type": "boolean"}, **_prompt_logprobs(),
             "add_generation_prompt": {"type": "boolean"},
             "continue_final_message": {"type": "boolean"},
             "top_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS}}},
         "CompletionRequest": {"type": "object", "required": ["prompt"], "properties": {
-            "prompt": batched_prompt, **_sampling(("max_tokens",), max_context),
+            "prompt": batched_prompt, **_sampling("completion", max_context),
             **_structured(), **_prompt_logprobs(),
             "echo": {"type": "boolean", "description": "the prompt before the output; with "
                      "max_tokens 0 (allowed with echo only) it is scored, nothing generated"},
@@ -206,10 +215,7 @@ def get_openapi(limits: InputLimits) -> dict[str, Any]:
                          "nullable": True}}},
         "LlamaCompletionRequest": {"type": "object", "required": ["prompt"], "properties": {
             "prompt": prompt, "return_tokens": {"type": "boolean"},
-            **_sampling(("max_tokens",), max_context), **_structured(),
-            # -1 (unlimited) or 1..max_context: protocol._max_tokens refuses 0
-            "n_predict": {"type": "integer", "oneOf": [
-                {"enum": [-1]}, {"minimum": 1, "maximum": max_context}]},
+            **_sampling("llama", max_context), **_structured(),
             "n": {"type": "integer", "minimum": 1, "maximum": 1},
             "n_probs": {"type": "integer", "minimum": 0, "maximum": MAX_N_PROBS}}},
         "ChatResponse": {"type": "object", "required": ["id", "object", "choices", "usage"],

@@ -16,6 +16,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import tools
+from .api_fields import (
+    API_FIELDS,
+    COMMON_MAX_TOKENS,
+    NO_LIMIT,
+    UNLIMITED_AT_NO_LIMIT,
+    UNSUPPORTED,
+)
 from .generation_defaults import GenerationDefaults
 from .grammar import Grammar
 from .model.tokenizer import Tokenizer
@@ -131,43 +138,6 @@ def _is_text(text: str) -> bool:
 
 # ---- fields ---------------------------------------------------------------------------------
 
-# OpenAI (and llama.cpp) fields not implemented here, with the values that ask for nothing. Any
-# other value is refused: a client that asked for JSON, a tool call or logprobs must not get
-# plain text back as if it had.
-UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "functions": (None, []),
-    "function_call": (None, "none", "auto"),
-    "best_of": (None, 1),
-    "suffix": (None, ""),
-    "modalities": (None, ["text"]),
-    "audio": (None,),
-    "prediction": (None,),
-    "web_search_options": (None,),
-}
-# Accepted and without effect on the output: clients send them by default.
-HARMLESS = frozenset({"user", "safety_identifier", "metadata", "store", "service_tier",
-                      "parallel_tool_calls", "prompt_cache_key", "prompt_cache_retention",
-                      "prompt_cache_options", "cache_prompt"})
-SAMPLING = frozenset({"model", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
-                      "ignore_eos", "n", "stream", "stream_options", "priority", "return_progress",
-                      "presence_penalty", "frequency_penalty", "repetition_penalty",
-                      "repeat_penalty", "repeat_last_n", "logit_bias", "min_tokens"})
-STRUCTURED = frozenset({"response_format", "grammar", "json_schema", "structured_outputs",
-                        "guided_json", "guided_regex", "guided_choice", "guided_grammar"})
-KNOWN = {
-    "chat": SAMPLING | HARMLESS | STRUCTURED | {"messages", "max_tokens",
-                                                "max_completion_tokens", "tools", "tool_choice",
-                                                "logprobs", "top_logprobs", "prompt_logprobs",
-                                                "add_generation_prompt",
-                                                "continue_final_message",
-                                                "return_tokens_as_token_ids"},
-    "completion": SAMPLING | HARMLESS | STRUCTURED | {"prompt", "max_tokens", "logprobs", "echo",
-                                                      "prompt_logprobs",
-                                                      "return_tokens_as_token_ids"},
-    "llama": SAMPLING | HARMLESS | STRUCTURED | {"prompt", "n_predict", "max_tokens",
-                                                 "return_tokens", "n_probs",
-                                                 "post_sampling_probs"},
-}
 MAX_LOGGED_FIELDS = 1000  # bounds what a client inventing field names can make us remember
 _logged_fields: set[str] = set()
 _logged_lock = threading.Lock()
@@ -181,7 +151,7 @@ def check_fields(body: dict, kind: str) -> None:
         if not any(value == o and type(value) is type(o) for o in off):
             raise ApiError(400, f"'{name}' is not supported by this server (got "
                            f"{shown(value)}); leave it out", param=name)
-    unknown = body.keys() - KNOWN[kind] - UNSUPPORTED.keys()
+    unknown = body.keys() - API_FIELDS[kind].known - UNSUPPORTED.keys()
     if not unknown:
         return
     with _logged_lock:
@@ -243,9 +213,7 @@ def _max_tokens(body: dict, names: tuple[str, ...], max_context: int) -> int | N
     for name in names:
         if body.get(name) is not None:
             value = body[name]
-            # llama.cpp: -1 is unlimited. 0 is refused: llama.cpp still generates one token
-            # for it (its limit is checked after a token), and its older servers none
-            if name == "n_predict" and type(value) is int and value == -1:
+            if name in UNLIMITED_AT_NO_LIMIT and type(value) is int and value == NO_LIMIT:
                 return None
             return _integer(body, name, None, 1, max_context)
     return None
@@ -367,9 +335,10 @@ def _prompt_logprobs(body: dict, kind: str) -> int | None:
 def _echo_max_tokens(body: dict) -> dict:
     """`echo` with `max_tokens: 0` scores a prompt and generates nothing (OpenAI's legacy
     completions, lm-evaluation-harness): the body without the 0, for the parser's checks."""
-    if boolean_field(body, "echo", False) and body.get("max_tokens") == 0 and type(
-            body.get("max_tokens")) is int:
-        return {k: v for k, v in body.items() if k != "max_tokens"}
+    name = API_FIELDS["completion"].quoted_max_tokens
+    value = body.get(name)
+    if boolean_field(body, "echo", False) and type(value) is int and value == 0:
+        return {k: v for k, v in body.items() if k != name}
     return body
 
 
@@ -622,7 +591,7 @@ def render_chat(body: dict, tokenizer: Tokenizer, limits: InputLimits) -> str:
 def parse_chat(body: dict, tokenizer: Tokenizer, limits: InputLimits) -> GenerationRequest:
     check_fields(body, "chat")
     messages = chat_messages(body, limits)
-    params = sampling_params(body, limits.max_context, ("max_completion_tokens", "max_tokens"),
+    params = sampling_params(body, limits.max_context, API_FIELDS["chat"].max_tokens,
                              tokenizer, "chat")
     grammar = structured_output(body, tokenizer)
     plan = tool_plan(body, grammar)
@@ -648,7 +617,8 @@ def parse_chat(body: dict, tokenizer: Tokenizer, limits: InputLimits) -> Generat
 def _completion_params(body: dict, tokenizer: Tokenizer, limits: InputLimits
                        ) -> SamplingParams:
     checked = _echo_max_tokens(body)
-    params = sampling_params(checked, limits.max_context, ("max_tokens",), tokenizer)
+    params = sampling_params(checked, limits.max_context, API_FIELDS["completion"].max_tokens,
+                             tokenizer)
     return params if checked is body else dataclasses.replace(params, max_tokens=0)
 
 
@@ -676,8 +646,8 @@ def parse_completion(body: dict, tokenizer: Tokenizer, limits: InputLimits) -> G
 def parse_llama_completion(body: dict, tokenizer: Tokenizer, limits: InputLimits
                            ) -> GenerationRequest:
     check_fields(body, "llama")
-    params = sampling_params(body, limits.max_context, ("n_predict", "max_tokens"), tokenizer,
-                             "llama")
+    params = sampling_params(body, limits.max_context, API_FIELDS["llama"].max_tokens,
+                             tokenizer, "llama")
     if params.n != 1:
         raise _bad("n", "/completion generates one sequence; use /v1/completions for n > 1")
     return GenerationRequest(
@@ -770,7 +740,7 @@ def check_defaults(defaults: GenerationDefaults) -> None:
     a bad one is a start-up error naming where it came from, not a 400 on every request."""
     unbounded = 1 << 31  # max_tokens is clamped to the context per request
     try:
-        sampling_params(defaults.under({}, unbounded), unbounded, ("max_tokens",))
+        sampling_params(defaults.under({}, unbounded), unbounded, (COMMON_MAX_TOKENS,))
     except ApiError as exc:
         source = defaults.sources.get(exc.param or "", "a default")
         raise ValueError(f"sampling default from {source}: {exc.message}") from None
