@@ -8,7 +8,8 @@ start, so these checks run on the event loop without waiting for a step.
 from __future__ import annotations
 
 from .api_fields import API_FIELDS
-from .protocol import ApiError, GenerationRequest
+from .protocol import GenerationRequest
+from .request_errors import ApiError
 from .server import ServingStack
 from .slot import CONTEXT_EXCEEDED
 

@@ -1,7 +1,8 @@
 """The server's OpenAPI 3.0 document, served at /openapi.json.
 
-It describes what `protocol.py` accepts and what `api.py` answers, so a client generator or a
-fuzzer (the tests run schemathesis against it) can hold the server to it.
+It describes what the parsers accept (`protocol.py`, with the field names of `api_fields.py` and
+the bounds of `sampling_fields.py`) and what the routes answer, so a client generator or a fuzzer
+(the tests run schemathesis against it) can hold the server to it.
 """
 
 from __future__ import annotations
@@ -9,9 +10,10 @@ from __future__ import annotations
 from typing import Any
 
 from .api_fields import API_FIELDS, NO_LIMIT, UNLIMITED_AT_NO_LIMIT
-from .protocol import (
-    CHAT_ROLES,
-    MAX_BATCH_PROMPTS,
+from .chat_messages import CHAT_ROLES
+from .input_limits import InputLimits
+from .protocol import MAX_BATCH_PROMPTS
+from .sampling_fields import (
     MAX_COMPLETION_LOGPROBS,
     MAX_LOGIT_BIAS,
     MAX_N,
@@ -22,7 +24,6 @@ from .protocol import (
     MAX_STOP_STRINGS,
     MAX_TOP_LOGPROBS,
     MIN_REPETITION_PENALTY,
-    InputLimits,
 )
 
 JSON = "application/json"

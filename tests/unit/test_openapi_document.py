@@ -3,8 +3,10 @@
 import jsonschema
 import pytest
 
+from kvpark.pod.input_limits import InputLimits
 from kvpark.pod.openapi import get_openapi
-from kvpark.pod.protocol import MAX_STOP_CHARS, ApiError, InputLimits, sampling_params
+from kvpark.pod.request_errors import ApiError
+from kvpark.pod.sampling_fields import MAX_STOP_CHARS, sampling_params
 
 MAX_CONTEXT = 512
 

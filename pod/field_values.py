@@ -1,0 +1,40 @@
+"""Typed getters for a JSON body's fields: a number or an integer in a range, a boolean. A value
+of the wrong type or out of range is a 400 naming the field; absent or null is the default."""
+
+from __future__ import annotations
+
+import math
+
+from .request_errors import bad_field as _bad
+from .request_errors import shown
+
+
+def number_field(body: dict, name: str, default: float, lo: float, hi: float) -> float:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _bad(name, f"expected a number, got {shown(value)}")
+    if not (isinstance(value, int) or math.isfinite(value)) or not lo <= value <= hi:
+        raise _bad(name, f"must be between {lo} and {hi}, got {shown(value)}")
+    return float(value)
+
+
+def integer_field(body: dict, name: str, default: int | None, lo: int, hi: int) -> int | None:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _bad(name, f"expected an integer, got {shown(value)}")
+    if not lo <= value <= hi:
+        raise _bad(name, f"must be between {lo} and {hi}, got {shown(value)}")
+    return value
+
+
+def boolean_field(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise _bad(name, f"expected true or false, got {shown(value)}")
+    return value
