@@ -19,7 +19,7 @@ from typing import Any
 from . import tools
 from .api_fields import API_FIELDS, COMMON_MAX_TOKENS, UNSUPPORTED
 from .chat_messages import chat_messages
-from .field_values import boolean_field, integer_field
+from .field_values import boolean_field, ranged_field
 from .generation_defaults import GenerationDefaults
 from .grammar import Grammar
 from .input_limits import InputLimits
@@ -29,7 +29,7 @@ from .prompts import chat_prompt, chat_turn, raw_prompt_ids
 from .request_errors import ApiError, clip, shown
 from .request_errors import bad_field as _bad
 from .sampling import SamplingParams
-from .sampling_fields import MAX_N, sampling_params
+from .sampling_fields import sampling_params
 from .structured_fields import compiled, structured_output, tool_plan
 
 log = logging.getLogger("kvpark.protocol")
@@ -97,11 +97,8 @@ def _echo_text(body: dict, prompt: Any, prompt_ids: list[int], tokenizer: Tokeni
     return prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids, False)
 
 
-INT32 = (-(2**31), 2**31 - 1)
-
-
 def _priority(body: dict) -> int:
-    return int(integer_field(body, "priority", 0, *INT32))
+    return int(ranged_field(body, "priority", 0))
 
 
 def _include_usage(body: dict) -> bool:
@@ -243,7 +240,7 @@ def parse_completions(body: dict, tokenizer: Tokenizer, limits: InputLimits
         raise _bad("prompt", f"{len(prompts)} prompts; at most {MAX_BATCH_PROMPTS} are accepted "
                    "in one request")
     check_fields(body, "completion")
-    n = integer_field(body, "n", 1, 1, MAX_N) or 1
+    n = ranged_field(body, "n", 1) or 1
     if len(prompts) * n > MAX_BATCH_CHOICES:
         raise _bad("n", f"{len(prompts)} prompts x n={n} choices; at most {MAX_BATCH_CHOICES} "
                    "in one request")

@@ -1,30 +1,27 @@
 """A request's sampling fields as `SamplingParams`: temperature and the other filters, the
 output limit (read by the API's names from `api_fields`), stop strings, penalties, `logit_bias`,
-logprobs in each API's shape; and the bounds each field has, which the OpenAPI document states
-too."""
+logprobs in each API's shape. Each field's bounds are `api_fields`', which the OpenAPI document
+states too."""
 
 from __future__ import annotations
 
 import re
 from typing import Any
 
-from .api_fields import NO_LIMIT, UNLIMITED_AT_NO_LIMIT
-from .field_values import boolean_field, integer_field, number_field
+from .api_fields import (
+    MAX_BIAS,
+    MAX_COMPLETION_LOGPROBS,
+    MAX_LOGIT_BIAS,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    NO_LIMIT,
+    UNLIMITED_AT_NO_LIMIT,
+)
+from .field_values import boolean_field, integer_field, ranged_field
 from .model.tokenizer import Tokenizer
 from .request_errors import bad_field as _bad
 from .request_errors import shown
 from .sampling import SamplingParams
-
-MAX_N = 16
-MAX_STOP_STRINGS = 8
-MAX_STOP_CHARS = 1024  # per stop string: up to this much text is held back while it may match
-MAX_TOP_LOGPROBS = 20  # chat's top_logprobs (OpenAI's limit)
-MAX_COMPLETION_LOGPROBS = 5  # completions' logprobs (OpenAI's limit)
-MAX_N_PROBS = 100  # llama.cpp's n_probs
-MAX_LOGIT_BIAS = 1024  # entries of logit_bias
-MAX_PENALTY = 2.0  # presence and frequency penalties: OpenAI's range is -2..2
-# multiplicative penalties: far outside this a logit divided by one overflows float32
-MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 
 
 def _stops(body: dict) -> tuple[str, ...]:
@@ -55,25 +52,25 @@ def _max_tokens(body: dict, names: tuple[str, ...], max_context: int) -> int | N
 def sampling_params(body: dict, max_context: int, max_tokens_names: tuple[str, ...],
                     tokenizer: Tokenizer | None = None, kind: str = "completion"
                     ) -> SamplingParams:
-    seed = integer_field(body, "seed", None, -1, 2**63 - 1)
-    top_k = integer_field(body, "top_k", 0, -1, 1 << 20)
+    seed = ranged_field(body, "seed", None)
+    top_k = ranged_field(body, "top_k", 0)
     max_tokens = _max_tokens(body, max_tokens_names, max_context)
-    min_tokens = int(integer_field(body, "min_tokens", 0, 0, max_tokens or max_context))
+    min_tokens = int(ranged_field(body, "min_tokens", 0, max_tokens or max_context))
     return SamplingParams(
-        temperature=number_field(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=number_field(body, "top_p", 1.0, 0.0, 1.0),  # 0: greedy (is_greedy)
+        temperature=ranged_field(body, "temperature", 1.0),
+        top_p=ranged_field(body, "top_p", 1.0),  # 0: greedy (is_greedy)
         top_k=0 if top_k in (None, -1) else top_k,  # llama.cpp's -1: off
-        min_p=number_field(body, "min_p", 0.0, 0.0, 1.0),
+        min_p=ranged_field(body, "min_p", 0.0),
         seed=None if seed == -1 else seed,  # llama.cpp's -1: random
         max_tokens=max_tokens,
         stop=_stops(body),
         ignore_eos=boolean_field(body, "ignore_eos", False),
-        n=int(integer_field(body, "n", 1, 1, MAX_N)),
-        presence_penalty=number_field(body, "presence_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
-        frequency_penalty=number_field(body, "frequency_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
+        n=int(ranged_field(body, "n", 1)),
+        presence_penalty=ranged_field(body, "presence_penalty", 0.0),
+        frequency_penalty=ranged_field(body, "frequency_penalty", 0.0),
         repetition_penalty=_positive(body, "repetition_penalty"),
         repeat_penalty=_positive(body, "repeat_penalty"),
-        repeat_last_n=int(integer_field(body, "repeat_last_n", 64, -1, max_context)),
+        repeat_last_n=int(ranged_field(body, "repeat_last_n", 64, max_context)),
         logit_bias=_logit_bias(body, tokenizer),
         min_tokens=min_tokens,
         # vLLM: min_tokens holds back every end-of-generation id
@@ -86,7 +83,7 @@ def sampling_params(body: dict, max_context: int, max_tokens_names: tuple[str, .
 
 def _positive(body: dict, name: str) -> float:
     """A multiplicative penalty: 1 is off (vLLM takes any value above 0)."""
-    return number_field(body, name, 1.0, MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY)
+    return ranged_field(body, name, 1.0)
 
 
 def _logit_bias(body: dict, tokenizer: Tokenizer | None) -> tuple[tuple[int, float], ...]:
@@ -131,9 +128,9 @@ def _bias_entry(key: Any, bias: Any, vocab_size: int) -> tuple[int, float]:
     if bias is False:
         return token, float("-inf")
     if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not (
-            -100 <= bias <= 100):
-        raise _bad("logit_bias", f"a bias must be a number in [-100, 100] (or false), got "
-                   f"{shown(bias)} for token {token}")
+            -MAX_BIAS <= bias <= MAX_BIAS):
+        raise _bad("logit_bias", f"a bias must be a number in [-{MAX_BIAS}, {MAX_BIAS}] (or "
+                   f"false), got {shown(bias)} for token {token}")
     return token, float(bias)
 
 
@@ -142,13 +139,13 @@ def _logprobs(body: dict, kind: str) -> int | None:
     `top_logprobs`; completions: `logprobs` k; llama.cpp: `n_probs` k (0: none)."""
     if kind == "chat":
         wanted = boolean_field(body, "logprobs", False)
-        top = integer_field(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
+        top = ranged_field(body, "top_logprobs", None)
         if top and not wanted:
             raise _bad("top_logprobs", "needs 'logprobs': true")
         return (top or 0) if wanted else None
     if kind == "completion":
         return integer_field(body, "logprobs", None, 0, MAX_COMPLETION_LOGPROBS)
-    return integer_field(body, "n_probs", 0, 0, MAX_N_PROBS) or None
+    return ranged_field(body, "n_probs", 0) or None
 
 
 def _prompt_logprobs(body: dict, kind: str) -> int | None:
@@ -157,7 +154,7 @@ def _prompt_logprobs(body: dict, kind: str) -> int | None:
     the echoed logprobs), whichever asks for more."""
     if kind == "llama":
         return None
-    asked = integer_field(body, "prompt_logprobs", None, 0, MAX_TOP_LOGPROBS)
+    asked = ranged_field(body, "prompt_logprobs", None)
     if kind == "completion" and boolean_field(body, "echo", False):
         echoed = integer_field(body, "logprobs", None, 0, MAX_COMPLETION_LOGPROBS)
         if echoed is not None:
