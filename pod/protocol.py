@@ -137,6 +137,20 @@ def _model(body: dict) -> str | None:
 # The parsers template and tokenise: CPU-bound on a long prompt, so they run off the event loop.
 # Cheap checks come first, so a bad request costs no tokenising.
 
+def _answer_options(body: dict) -> dict[str, Any]:
+    """How an OpenAI route answers: streamed or not, with usage, token ids in the logprobs,
+    the prompt's progress and logprobs; the model asked for; the request's priority. Read in
+    this order, so the first bad field is the one named."""
+    return dict(stream=boolean_field(body, "stream", False),
+                include_usage=_include_usage(body),
+                continuous_usage=_continuous_usage(body),
+                tokens_as_ids=boolean_field(body, "return_tokens_as_token_ids", False),
+                return_progress=_return_progress(body),
+                model=_model(body),
+                priority=_priority(body),
+                show_prompt_logprobs=body.get("prompt_logprobs") is not None)
+
+
 def parse_chat(body: dict, tokenizer: Tokenizer, limits: InputLimits) -> GenerationRequest:
     check_fields(body, "chat")
     messages = chat_messages(body, limits)
@@ -149,17 +163,10 @@ def parse_chat(body: dict, tokenizer: Tokenizer, limits: InputLimits) -> Generat
     return GenerationRequest(
         kind="chat",
         params=params,
-        stream=boolean_field(body, "stream", False),
-        include_usage=_include_usage(body),
-        continuous_usage=_continuous_usage(body),
-        tokens_as_ids=boolean_field(body, "return_tokens_as_token_ids", False),
-        return_progress=_return_progress(body),
-        model=_model(body),
-        priority=_priority(body),
+        **_answer_options(body),
         prompt_ids=chat_prompt(chat_turn(body, messages), tokenizer, plan),
         grammar=grammar,
         tools=plan if plan is not None and plan.can_call else None,
-        show_prompt_logprobs=body.get("prompt_logprobs") is not None,
     )
 
 
@@ -178,17 +185,10 @@ def parse_completion(body: dict, tokenizer: Tokenizer, limits: InputLimits) -> G
     return GenerationRequest(
         kind="completion",
         params=params,
-        stream=boolean_field(body, "stream", False),
-        include_usage=_include_usage(body),
-        continuous_usage=_continuous_usage(body),
-        tokens_as_ids=boolean_field(body, "return_tokens_as_token_ids", False),
-        return_progress=_return_progress(body),
-        model=_model(body),
-        priority=_priority(body),
+        **_answer_options(body),
         prompt_ids=prompt_ids,
         grammar=structured_output(body, tokenizer),
         echo=_echo_text(body, body.get("prompt"), prompt_ids, tokenizer),
-        show_prompt_logprobs=body.get("prompt_logprobs") is not None,
     )
 
 
@@ -245,13 +245,7 @@ def parse_completions(body: dict, tokenizer: Tokenizer, limits: InputLimits
         raise _bad("n", f"{len(prompts)} prompts x n={n} choices; at most {MAX_BATCH_CHOICES} "
                    "in one request")
     common = dict(kind="completion", params=_completion_params(body, tokenizer, limits),
-                  show_prompt_logprobs=body.get("prompt_logprobs") is not None,
-                  stream=boolean_field(body, "stream", False), include_usage=_include_usage(body),
-                  continuous_usage=_continuous_usage(body),
-                  tokens_as_ids=boolean_field(body, "return_tokens_as_token_ids", False),
-                  return_progress=_return_progress(body),
-                  model=_model(body), priority=_priority(body),
-                  grammar=structured_output(body, tokenizer))
+                  **_answer_options(body), grammar=structured_output(body, tokenizer))
     requests = []
     for i, prompt in enumerate(prompts):
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
