@@ -14,17 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-MAX_N = 16
-MAX_STOP_STRINGS = 8
-MAX_STOP_CHARS = 1024  # per stop string: up to this much text is held back while it may match
-MAX_TOP_LOGPROBS = 20  # chat's top_logprobs (OpenAI's limit)
-MAX_COMPLETION_LOGPROBS = 5  # completions' logprobs (OpenAI's limit)
-MAX_N_PROBS = 100  # llama.cpp's n_probs
-MAX_LOGIT_BIAS = 1024  # entries of logit_bias
-MAX_BIAS = 100  # a logit_bias value's size (OpenAI's)
-MAX_PENALTY = 2.0  # presence and frequency penalties: OpenAI's range is -2..2
-# multiplicative penalties: far outside this a logit divided by one overflows float32
-MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+# ---- names: which fields each API takes, and what it calls them ---------------------------------
 
 # OpenAI (and llama.cpp) fields not implemented here, with the values that ask for nothing. Any
 # other value is refused: a client that asked for JSON, a tool call or logprobs must not get
@@ -91,6 +81,21 @@ API_FIELDS: dict[str, ApiFields] = {
         quoted_max_tokens="n_predict",
         own=frozenset({"prompt", "return_tokens", "n_probs", "post_sampling_probs"})),
 }
+
+
+# ---- bounds: the same in every API that takes the field -----------------------------------------
+
+MAX_N = 16
+MAX_STOP_STRINGS = 8
+MAX_STOP_CHARS = 1024  # per stop string: up to this much text is held back while it may match
+MAX_TOP_LOGPROBS = 20  # chat's top_logprobs (OpenAI's limit)
+MAX_COMPLETION_LOGPROBS = 5  # completions' logprobs (OpenAI's limit)
+MAX_N_PROBS = 100  # llama.cpp's n_probs
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias
+MAX_BIAS = 100  # a logit_bias value's size (OpenAI's)
+MAX_PENALTY = 2.0  # presence and frequency penalties: OpenAI's range is -2..2
+# multiplicative penalties: far outside this a logit divided by one overflows float32
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 
 
 @dataclass(frozen=True)
