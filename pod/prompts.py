@@ -85,7 +85,8 @@ def _template_input(turn: ChatTurn, plan: tools.ToolPlan | None
 
 
 def chat_prompt(turn: ChatTurn, tokenizer: Tokenizer,
-                 plan: tools.ToolPlan | None = None) -> list[int]:
+                plan: tools.ToolPlan | None = None) -> list[int]:
+    """The conversation's ids through the model's chat template, with the plan's tools."""
     messages, offered = _template_input(turn, plan)
     try:  # special-token texts in the messages stay text: only the template's markers are special
         return tokenizer.encode_chat(messages, add_generation_prompt=turn.add_generation_prompt,
