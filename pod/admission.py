@@ -7,12 +7,11 @@ start, so these checks run on the event loop without waiting for a step.
 
 from __future__ import annotations
 
-from .protocol import ApiError, GenerationRequest
+from .api_fields import API_FIELDS
+from .protocol import GenerationRequest
+from .request_errors import ApiError
 from .server import ServingStack
 from .slot import CONTEXT_EXCEEDED
-
-# each API's name for the number of tokens to generate, as its error messages quote it
-MAX_TOKENS_FIELD = {"chat": "max_tokens", "completion": "max_tokens", "llama": "n_predict"}
 
 
 def check_admission(stack: ServingStack, draining: bool, num_receiving: int,
@@ -45,7 +44,7 @@ def check_fits(stack: ServingStack, gen: GenerationRequest, which: str = "") -> 
                        details={"n_prompt_tokens": prompt, "n_ctx": limit})
     max_tokens = gen.params.max_tokens
     if max_tokens is not None and prompt + max_tokens > limit:
-        name = MAX_TOKENS_FIELD[gen.kind]
+        name = API_FIELDS[gen.kind].quoted_max_tokens
         raise ApiError(400, f"'{name}': {prompt} prompt tokens + {max_tokens} to "
                        f"generate exceed the {limit} tokens one request can hold here",
                        param=name)

@@ -7,7 +7,7 @@ import hmac
 
 from starlette.requests import Request
 
-from .protocol import ApiError
+from .request_errors import ApiError
 
 OPEN_PATHS = {"/health", "/metrics", "/openapi.json"}
 

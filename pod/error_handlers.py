@@ -8,8 +8,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from . import protocol
-from .protocol import ApiError
+from .request_errors import ApiError, clip
 
 
 def error_response(exc: ApiError) -> JSONResponse:
@@ -23,7 +22,7 @@ async def on_api_error(request: Request, exc: Exception) -> Response:
 
 async def on_http_error(request: Request, exc: Exception) -> Response:  # 404, 405
     assert isinstance(exc, HTTPException)
-    where = protocol.clip(f"{request.method} {request.url.path}")
+    where = clip(f"{request.method} {request.url.path}")
     return error_response(ApiError(exc.status_code, f"{exc.detail}: {where}",
                                    headers=exc.headers))
 

@@ -17,16 +17,17 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from .api_fields import COMMON_MAX_TOKENS
 from .args import ServerArgs
 
 log = logging.getLogger("kvpark.defaults")
 
 # generation_config.json keys vLLM takes as sampling defaults -> our request field names
 HF_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-           "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+           "repetition_penalty": "repetition_penalty", "max_new_tokens": COMMON_MAX_TOKENS}
 # what --override-generation-config may set: the HF keys and the request fields they map to
 OVERRIDE_KEYS = {**HF_KEYS, "seed": "seed", "presence_penalty": "presence_penalty",
-                 "frequency_penalty": "frequency_penalty", "max_tokens": "max_tokens",
+                 "frequency_penalty": "frequency_penalty", "max_tokens": COMMON_MAX_TOKENS,
                  "repeat_penalty": "repeat_penalty", "repeat_last_n": "repeat_last_n"}
 
 
@@ -43,8 +44,8 @@ class GenerationDefaults:
         if not self.fields:
             return body
         merged = {name: value for name, value in self.fields.items() if body.get(name) is None}
-        if isinstance(merged.get("max_tokens"), int):
-            merged["max_tokens"] = min(merged["max_tokens"], max_context)
+        if isinstance(merged.get(COMMON_MAX_TOKENS), int):
+            merged[COMMON_MAX_TOKENS] = min(merged[COMMON_MAX_TOKENS], max_context)
         return {**body, **merged}
 
     def describe(self) -> str:
@@ -116,7 +117,7 @@ def from_flags(args: ServerArgs) -> dict[str, Any]:
              "repeat_last_n": args.repeat_last_n, "presence_penalty": args.presence_penalty,
              "frequency_penalty": args.frequency_penalty,
              "seed": None if args.seed == -1 else args.seed,  # -1: a random seed per request
-             "max_tokens": None if args.n_predict == -1 else args.n_predict}
+             COMMON_MAX_TOKENS: None if args.n_predict == -1 else args.n_predict}
     return {name: value for name, value in named.items() if value is not None}
 
 

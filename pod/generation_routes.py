@@ -23,8 +23,8 @@ from .build_info import fingerprint
 from .error_handlers import error_response
 from .formats import failure, get_format
 from .lifecycle import SHUT_DOWN, Server
-from .protocol import ApiError
 from .request_body import read_body
+from .request_errors import ApiError
 from .server import ServingStack
 from .sse import stream_events
 

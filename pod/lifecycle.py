@@ -12,7 +12,8 @@ import logging
 import time
 
 from .args import ServerArgs
-from .protocol import ApiError, InputLimits
+from .input_limits import InputLimits
+from .request_errors import ApiError
 from .server import ServingStack, build_stack
 from .slot import FinishReason
 

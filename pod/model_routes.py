@@ -14,14 +14,16 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from . import protocol, text_endpoints
+from . import text_endpoints
+from .api_fields import COMMON_MAX_TOKENS
 from .auth import check_auth
 from .build_info import build_version
 from .formats import generation_settings
 from .lifecycle import Server
 from .model.tokenizer import Tokenizer
-from .protocol import ApiError
 from .request_body import read_json
+from .request_errors import ApiError, clip
+from .sampling_fields import sampling_params
 from .server import ServingStack
 from .slot_routes import slot_share
 
@@ -50,7 +52,7 @@ class ModelRoutes:
         served = self.server.served_names(stack)
         name = request.path_params["model_id"]
         if name not in served:
-            raise ApiError(404, f"The model '{protocol.clip(name)}' does not exist (served: "
+            raise ApiError(404, f"The model '{clip(name)}' does not exist (served: "
                            f"{', '.join(served)})", param="model",
                            error_type="not_found_error")
         return JSONResponse(self.model_card(stack, name))
@@ -110,6 +112,6 @@ def special_text(tokenizer: Tokenizer, token_id: int | None) -> str:
 
 def default_params(stack: ServingStack) -> dict[str, Any]:
     """/props' `params` in llama.cpp's names: what a request that sets nothing gets."""
-    params = protocol.sampling_params(stack.defaults.under({}, stack.max_context),
-                                      stack.max_context, ("max_tokens",), stack.tokenizer)
+    params = sampling_params(stack.defaults.under({}, stack.max_context),
+                             stack.max_context, (COMMON_MAX_TOKENS,), stack.tokenizer)
     return generation_settings(params)

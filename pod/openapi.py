@@ -1,28 +1,28 @@
 """The server's OpenAPI 3.0 document, served at /openapi.json.
 
-It describes what `protocol.py` accepts and what `api.py` answers, so a client generator or a
-fuzzer (the tests run schemathesis against it) can hold the server to it.
+It describes what the parsers accept (`protocol.py`, with the field names of `api_fields.py` and
+the bounds of `sampling_fields.py`) and what the routes answer, so a client generator or a fuzzer
+(the tests run schemathesis against it) can hold the server to it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .protocol import (
-    CHAT_ROLES,
-    MAX_BATCH_PROMPTS,
+from .api_fields import (
+    API_FIELDS,
+    MAX_BIAS,
     MAX_COMPLETION_LOGPROBS,
     MAX_LOGIT_BIAS,
-    MAX_N,
-    MAX_N_PROBS,
-    MAX_PENALTY,
-    MAX_REPETITION_PENALTY,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
-    MAX_TOP_LOGPROBS,
-    MIN_REPETITION_PENALTY,
-    InputLimits,
+    NO_LIMIT,
+    RANGES,
+    UNLIMITED_AT_NO_LIMIT,
 )
+from .chat_messages import CHAT_ROLES
+from .input_limits import InputLimits
+from .protocol import MAX_BATCH_PROMPTS
 
 JSON = "application/json"
 SSE = "text/event-stream"
@@ -32,41 +32,50 @@ def _ref(name: str) -> dict[str, str]:
     return {"$ref": f"#/components/schemas/{name}"}
 
 
-def _sampling(max_tokens_names: tuple[str, ...], max_context: int) -> dict[str, Any]:
+def _sampling(kind: str, max_context: int) -> dict[str, Any]:
+    """The fields every generation route takes, and its own names for the output limit."""
     props: dict[str, Any] = {
         "model": {"type": "string"},
-        "temperature": {"type": "number", "minimum": 0, "maximum": 2},
-        "top_p": {"type": "number", "minimum": 0, "maximum": 1},
-        "top_k": {"type": "integer", "minimum": -1, "maximum": 1 << 20},
-        "min_p": {"type": "number", "minimum": 0, "maximum": 1},
-        "seed": {"type": "integer", "minimum": -1, "maximum": 2**63 - 1},
+        **_ranges(max_context, "temperature", "top_p", "top_k", "min_p", "seed"),
         "stop": {"oneOf": [{"type": "string", "maxLength": MAX_STOP_CHARS},
                            {"type": "array", "maxItems": MAX_STOP_STRINGS,
                             "items": {"type": "string", "maxLength": MAX_STOP_CHARS}}]},
         "ignore_eos": {"type": "boolean"},
-        "n": {"type": "integer", "minimum": 1, "maximum": MAX_N},
+        "n": _range("n", max_context),
         "stream": {"type": "boolean"},
-        "priority": {"type": "integer", "minimum": -(2**31), "maximum": 2**31 - 1},
+        "priority": _range("priority", max_context),
         "stream_options": {"type": "object",
                            "properties": {"include_usage": {"type": "boolean"}}},
         **_penalties(max_context),
     }
-    for name in max_tokens_names:
-        props[name] = {"type": "integer", "minimum": 1, "maximum": max_context,
-                       "nullable": True}
-    return props
+    return {**props, **_max_tokens(kind, max_context)}
+
+
+def _max_tokens(kind: str, max_context: int) -> dict[str, Any]:
+    """Each of the API's names for the output limit: 1..max_context, or null (not sent); -1
+    (unlimited) too under llama.cpp's name, which is not nullable."""
+    limited = {"type": "integer", "minimum": 1, "maximum": max_context, "nullable": True}
+    unlimited = {"type": "integer", "oneOf": [{"enum": [NO_LIMIT]},
+                                              {"minimum": 1, "maximum": max_context}]}
+    return {name: unlimited if name in UNLIMITED_AT_NO_LIMIT else limited
+            for name in API_FIELDS[kind].max_tokens}
+
+
+def _range(name: str, max_context: int) -> dict[str, Any]:
+    """A numeric field's schema: its row of `RANGES`."""
+    lo, hi = RANGES[name].bounds(max_context)
+    return {"type": RANGES[name].type, "minimum": lo, "maximum": hi}
+
+
+def _ranges(max_context: int, *names: str) -> dict[str, Any]:
+    return {name: _range(name, max_context) for name in names}
 
 
 def _penalties(max_context: int) -> dict[str, Any]:
-    penalty = {"type": "number", "minimum": -MAX_PENALTY, "maximum": MAX_PENALTY}
-    factor = {"type": "number", "minimum": MIN_REPETITION_PENALTY,
-              "maximum": MAX_REPETITION_PENALTY}
-    bias = {"type": "number", "minimum": -100, "maximum": 100}
+    bias = {"type": "number", "minimum": -MAX_BIAS, "maximum": MAX_BIAS}
     return {
-        "presence_penalty": penalty, "frequency_penalty": penalty,
-        "repetition_penalty": factor, "repeat_penalty": factor,
-        "repeat_last_n": {"type": "integer", "minimum": -1, "maximum": max_context},
-        "min_tokens": {"type": "integer", "minimum": 0, "maximum": max_context},
+        **_ranges(max_context, "presence_penalty", "frequency_penalty", "repetition_penalty",
+                  "repeat_penalty", "repeat_last_n", "min_tokens"),
         # OpenAI's {"token id": bias}, or llama.cpp's [[token id, bias or false], ...]
         "logit_bias": {"oneOf": [
             {"type": "object", "maxProperties": MAX_LOGIT_BIAS, "additionalProperties": bias},
@@ -97,8 +106,8 @@ def _structured() -> dict[str, Any]:
     }
 
 
-def _prompt_logprobs() -> dict[str, Any]:
-    return {"prompt_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS,
+def _prompt_logprobs(max_context: int) -> dict[str, Any]:
+    return {"prompt_logprobs": {**_range("prompt_logprobs", max_context),
                                 "nullable": True, "description": "vLLM's: each prompt "
                                 "token's logprob and the k most likely"}}
 
@@ -191,27 +200,24 @@ def get_openapi(limits: InputLimits) -> dict[str, Any]:
         "ChatRequest": {"type": "object", "required": ["messages"], "properties": {
             "messages": {"type": "array", "items": message, "minItems": 1,
                          "maxItems": limits.max_messages},
-            **_sampling(("max_tokens", "max_completion_tokens"), max_context),
+            **_sampling("chat", max_context),
             **_structured(), **_tools(),
-            "logprobs": {"type": "boolean"}, **_prompt_logprobs(),
+            "logprobs": {"type": "boolean"}, **_prompt_logprobs(max_context),
             "add_generation_prompt": {"type": "boolean"},
             "continue_final_message": {"type": "boolean"},
-            "top_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS}}},
+            "top_logprobs": _range("top_logprobs", max_context)}},
         "CompletionRequest": {"type": "object", "required": ["prompt"], "properties": {
-            "prompt": batched_prompt, **_sampling(("max_tokens",), max_context),
-            **_structured(), **_prompt_logprobs(),
+            "prompt": batched_prompt, **_sampling("completion", max_context),
+            **_structured(), **_prompt_logprobs(max_context),
             "echo": {"type": "boolean", "description": "the prompt before the output; with "
                      "max_tokens 0 (allowed with echo only) it is scored, nothing generated"},
             "logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_COMPLETION_LOGPROBS,
                          "nullable": True}}},
         "LlamaCompletionRequest": {"type": "object", "required": ["prompt"], "properties": {
             "prompt": prompt, "return_tokens": {"type": "boolean"},
-            **_sampling(("max_tokens",), max_context), **_structured(),
-            # -1 (unlimited) or 1..max_context: protocol._max_tokens refuses 0
-            "n_predict": {"type": "integer", "oneOf": [
-                {"enum": [-1]}, {"minimum": 1, "maximum": max_context}]},
+            **_sampling("llama", max_context), **_structured(),
             "n": {"type": "integer", "minimum": 1, "maximum": 1},
-            "n_probs": {"type": "integer", "minimum": 0, "maximum": MAX_N_PROBS}}},
+            "n_probs": _range("n_probs", max_context)}},
         "ChatResponse": {"type": "object", "required": ["id", "object", "choices", "usage"],
                          "properties": {
             "id": {"type": "string"}, "object": {"type": "string", "enum": ["chat.completion"]},

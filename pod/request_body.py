@@ -13,13 +13,13 @@ from typing import Any
 from starlette.requests import Request
 from starlette.types import Message
 
-from . import protocol
+from .json_body import decode_body
 from .lifecycle import SHUT_DOWN, Server
-from .protocol import ApiError
+from .request_errors import ApiError
 
 
 async def read_json(request: Request, server: Server) -> dict[str, Any]:
-    return protocol.decode_body(await read_body(request, server))
+    return decode_body(await read_body(request, server))
 
 
 async def read_body(request: Request, server: Server) -> bytes:

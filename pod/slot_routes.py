@@ -17,11 +17,11 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from . import protocol, slot_files
+from . import slot_files
 from .auth import check_admin, check_auth
 from .lifecycle import Server
-from .protocol import ApiError
 from .request_body import read_json
+from .request_errors import ApiError, clip
 from .server import ServingStack
 from .slot import SlotView
 
@@ -51,7 +51,7 @@ class SlotRoutes:
         except ValueError:
             raise ApiError(404, "no such slot", param="id") from None
         if not 0 <= slot_id < num_slots:
-            raise ApiError(404, f"no slot {protocol.clip(str(slot_id))}: there are "
+            raise ApiError(404, f"no slot {clip(str(slot_id))}: there are "
                            f"{num_slots}", param="id")
         action = request.query_params.get("action")
         if action in ("save", "restore", "erase"):

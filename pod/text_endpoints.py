@@ -7,8 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from .field_values import boolean_field
+from .input_limits import InputLimits
 from .model.tokenizer import Tokenizer
-from .protocol import InputLimits, boolean_field, chat_prompt_ids, render_chat
+from .prompts import chat_prompt_ids, render_chat
 from .request_errors import ApiError
 from .text_output import token_piece
 

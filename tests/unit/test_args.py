@@ -111,7 +111,7 @@ def test_admin_key_never_reaches_a_log():
 
 
 def test_input_limits_from_flags_and_environment():
-    from kvpark.pod.protocol import CHARS_PER_TOKEN, InputLimits
+    from kvpark.pod.input_limits import CHARS_PER_TOKEN, InputLimits
 
     args = parse_args([], env={})
     assert (args.max_messages, args.max_prompt_chars) == (4096, 0)

@@ -9,8 +9,9 @@ import torch
 from kvpark.pod import protocol, tools
 from kvpark.pod.args import parse_args
 from kvpark.pod.grammar import Grammar, GrammarError, Grammars
+from kvpark.pod.input_limits import InputLimits
 from kvpark.pod.model.loader import builtin_tokenizer
-from kvpark.pod.protocol import ApiError, InputLimits
+from kvpark.pod.request_errors import ApiError
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"},
                                            "age": {"type": "integer"}},

@@ -3,8 +3,11 @@
 import jsonschema
 import pytest
 
+from kvpark.pod.api_fields import MAX_STOP_CHARS
+from kvpark.pod.input_limits import InputLimits
 from kvpark.pod.openapi import get_openapi
-from kvpark.pod.protocol import MAX_STOP_CHARS, ApiError, InputLimits, sampling_params
+from kvpark.pod.request_errors import ApiError
+from kvpark.pod.sampling_fields import sampling_params
 
 MAX_CONTEXT = 512
 

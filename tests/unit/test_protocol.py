@@ -4,15 +4,17 @@ import logging
 
 import pytest
 
-from kvpark.pod import protocol
-from kvpark.pod.protocol import ApiError, check_fields, decode_body, shown
+from kvpark.pod import request_errors
+from kvpark.pod.json_body import decode_body
+from kvpark.pod.protocol import check_fields
+from kvpark.pod.request_errors import ApiError, shown
 
 
 @pytest.mark.parametrize("value", ["x" * 10_000, 7 ** 5000, [["y" * 500] * 50] * 50,
                                    {"k" * 300: "v" * 300}])
 def test_shown_quotes_at_most_a_hundred_characters(value):
     text = shown(value)
-    assert len(text) <= protocol.MAX_SHOWN and text
+    assert len(text) <= request_errors.MAX_SHOWN and text
 
 
 def test_a_valid_surrogate_pair_passes_and_a_lone_one_is_located():

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from kvpark.pod.protocol import sampling_params
 from kvpark.pod.sampling import SamplingParams, filter_logits, make_generator, sample
+from kvpark.pod.sampling_fields import sampling_params
 
 
 @pytest.mark.parametrize("params", [

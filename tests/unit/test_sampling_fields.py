@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvpark.pod.formats import completion_logprobs
-from kvpark.pod.protocol import ApiError, sampling_params
+from kvpark.pod.request_errors import ApiError
 from kvpark.pod.runner import ModelRunner
 from kvpark.pod.sampling import (
     SamplingParams,
@@ -18,6 +18,7 @@ from kvpark.pod.sampling import (
     process_logits,
     repeat_window,
 )
+from kvpark.pod.sampling_fields import sampling_params
 from kvpark.pod.slot import Sequence
 from kvpark.pod.step_plan import ScheduledSeq
 from kvpark.pod.text_output import StopMatcher

@@ -5,7 +5,9 @@ import random
 
 import pytest
 
-from kvpark.pod.protocol import MAX_STOP_CHARS, MAX_STOP_STRINGS, ApiError, sampling_params
+from kvpark.pod.api_fields import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from kvpark.pod.request_errors import ApiError
+from kvpark.pod.sampling_fields import sampling_params
 from kvpark.pod.text_output import TextOutput
 
 

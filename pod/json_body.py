@@ -1,0 +1,65 @@
+"""A request body's bytes as a JSON object: refused with a 400 naming the body when it is empty,
+not JSON, nested too deeply, not an object, or holds a string that is not valid Unicode (a lone
+UTF-16 surrogate, named by its path)."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from .request_errors import ApiError, clip
+from .request_errors import bad_field as _bad
+
+# Where a lone surrogate can come from: a \uD800-\uDFFF escape, or its UTF-8 bytes (json.loads
+# decodes bytes with surrogatepass). Only a body that matches is walked.
+_SURROGATE_HINT = re.compile(rb"\\[uU][dD][89a-fA-F]|\xed[\xa0-\xbf]")
+
+
+def decode_body(raw: bytes) -> dict[str, Any]:
+    """JSON bytes -> the request object, or a 400 naming what is wrong. CPU-bound on a large
+    body: call it off the event loop."""
+    if not raw.strip():
+        raise ApiError(400, "the body is empty; expected a JSON object", param="body")
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise ApiError(400, "the body is not valid JSON: it nests too deeply",
+                       param="body") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ApiError(400, f"the body is not valid JSON: {exc}", param="body") from None
+    except ValueError:  # Python refuses integers past 4300 digits
+        raise ApiError(400, "the body is not valid JSON: a number has too many digits",
+                       param="body") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object", param="body")
+    if _SURROGATE_HINT.search(raw):
+        where = _lone_surrogate(body)
+        if where is not None:
+            raise _bad(where, "holds a lone UTF-16 surrogate (not valid Unicode text)")
+    return body
+
+
+def _lone_surrogate(value: Any) -> str | None:
+    """The path of the first string (or key) that is not valid Unicode; None if all are."""
+    stack: list[tuple[Any, str]] = [(value, "")]
+    while stack:  # iterative: the nesting can be as deep as json allows
+        item, where = stack.pop()
+        if isinstance(item, str) and not _is_text(item):
+            return where or "body"
+        if isinstance(item, list):
+            stack.extend((v, f"{where}[{i}]") for i, v in enumerate(item))
+        elif isinstance(item, dict):
+            for key, v in item.items():
+                if not _is_text(key):
+                    return where or "body"
+                stack.append((v, f"{where}.{clip(key, 40)}" if where else clip(key, 40)))
+    return None
+
+
+def _is_text(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
