@@ -54,7 +54,7 @@ class ServerArgs:
     max_queue: int = 256
     max_body_bytes: int = 8 << 20
     max_messages: int = 4096  # chat messages per request
-    max_prompt_chars: int = 0  # 0: what the context could ever hold (protocol.CHARS_PER_TOKEN)
+    max_prompt_chars: int = 0  # 0: what the context could ever hold (input_limits.CHARS_PER_TOKEN)
     shutdown_timeout: float = 30.0
     timeout_header: float = 10.0  # seconds to send a request's whole header (then closed)
     timeout_body: float = 30.0  # seconds between two chunks of a request body (then 408)
