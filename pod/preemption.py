@@ -157,6 +157,7 @@ def promised_pages(running: Iterable[Sequence], page_size: int, batch_size: int)
     return preempt_kv_reserve(running, page_size) + next_steps
 
 
-def can_never_fit(seq: Sequence, capacity_tokens: int) -> bool:
-    """A parked sequence that has grown to within the margin of the whole pool."""
-    return len(seq.tokens) + PREEMPT_N_MARGIN + 1 > capacity_tokens
+def can_never_fit(seq: Sequence, capacity_tokens: int, n_spec: int = 0) -> bool:
+    """A parked sequence that has grown to within the margin of the whole pool: the spec's
+    PREEMPT_N_MARGIN + 1 + n_spec cells, `n_spec` the draft tokens a step may feed."""
+    return len(seq.tokens) + PREEMPT_N_MARGIN + 1 + n_spec > capacity_tokens

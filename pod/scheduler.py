@@ -1,6 +1,5 @@
-"""Plans one step: admission, restores, forced parks, chunked prefill and decode, and parks
-victims (via the pure policy in `preemption.py`) when the pool cannot give the step its pages.
-"""
+"""Plans one step: admission, restores, forced parks, chunked prefill, decode and its drafts;
+parks victims (via the pure policy in `preemption.py`) when the pool cannot give a step pages."""
 
 from __future__ import annotations
 
@@ -12,9 +11,9 @@ from dataclasses import dataclass
 
 from . import preemption as policy
 from .kv_pool import KVPool
-from .preemption import PreemptStats
 from .slot import CONTEXT_EXCEEDED, FinishReason, Phase, PreemptMode, SeqEvent, Sequence
-from .step_plan import ScheduledSeq, grant_pages, step_order, step_pages
+from .speculation import SpecConfig, Speculator
+from .step_plan import ScheduledSeq, add_drafts, grant_pages, step_order, step_pages
 from .swap import Swapper
 
 log = logging.getLogger("kvpark.scheduler")
@@ -29,16 +28,16 @@ class SchedulerConfig:
     preempt_high: float = 0.94  # park proactively when the next step would pass this share
     preempt_low: float = 0.80  # restore only while the pool stays below this share
     resume_order: str = "spec"  # or "fair" (head-of-line by park time)
+    spec: SpecConfig = SpecConfig()  # speculative decoding (off by default)
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, swapper: Swapper) -> None:
         self.config = config
         self.pool: KVPool = swapper.pool
-        # parking copies; on CUDA they run on their own stream while other slots keep decoding,
-        # and a sequence whose copy is in flight is neither scheduled nor chosen
+        # parks' copies (on CUDA in flight while others decode: a busy sequence is not chosen)
         self.swapper = swapper
-        self.stats: PreemptStats = swapper.stats
+        self.stats: policy.PreemptStats = swapper.stats
         self.on_finish: Callable[[Sequence], None] = lambda seq: None  # metrics hook
         self.waiting: deque[Sequence] = deque()
         self.arrived: list[Sequence] = []  # since the last admission: told if they must wait
@@ -46,6 +45,7 @@ class Scheduler:
         # the watermarks in pages: park before a step passes HIGH, restore only below LOW
         self.high_pages = int(self.pool.num_pages * config.preempt_high)
         self.low_pages = int(self.pool.num_pages * config.preempt_low)
+        self.speculator = Speculator(config.spec, config.max_context)  # drafts, after the grant
 
     def notify(self, seq: Sequence, event: SeqEvent) -> None:
         if event is SeqEvent.FINISHED:
@@ -128,9 +128,10 @@ class Scheduler:
         if self.config.preempt:
             self._restore_parked()
             self._force_parks()
+        ps = self.pool.page_size
         while True:
             plan, blocked = grant_pages(step_order(self.running), self.config.batch_size,
-                                        self.pool.num_free_pages, self.pool.page_size)
+                                        self.pool.num_free_pages, ps)
             over_high = not blocked and self._passes_high(plan)
             if not blocked and not over_high:
                 break
@@ -146,8 +147,10 @@ class Scheduler:
             # time, the latest arrival first; its pages may be what the others were missing
             latest = max(blocked, key=lambda s: (s.arrival, s.seq_id))
             self.finish(latest, FinishReason.CONTEXT_EXCEEDED, CONTEXT_EXCEEDED)
+        unused = self.pool.num_free_pages - self.pool.num_cached_pages  # drafts evict nothing
+        plan = add_drafts(plan, self.speculator.propose, self.config.batch_size, unused, ps)
         for item in plan:
-            item.seq.page_table.extend(self.pool.allocate(item.new_pages(self.pool.page_size)))
+            item.seq.page_table.extend(self.pool.allocate(item.new_pages(ps)))
         return plan
 
     def _passes_high(self, plan: list[ScheduledSeq]) -> bool:
@@ -183,23 +186,20 @@ class Scheduler:
 
     def _force_parks(self) -> None:
         every = self.config.preempt_every
-        if every <= 0:
-            return
         for seq in self.running:
-            if seq.parking.tokens_since_forced >= every and not seq.in_family:
+            if 0 < every <= seq.parking.tokens_since_forced and not seq.in_family:
                 self.park(seq)
 
     # ---- restoring ---------------------------------------------------------------------------
     def _restore_parked(self) -> None:
-        parked = [s for s in self.parked
-                   if not s.parking.manual and not self.swapper.is_busy(s)]
+        parked = [s for s in self.parked if not s.parking.manual and not self.swapper.is_busy(s)]
         running = self.running
         promised = policy.promised_pages(running, self.pool.page_size, self.config.batch_size)
         available = self.pool.num_free_pages - promised
         projected = self.pool.num_used_pages + promised
         head_of_line = self.config.resume_order == "fair"
         for seq in policy.restore_order(parked, self.config.resume_order):
-            if policy.can_never_fit(seq, self.pool.capacity_tokens):
+            if policy.can_never_fit(seq, self.pool.capacity_tokens, self.config.spec.n_spec):
                 self.finish(seq, FinishReason.CONTEXT_EXCEEDED, CONTEXT_EXCEEDED)
                 continue
             need = self.pool.pages_for(policy.restore_need_tokens(seq, self.config.batch_size))
