@@ -20,9 +20,12 @@ prefix cache, never parking anyone), and a verification gives back every page pa
 tokens (`release_draft_pages`), so between steps a page table holds exactly the pages of its
 computed tokens, as without speculation: parks, the prefix cache and slot files see no drafts.
 
-Adaptive: a sequence whose drafts had nothing accepted `MISSES_TO_PAUSE` times in a row stops
-drafting for `PAUSE_MIN` generated tokens, doubled on each further pause up to `PAUSE_MAX`; any
-accepted draft token resets both. Free text then costs a few wasted rows per pause period.
+Adaptive, per sequence: the next draft is as long as the last one's accepted run plus one
+(all accepted: `--spec-draft-n-max` again), so a failing guess costs one extra row, not n-max
+(on a CPU each decode row costs compute: measured in benchmarks/README.md). Drafts with nothing
+accepted `MISSES_TO_PAUSE` times in a row stop drafting for `PAUSE_MIN` generated tokens,
+doubled on each further pause up to `PAUSE_MAX`; an accepted draft token resets the pause. Free
+text then costs a couple of one-row guesses per pause period.
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ class SpecState:
     num_drafted: int = 0  # draft tokens fed (llama.cpp's draft_n)
     num_accepted: int = 0  # of which the samples matched (draft_n_accepted)
     misses: int = 0  # verifications in a row with nothing accepted
+    draft_len: int = 0  # the next draft's length at most (0: --spec-draft-n-max)
     pause: int = 0  # the latest pause's length (0: never paused)
     paused_until: int = 0  # no drafting until num_generated reaches this
 
@@ -150,7 +154,8 @@ class Speculator:
         left = self.max_context - len(seq.tokens)
         if seq.params.max_tokens is not None:
             left = min(left, seq.params.max_tokens - seq.num_generated)
-        draft = find_draft(seq.tokens, min(self.config.draft_max, room, left - 1))
+        longest = seq.spec.draft_len or self.config.draft_max
+        draft = find_draft(seq.tokens, min(longest, self.config.draft_max, room, left - 1))
         return tuple(draft) if draft and len(draft) >= self.config.draft_min else ()
 
     def settle(self, seq: Sequence, drafted: int, accepted: int) -> None:
@@ -162,6 +167,8 @@ class Speculator:
         self.stats.num_drafts += 1
         self.stats.num_draft_tokens += drafted
         self.stats.num_accepted_tokens += accepted
+        # grow back at once when everything matched (a copy), else guess one past the match
+        state.draft_len = self.config.draft_max if accepted == drafted else accepted + 1
         if accepted:
             state.misses, state.pause = 0, 0
         else:

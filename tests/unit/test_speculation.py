@@ -101,6 +101,20 @@ def test_a_sequence_whose_drafts_keep_failing_pauses_then_drafts_again():
     assert speculator.stats.num_accepted_tokens == 2
 
 
+def test_the_next_draft_is_one_past_the_accepted_run_and_full_after_a_full_match():
+    speculator = Speculator(SpecConfig("ngram-simple", draft_max=6), max_context=1000)
+    seq = make_seq([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2], SamplingParams(temperature=0))
+    seq.tokens.append(3)
+    seq.num_computed = len(seq.tokens) - 1
+    assert speculator.propose(seq, room=16) == (4, 5, 6, 7, 8, 9)
+    speculator.settle(seq, drafted=6, accepted=2)
+    assert speculator.propose(seq, room=16) == (4, 5, 6)  # 2 matched: guess 3 next time
+    speculator.settle(seq, drafted=3, accepted=0)
+    assert speculator.propose(seq, room=16) == (4,)  # a failed guess costs one row next time
+    speculator.settle(seq, drafted=1, accepted=1)
+    assert speculator.propose(seq, room=16) == (4, 5, 6, 7, 8, 9)  # all matched: full again
+
+
 def test_no_drafts_for_grammars_logprobs_penalties_or_past_max_tokens():
     speculator = Speculator(SpecConfig("ngram-simple", draft_max=4), max_context=1000)
     for params in (SamplingParams(logprobs=1), SamplingParams(repeat_penalty=1.1),
