@@ -55,8 +55,8 @@ def test_output_is_byte_identical_with_drafts_and_forced_parks(plain, park):
         assert_same(complete(server, STORY, 48, temperature=0.8, seed=1234), plain["seeded"])
         m = server.metrics()
     assert m[f"kvpark:n_preempt_{park}_total"] >= 6
-    # the copy is mostly drafted: far fewer steps than tokens
-    assert m['vllm:spec_decode_num_accepted_tokens_total{model_name="SmolLM2-135M-Instruct"}'] \
-        == m["kvpark:spec_decode_num_accepted_tokens_total"] > 0
-    assert copy["timings"]["draft_n_accepted"] > copy["tokens_predicted"] // 3
+    vllm = [v for k, v in m.items() if k.startswith("vllm:spec_decode_num_accepted_tokens_total{")]
+    assert vllm == [m["kvpark:spec_decode_num_accepted_tokens_total"]] and vllm[0] > 0
+    # the copy is mostly drafted: most of its tokens came from accepted drafts
+    assert copy["timings"]["draft_n_accepted"] > copy["tokens_predicted"] // 2
     assert 0 < copy["timings"]["draft_n_accepted"] <= copy["timings"]["draft_n"]

@@ -221,6 +221,33 @@ def test_tokens_are_the_same_with_speculation_on_and_off(temperature, park):
         assert runs[True][2].scheduler.stats.n_preempt > 0
 
 
+def test_metrics_and_timings_count_drafted_and_accepted_tokens():
+    from kvpark.pod.formats import timings
+    from kvpark.pod.metrics import Metrics
+
+    engine = make_engine(SpecConfig("ngram-simple", draft_max=6), num_pages=64)
+    metrics = Metrics(engine.scheduler, model_name="kv-test")
+    seq = make_seq(COPY_PROMPT, SamplingParams(temperature=0, max_tokens=40))
+    plain = make_seq(COPY_PROMPT, SamplingParams(temperature=0, max_tokens=4, logprobs=0))
+    engine.scheduler.add(seq)
+    engine.scheduler.add(plain)
+    run_to_the_end(engine)
+    values = {}
+    for line in metrics.render().decode().splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    label = '{model_name="kv-test"}'
+    for name, expected in (("num_drafts", seq.spec.num_drafts),
+                           ("num_draft_tokens", seq.spec.num_drafted),
+                           ("num_accepted_tokens", seq.spec.num_accepted)):
+        assert values[f"kvpark:spec_decode_{name}_total"] == expected > 0
+        assert values[f"vllm:spec_decode_{name}_total{label}"] == expected
+    assert timings(seq)["draft_n"] == seq.spec.num_drafted
+    assert timings(seq)["draft_n_accepted"] == seq.spec.num_accepted
+    assert "draft_n" not in timings(plain)  # logprobs requests are never drafted
+
+
 def test_a_stop_mid_draft_ends_there_and_frees_every_page():
     """EOS sampled at a draft row: the tokens after it are never emitted (as plain decoding
     never samples them), and the sequence gives everything back."""
