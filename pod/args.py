@@ -76,7 +76,7 @@ class ServerArgs:
     slot_save_path: str | None = None  # POST /slots/{id}?action=save|restore: files live here
     preempt_async: bool = True  # CUDA: swap copies on their own stream (off: synchronous)
     spec_type: str = "none"  # speculative decoding: none or ngram-simple (prompt lookup)
-    spec_draft_n_max: int = 8  # draft tokens per step at most (benchmarks/README.md)
+    spec_draft_n_max: int = 3  # draft tokens per step at most (benchmarks/README.md)
     spec_draft_n_min: int = 0  # shorter drafts are not verified
     # sampling defaults for requests that leave a field out (None: not set; see
     # generation_defaults.py): llama-server's flags, vLLM's generation config

@@ -51,7 +51,7 @@ class SpecConfig:
     """`--spec-type`, `--spec-draft-n-max`, `--spec-draft-n-min`."""
 
     kind: str = "none"  # "none" or "ngram-simple"
-    draft_max: int = 8  # tokens drafted per step at most
+    draft_max: int = 3  # tokens drafted per step at most
     draft_min: int = 0  # a shorter proposal is not verified (llama.cpp's n-min)
 
     @property
