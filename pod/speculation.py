@@ -53,6 +53,10 @@ class SpecConfig:
     kind: str = "none"  # "none" or "ngram-simple"
     draft_max: int = 3  # tokens drafted per step at most
     draft_min: int = 0  # a shorter proposal is not verified (llama.cpp's n-min)
+    # a step's rows at most with drafts in it (0: no cap). On the CPU the C kernels stream the
+    # weights once per tile of 4 rows and every row costs compute: drafts fill what the plain
+    # rows leave of the tile, where a row is nearly free (benchmarks/README.md)
+    max_step_rows: int = 0
 
     @property
     def enabled(self) -> bool:

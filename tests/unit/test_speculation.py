@@ -139,18 +139,20 @@ def test_drafts_take_only_free_pages_and_are_cut_at_the_pools_edge():
     seq.page_table, seq.num_computed = [0, 1], 8  # 8 computed tokens fill two pages
     plan = [ScheduledSeq(seq, 1)]
     # one unused page: the last token and 3 draft rows fill it exactly
-    drafted = add_drafts(plan, speculator.propose, 64, 1, PAGE_SIZE)
+    drafted = add_drafts(plan, speculator, 64, 1, PAGE_SIZE)
     assert drafted[0].draft == (1, 2, 3) and drafted[0].new_pages(PAGE_SIZE) == 1
     # the page the last token needs anyway came from the cache: drafts only fill its slack
-    drafted = add_drafts(plan, speculator.propose, 64, 0, PAGE_SIZE)
+    drafted = add_drafts(plan, speculator, 64, 0, PAGE_SIZE)
     assert drafted[0].draft == (1, 2, 3) and drafted[0].new_pages(PAGE_SIZE) == 1
-    # the token budget counts draft rows
-    assert add_drafts(plan, speculator.propose, 2, 1, PAGE_SIZE)[0].draft == (1,)
+    # the token budget counts draft rows, and so does the cap on a step's rows
+    assert add_drafts(plan, speculator, 2, 1, PAGE_SIZE)[0].draft == (1,)
+    capped = Speculator(SpecConfig("ngram-simple", draft_max=16, max_step_rows=3), 1000)
+    assert add_drafts(plan, capped, 64, 1, PAGE_SIZE)[0].draft == (1, 2)
     # at the pool's edge: the last token fills the last page, nothing is unused: no draft
     seq.tokens[-1:] = [3, 1, 2, 3]
     seq.page_table, seq.num_computed = [0, 1, 2], 11
-    assert add_drafts(plan, speculator.propose, 64, 0, PAGE_SIZE)[0].draft == ()
-    assert add_drafts(plan, speculator.propose, 64, 1, PAGE_SIZE)[0].draft == (1, 2, 3)
+    assert add_drafts(plan, speculator, 64, 0, PAGE_SIZE)[0].draft == ()
+    assert add_drafts(plan, speculator, 64, 1, PAGE_SIZE)[0].draft == (1, 2, 3)
 
 
 def test_a_parked_sequence_within_margin_plus_draft_length_of_the_pool_can_never_fit():
