@@ -14,6 +14,12 @@ Acceptance: accepted / drafted tokens, from each chat's final `timings` where th
 them (llama-server's `draft_n`, `draft_n_accepted`), else from the server's /metrics before and
 after the round (kvpark's spec_decode_* counters). TTFT: median time to the first streamed text.
 Every prompt starts with a line unique to its round, so no prefix cache skips a prefill.
+
+    python benchmarks/speculation.py --step-rows        # what a drafted step costs, in-process
+
+`--step-rows` times the runner on one decode step of 1 and of 4 sequences (~600-token contexts)
+fed 1..8 rows each (the last token and 0..7 draft tokens), rounds alternating: what a draft row
+costs against a plain decode row on this machine.
 """
 
 from __future__ import annotations
@@ -155,8 +161,50 @@ def launch(flags: str, model: str, threads: int) -> ServerProcess:
     return server
 
 
+def step_rows(threads: int, rounds: int = 7, max_rows: int = 8) -> None:
+    """ms per step for `batch` sequences of `rows` rows each, median over alternating rounds."""
+    from kvpark.pod.args import parse_args
+    from kvpark.pod.sampling import SamplingParams, make_generator
+    from kvpark.pod.server import build_stack
+    from kvpark.pod.slot import Sequence
+    from kvpark.pod.step_plan import ScheduledSeq
+
+    stack = build_stack(parse_args(["--model", "builtin://smollm2-135m", "-np", "4", "-c", "8192",
+                                    "--weights", "gguf", "--threads", str(threads)], env={}))
+    engine, pool = stack.engine, stack.scheduler.pool
+    seqs = []
+    for i in range(4):
+        ids = stack.tokenizer.encode(prompt_for("copy", i, "rows"))
+        seq = Sequence(f"r{i}", ids, SamplingParams(temperature=0, max_tokens=1000),
+                       make_generator(0), lambda *a: None)
+        engine.scheduler.add(seq)
+        seqs.append(seq)
+    while any(s.in_prompt for s in seqs):
+        engine.step()  # prefill; each sequence then holds one sampled token
+    for seq in seqs:
+        seq.page_table.extend(pool.allocate(1))  # room for 8 more rows at any offset
+    times: dict[tuple[int, int], list[float]] = {}
+    for _ in range(rounds):
+        for batch in (1, 4):
+            for rows in range(1, max_rows + 1):
+                plan = [ScheduledSeq(s, 1, tuple(s.tokens[5:4 + rows])) for s in seqs[:batch]]
+                started = time.perf_counter()
+                engine.runner.run(plan)  # changes no sequence
+                times.setdefault((batch, rows), []).append(time.perf_counter() - started)
+    table = []
+    for (batch, rows), samples in times.items():
+        ms = median(samples) * 1e3
+        plain = median(times[(batch, 1)]) * 1e3
+        table.append([batch, rows, batch * rows, f"{ms:.1f}", f"{ms / plain:.2f}x",
+                      f"{ms / (batch * rows):.2f}"])
+    print_table(["sequences", "rows each", "rows", "step ms", "vs 1 row each", "ms per row"],
+                table)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--step-rows", action="store_true",
+                   help="time drafted steps in-process instead of serving")
     p.add_argument("--launch", default="-np 4 -c 8192", help="flags of both kvpark servers")
     p.add_argument("--spec", default="--spec-type ngram-simple",
                    help="flags the 'on' server adds")
@@ -172,6 +220,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--out", default="benchmarks/results/speculation.json")
     args = p.parse_args()
+    if args.step_rows:
+        step_rows(args.threads)
+        return
 
     servers = []
     try:
