@@ -158,7 +158,8 @@ class Speculator:
         left = self.max_context - len(seq.tokens)
         if seq.params.max_tokens is not None:
             left = min(left, seq.params.max_tokens - seq.num_generated)
-        longest = seq.spec.draft_len or self.config.draft_max
+        # never below n-min: a shorter draft would be refused and the length never grow back
+        longest = max(seq.spec.draft_len or self.config.draft_max, self.config.draft_min)
         draft = find_draft(seq.tokens, min(longest, self.config.draft_max, room, left - 1))
         return tuple(draft) if draft and len(draft) >= self.config.draft_min else ()
 

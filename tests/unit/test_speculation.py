@@ -113,6 +113,10 @@ def test_the_next_draft_is_one_past_the_accepted_run_and_full_after_a_full_match
     assert speculator.propose(seq, room=16) == (4,)  # a failed guess costs one row next time
     speculator.settle(seq, drafted=1, accepted=1)
     assert speculator.propose(seq, room=16) == (4, 5, 6, 7, 8, 9)  # all matched: full again
+    at_least_two = Speculator(SpecConfig("ngram-simple", draft_max=6, draft_min=2), 1000)
+    at_least_two.settle(seq, drafted=3, accepted=0)
+    assert at_least_two.propose(seq, room=16) == (4, 5)  # n-min bounds the shrinking
+    assert at_least_two.propose(seq, room=1) == ()  # and refuses what is shorter
 
 
 def test_no_drafts_for_grammars_logprobs_penalties_or_past_max_tokens():
@@ -162,6 +166,21 @@ def test_a_parked_sequence_within_margin_plus_draft_length_of_the_pool_can_never
     assert not can_never_fit(seq, capacity)  # without drafts it still had room
     seq = make_seq([1] * (capacity - PREEMPT_N_MARGIN - n_spec - 1), SamplingParams())
     assert not can_never_fit(seq, capacity, n_spec)
+
+
+@pytest.mark.parametrize("spec", [SpecConfig(), SpecConfig("ngram-simple", draft_max=3)])
+def test_the_scheduler_ends_a_parked_sequence_within_the_reserve_that_counts_drafts(spec):
+    engine = make_engine(spec, num_pages=16, budget=0)  # 64 cells, parks recompute
+    capacity = 16 * PAGE_SIZE
+    seq = make_seq([1] * (capacity - PREEMPT_N_MARGIN - 1 - 3), SamplingParams(max_tokens=2))
+    engine.scheduler.add(seq)
+    engine.step()  # the prompt, and the first token: 53 tokens
+    engine.scheduler.park(seq)
+    engine.step()
+    if spec.enabled:  # 53 + 8 + 1 + 3 cells > 64: it can never run again with its drafts
+        assert seq.finish_reason is FinishReason.CONTEXT_EXCEEDED
+    else:
+        assert seq.phase is not Phase.PARKED and not seq.failed
 
 
 def test_drafted_steps_hold_between_steps_only_the_pages_of_computed_tokens():
