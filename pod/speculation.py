@@ -21,11 +21,11 @@ tokens (`release_draft_pages`), so between steps a page table holds exactly the 
 computed tokens, as without speculation: parks, the prefix cache and slot files see no drafts.
 
 Adaptive, per sequence: the next draft is as long as the last one's accepted run plus one
-(all accepted: `--spec-draft-n-max` again), so a failing guess costs one extra row, not n-max
-(on a CPU each decode row costs compute: measured in benchmarks/README.md). Drafts with nothing
-accepted `MISSES_TO_PAUSE` times in a row stop drafting for `PAUSE_MIN` generated tokens,
-doubled on each further pause up to `PAUSE_MAX`; an accepted draft token resets the pause. Free
-text then costs a couple of one-row guesses per pause period.
+(all accepted: twice as long, up to `--spec-draft-n-max`), so a failing guess costs one extra
+row, not n-max (on a CPU each decode row costs compute: measured in benchmarks/README.md).
+Drafts with nothing accepted `MISSES_TO_PAUSE` times in a row stop drafting for `PAUSE_MIN`
+generated tokens, doubled on each further pause up to `PAUSE_MAX`; a fully accepted draft resets
+the pause. Free text then costs a couple of one-row guesses per pause period.
 """
 
 from __future__ import annotations
@@ -172,10 +172,14 @@ class Speculator:
         self.stats.num_drafts += 1
         self.stats.num_draft_tokens += drafted
         self.stats.num_accepted_tokens += accepted
-        # grow back at once when everything matched (a copy), else guess one past the match
-        state.draft_len = self.config.draft_max if accepted == drafted else accepted + 1
-        if accepted:
+        # everything matched: twice as long next time (a copy reaches n-max in a few steps, a
+        # lucky one-token match in free text does not buy a long guess); else one past the match
+        state.draft_len = min(self.config.draft_max, 2 * drafted) if accepted == drafted \
+            else accepted + 1
+        if accepted == drafted:
             state.misses, state.pause = 0, 0
+        elif accepted:
+            state.misses = 0
         else:
             state.misses += 1
             next_pause(state, seq.num_generated)

@@ -96,9 +96,11 @@ def test_a_sequence_whose_drafts_keep_failing_pauses_then_drafts_again():
         speculator.settle(seq, drafted=4, accepted=0)
     assert seq.spec.pause == 2 * PAUSE_MIN  # a second pause in a row lasts twice as long
     speculator.settle(seq, drafted=4, accepted=2)
-    assert seq.spec.pause == 0 and seq.spec.misses == 0
-    assert (seq.spec.num_drafted, seq.spec.num_accepted) == (20, 2)
-    assert speculator.stats.num_accepted_tokens == 2
+    assert seq.spec.pause == 2 * PAUSE_MIN and seq.spec.misses == 0  # a partial match
+    speculator.settle(seq, drafted=3, accepted=3)
+    assert seq.spec.pause == 0  # a full match: the next failures pause from the start again
+    assert (seq.spec.num_drafted, seq.spec.num_accepted) == (23, 5)
+    assert speculator.stats.num_accepted_tokens == 5
 
 
 def test_the_next_draft_is_one_past_the_accepted_run_and_full_after_a_full_match():
@@ -112,7 +114,10 @@ def test_the_next_draft_is_one_past_the_accepted_run_and_full_after_a_full_match
     speculator.settle(seq, drafted=3, accepted=0)
     assert speculator.propose(seq, room=16) == (4,)  # a failed guess costs one row next time
     speculator.settle(seq, drafted=1, accepted=1)
-    assert speculator.propose(seq, room=16) == (4, 5, 6, 7, 8, 9)  # all matched: full again
+    assert speculator.propose(seq, room=16) == (4, 5)  # all matched: twice as long
+    speculator.settle(seq, drafted=2, accepted=2)
+    speculator.settle(seq, drafted=4, accepted=4)
+    assert speculator.propose(seq, room=16) == (4, 5, 6, 7, 8, 9)  # up to n-max
     at_least_two = Speculator(SpecConfig("ngram-simple", draft_max=6, draft_min=2), 1000)
     at_least_two.settle(seq, drafted=3, accepted=0)
     assert at_least_two.propose(seq, room=16) == (4, 5)  # n-min bounds the shrinking
