@@ -22,6 +22,9 @@ ALIASES = {
     "cache_ram": ("LLAMA_ARG_CACHE_RAM",),
     "preempt": ("LLAMA_ARG_PREEMPT",),
     "preempt_every": ("LLAMA_SERVER_PREEMPT_EVERY",),
+    "spec_type": ("LLAMA_ARG_SPEC_TYPE",),
+    "spec_draft_n_max": ("LLAMA_ARG_SPEC_DRAFT_N_MAX",),
+    "spec_draft_n_min": ("LLAMA_ARG_SPEC_DRAFT_N_MIN",),
 }
 TRUE_WORDS = {"1", "true", "yes", "on", "enabled"}
 FALSE_WORDS = {"0", "false", "no", "off", "disabled"}
@@ -72,6 +75,9 @@ class ServerArgs:
     chat_template: str | None = None  # a jinja file replacing the model's chat template
     slot_save_path: str | None = None  # POST /slots/{id}?action=save|restore: files live here
     preempt_async: bool = True  # CUDA: swap copies on their own stream (off: synchronous)
+    spec_type: str = "none"  # speculative decoding: none or ngram-simple (prompt lookup)
+    spec_draft_n_max: int = 3  # draft tokens per step at most (benchmarks/README.md)
+    spec_draft_n_min: int = 0  # shorter drafts are not verified
     # sampling defaults for requests that leave a field out (None: not set; see
     # generation_defaults.py): llama-server's flags, vLLM's generation config
     temp: float | None = None
@@ -236,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_flags(p.add_argument_group("sampling defaults (a request's own fields win)"))
     add_pool_flags(p.add_argument_group("slots and KV pool"))
     add_preemption_flags(p.add_argument_group("preemption (parking slots when the pool is full)"))
+    add_speculation_flags(p.add_argument_group("speculative decoding (llama-server's names)"))
     add_limit_flags(p.add_argument_group("limits and timeouts"))
     hidden = p.add_argument_group("test only")  # faults injected on purpose; not in --help
     hidden.add_argument("--preempt-every", type=_non_negative, help=argparse.SUPPRESS)
@@ -375,6 +382,17 @@ def add_preemption_flags(g: argparse._ArgumentGroup) -> None:
          text="CUDA: swap copies run on their own stream while other slots decode")
     _add(g, "--sse-keepalive", dest="sse_keepalive", type=_seconds, metavar="SECONDS",
          text="seconds between ': keepalive' comments to a parked or queued stream")
+
+
+def add_speculation_flags(g: argparse._ArgumentGroup) -> None:
+    _add(g, "--spec-type", dest="spec_type", choices=["none", "ngram-simple"],
+         text="ngram-simple: draft the tokens that followed the latest earlier occurrence of "
+         "the sequence's last 3..1 tokens (prompt lookup, no second model) and verify them in "
+         "one step; the output is byte-identical to none")
+    _add(g, "--spec-draft-n-max", dest="spec_draft_n_max", type=_non_negative, metavar="N",
+         text="draft tokens verified per step at most")
+    _add(g, "--spec-draft-n-min", dest="spec_draft_n_min", type=_non_negative, metavar="N",
+         text="a shorter draft is not verified")
 
 
 def add_limit_flags(g: argparse._ArgumentGroup) -> None:

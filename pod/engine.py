@@ -19,11 +19,12 @@ from typing import TypeVar
 
 from .paging import pages_for
 from .runner import ModelRunner
-from .sampling import ChunkOutput
+from .sampling import ChunkOutput, Sampled
 from .scheduler import Scheduler
 from .slot import FinishReason, Phase, SeqEvent, Sequence, SlotView
 from .slot_files import SlotState
 from .slot_memory import SlotMemory
+from .speculation import pages_past
 from .step_plan import ScheduledSeq
 
 log = logging.getLogger("kvpark.engine")
@@ -299,6 +300,28 @@ class Engine:
             return
         if seq.first_token_at is None:
             seq.first_token_at = time.monotonic()
+        if item.draft:
+            self.scheduler.speculator.settle(seq, len(item.draft), len(output.verified))
+        if self._emit(seq, sampled) and item.draft:
+            self._accept_verified(seq, output.verified)
+
+    def _accept_verified(self, seq: Sequence, verified: tuple[Sampled, ...]) -> None:
+        """Speculation: each token sampled at a draft row is taken as a decode step of its own
+        would take it (the row before it becomes computed, then the same stop checks); once the
+        sequence ends the rest are dropped. Then the pages only rejected drafts reached go back:
+        between steps a page table holds its computed tokens' pages only, as without drafts."""
+        for sampled in verified:
+            self.scheduler.advance(ScheduledSeq(seq, 1), sampled.token)
+            if not self._emit(seq, sampled):
+                return  # finished: every page went back
+        drafts_only = pages_past(seq.num_computed, seq.page_table, self.capacity.page_size)
+        if drafts_only:
+            self.scheduler.pool.free(drafts_only)
+            del seq.page_table[-len(drafts_only):]
+
+    def _emit(self, seq: Sequence, sampled: Sampled) -> bool:
+        """Hand one sampled token to its sequence and run the stop checks; False when it
+        ended the sequence."""
         if seq.constraint is not None:
             seq.constraint.accept(sampled.token)
         is_eos = sampled.token in self.eos_token_ids and not seq.params.ignore_eos
@@ -312,6 +335,7 @@ class Engine:
         reason = self.finish_reason(seq, is_eos)
         if reason is not None:
             self.scheduler.finish(seq, reason)
+        return reason is None
 
     def finish_reason(self, seq: Sequence, is_eos: bool) -> FinishReason | None:
         """The one place that decides whether a sampled token ends its sequence."""

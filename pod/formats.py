@@ -58,7 +58,15 @@ def timings(seq: Sequence) -> dict[str, float]:
         "predicted_per_token_ms": predicted_ms / max(1, n),
         # llama.cpp's 0 for one token: its time is the prompt's, a rate over ~0 ms means nothing
         "predicted_per_second": n / (predicted_ms / 1e3) if predicted_ms and n > 1 else 0.0,
+        **draft_timings(seq),
     }
+
+
+def draft_timings(seq: Sequence) -> dict[str, int]:
+    """llama.cpp's speculative-decoding counts, present only when the sequence was drafted."""
+    if not seq.spec.num_drafts:
+        return {}
+    return {"draft_n": seq.spec.num_drafted, "draft_n_accepted": seq.spec.num_accepted}
 
 
 def finish_reason(seq: Sequence) -> str | None:

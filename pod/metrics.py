@@ -30,6 +30,7 @@ from .host_tier import HostTier, TierStats
 from .metrics_llamacpp import LlamacppTotals, llamacpp_families
 from .scheduler import Scheduler
 from .slot import FinishReason, Sequence
+from .speculation import SpecStats
 from .step_plan import ScheduledSeq
 from .swap import CopyTimes
 
@@ -98,6 +99,7 @@ class SchedulerCollector(Collector):
         yield _gauge("host_ram_peak_bytes", "Most host bytes held at once, parked and cached "
                      "together (never past the budget)", self.host.peak_bytes)
         yield from _host_cache_families(tier)
+        yield from _spec_decode_families(s.speculator.stats, self.model_name)
         yield _counter("n_preempt", "Parks, swap and recompute", stats.n_preempt)
         yield _counter("n_resume", "Resumes of parked sequences", stats.n_resume)
         yield _counter("n_preempt_swap", "Parks by copying pages to host RAM",
@@ -139,6 +141,20 @@ def _host_cache_families(tier: HostTier | None) -> Iterator[GaugeMetricFamily |
     yield _counter("host_cache_skipped", "Pages the pool evicted with no room in host RAM",
                    stats.skipped)
     yield _counter("host_cache_evictions", "Cached host pages dropped for room", stats.drops)
+
+
+def _spec_decode_families(stats: SpecStats, model_name: str) -> Iterator[CounterMetricFamily]:
+    """Speculative decoding (`--spec-type`): vLLM's spec_decode_* names and kvpark's own.
+    The acceptance rate is accepted / draft tokens (vLLM's dashboards divide the same two)."""
+    for name, doc, value in (
+            ("num_drafts", "Verifications of a draft", stats.num_drafts),
+            ("num_draft_tokens", "Draft tokens fed to the model", stats.num_draft_tokens),
+            ("num_accepted_tokens", "Draft tokens the samples matched",
+             stats.num_accepted_tokens)):
+        yield _counter(f"spec_decode_{name}", doc, value)
+        family = CounterMetricFamily(f"vllm:spec_decode_{name}", doc, labels=["model_name"])
+        family.add_metric([model_name], value)
+        yield family
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

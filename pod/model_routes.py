@@ -86,7 +86,8 @@ class ModelRoutes:
         name = self.server.model_name(stack)
         return JSONResponse({
             "default_generation_settings": {
-                "id": 0, "id_task": -1, "n_ctx": slot_share(stack), "speculative": False,
+                "id": 0, "id_task": -1, "n_ctx": slot_share(stack),
+                "speculative": stack.args.spec_type != "none",
                 "is_processing": False, "model": name, "params": default_params(stack)},
             "total_slots": stack.engine.capacity.num_slots,
             "model_path": stack.model_path,

@@ -150,6 +150,7 @@ class PoolRoom:
     low_pages: int  # the low watermark
     capacity_tokens: int
     page_size: int
+    n_spec: int = 0  # draft tokens a step may feed (speculative decoding)
 
 
 def plan_restores(ordered: list[Sequence], room: PoolRoom, batch_size: int, fair: bool,
@@ -160,7 +161,7 @@ def plan_restores(ordered: list[Sequence], room: PoolRoom, batch_size: int, fair
     resume, never_fit, refused = [], [], 0
     available, projected = room.available, room.projected
     for seq in ordered:
-        if can_never_fit(seq, room.capacity_tokens):
+        if can_never_fit(seq, room.capacity_tokens, room.n_spec):
             never_fit.append(seq)
             continue
         need = pages_for(restore_need_tokens(seq, batch_size), room.page_size)
@@ -222,6 +223,7 @@ def promised_pages(running: Iterable[Sequence], page_size: int, batch_size: int)
     return preempt_kv_reserve(running, page_size) + next_steps
 
 
-def can_never_fit(seq: Sequence, capacity_tokens: int) -> bool:
-    """A parked sequence that has grown to within the margin of the whole pool."""
-    return len(seq.tokens) + PREEMPT_N_MARGIN + 1 > capacity_tokens
+def can_never_fit(seq: Sequence, capacity_tokens: int, n_spec: int = 0) -> bool:
+    """A parked sequence that has grown to within the margin of the whole pool: the spec's
+    PREEMPT_N_MARGIN + 1 + n_spec cells, `n_spec` the draft tokens a step may feed."""
+    return len(seq.tokens) + PREEMPT_N_MARGIN + 1 + n_spec > capacity_tokens

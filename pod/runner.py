@@ -20,6 +20,7 @@ from .sampling import (
     process_logits,
     sample,
 )
+from .speculation import verify
 from .step_plan import ScheduledSeq
 
 
@@ -42,27 +43,33 @@ class ModelRunner:
     def get_layout(self, plan: list[ScheduledSeq]) -> StepLayout:
         return StepLayout(
             page_tables=[item.seq.page_table for item in plan],
-            kv_lens=[item.seq.num_computed + item.num_tokens for item in plan],
-            q_lens=[item.num_tokens for item in plan],
+            kv_lens=[item.seq.num_computed + item.num_rows for item in plan],
+            q_lens=[item.num_rows for item in plan],
             page_size=self.pool.page_size,
         )
 
     def run(self, plan: list[ScheduledSeq]) -> list[ChunkOutput]:
-        """Feed every planned chunk; return a sampled token (and its logprobs, if asked for)
-        for the rows that reach the end, and the prompt rows' logprobs where asked for.
+        """Feed every planned chunk (and its draft rows); return a sampled token (and its
+        logprobs, if asked for) for the rows that reach the end, the tokens its verified draft
+        rows add, and the prompt rows' logprobs where asked for.
         Changes no sequence: a failed step is rerun."""
         self.check_fault(plan)
         # generated-token rows read the GGUF's quantised blocks: a property of each row alone
+        # (draft rows are generated-token rows: they get the bits their plain decode would)
         from_blocks = [p >= item.seq.num_prompt for item in plan
                        for p in range(item.seq.num_computed,
-                                      item.seq.num_computed + item.num_tokens)
+                                      item.seq.num_computed + item.num_rows)
                        ] if self.model.has_blocks else None
         rows = None if from_blocks is None else BlockRows.from_mask(from_blocks)
         hidden = self.forward(plan, rows)
         prompt_logprobs = self.prompt_logprobs(plan, hidden, rows)
         sampled = self.sample_ends(plan, hidden, from_blocks)
-        return [ChunkOutput(sampled.get(id(item)), prompt_logprobs.get(id(item), ()))
-                for item in plan]
+        outputs = []
+        for item in plan:
+            emitted = sampled.get(id(item), ())
+            outputs.append(ChunkOutput(emitted[0] if emitted else None,
+                                       prompt_logprobs.get(id(item), ()), emitted[1:]))
+        return outputs
 
     def check_fault(self, plan: list[ScheduledSeq]) -> None:
         if self.fault_token is not None:
@@ -77,7 +84,8 @@ class ModelRunner:
         for item in plan:
             start = item.seq.num_computed
             ids.extend(item.seq.tokens[start : start + item.num_tokens])
-            positions.extend(range(start, start + item.num_tokens))
+            ids.extend(item.draft)
+            positions.extend(range(start, start + item.num_rows))
         layout = self.get_layout(plan)
         if self.graphs is not None and self.graphs.can_run(layout) and rows is None:
             return self.graphs.run(ids, positions, layout)  # a view the next replay rewrites
@@ -88,23 +96,46 @@ class ModelRunner:
                           self.backend, self.pool.caches, rows)
 
     def sample_ends(self, plan: list[ScheduledSeq], hidden: torch.Tensor,
-                    from_blocks: list[bool] | None) -> dict[int, Sampled]:
-        """A token for each chunk that reaches the end of what its sequence has fed, from its
-        last row (the head reads the blocks where that row did)."""
-        last_rows, sampling = [], []
+                    from_blocks: list[bool] | None) -> dict[int, tuple[Sampled, ...]]:
+        """The tokens of each chunk that reaches the end of what its sequence has fed: from
+        its last row, or from its last token's row and its draft rows, verified (the head
+        reads the blocks where each row did)."""
+        head, sampling = [], []  # rows the head reads; the items they belong to
         end = 0
         for item in plan:
-            end += item.num_tokens
+            end += item.num_rows
             if item.samples:
-                last_rows.append(end - 1)
+                head.extend(range(end - 1 - len(item.draft), end))
                 sampling.append(item)
         if not sampling:
             return {}
-        if len(last_rows) < hidden.shape[0]:  # a decode-only step samples every row
-            hidden = hidden[torch.tensor(last_rows, device=self.model.device)]
+        if len(head) < hidden.shape[0]:  # a decode-only step samples every row
+            hidden = hidden[torch.tensor(head, device=self.model.device)]
         head_rows = None if from_blocks is None else BlockRows.from_mask(
-            [from_blocks[row] for row in last_rows])
-        return self.sample(sampling, self.model.logits(hidden, head_rows).cpu())
+            [from_blocks[row] for row in head])
+        return self.sample_verified(sampling, self.model.logits(hidden, head_rows).cpu())
+
+    @staticmethod
+    def sample_verified(sampling: list[ScheduledSeq], logits: torch.Tensor
+                        ) -> dict[int, tuple[Sampled, ...]]:
+        """logits: [rows, vocab], 1 + len(draft) rows per item, in order. Items without a draft
+        are sampled together as always; a drafted item's rows one at a time, in order, until a
+        sample differs from the next draft token (`speculation.verify`)."""
+        found: dict[int, tuple[Sampled, ...]] = {}
+        plain, plain_rows = [], []
+        at = 0
+        for item in sampling:
+            if item.draft:  # speculation: plain requests only (see Speculator.can_draft)
+                found[id(item)] = ModelRunner.verify_draft(item, logits[at:at + 1 + len(
+                    item.draft)])
+            else:
+                plain.append(item)
+                plain_rows.append(at)
+            at += 1 + len(item.draft)
+        if plain:
+            picked = logits if len(plain_rows) == logits.shape[0] else logits[plain_rows]
+            found.update((key, (s,)) for key, s in ModelRunner.sample(plain, picked).items())
+        return found
 
     def prompt_logprobs(self, plan: list[ScheduledSeq], hidden: torch.Tensor,
                         rows: BlockRows | None) -> dict[int, tuple[TokenLogprob, ...]]:
@@ -114,14 +145,14 @@ class ModelRunner:
         found: dict[int, tuple[TokenLogprob, ...]] = {}
         start_row = 0
         for item in plan:
-            start_row += item.num_tokens
+            start_row += item.num_rows
             seq, k = item.seq, item.seq.params.prompt_logprobs
             if k is None:  # nearly every sequence: nothing to compute
                 continue
             first = max(seq.num_computed, len(seq.prompt_logprobs))  # row p predicts p + 1
             last = min(seq.num_computed + item.num_tokens, seq.num_prompt - 1)
             if first < last:
-                offset = start_row - item.num_tokens - seq.num_computed
+                offset = start_row - item.num_rows - seq.num_computed
                 picked = hidden[offset + first : offset + last]
                 head_rows = None if rows is None else BlockRows.all_dense(len(picked))
                 raw = torch.log_softmax(self.model.logits(picked, head_rows).float().cpu(), -1)
@@ -129,6 +160,14 @@ class ModelRunner:
                     get_prompt_logprob(raw[i], seq.prompt_ids[p + 1], k)
                     for i, p in enumerate(range(first, last)))
         return found
+
+    @staticmethod
+    def verify_draft(item: ScheduledSeq, logits: torch.Tensor) -> tuple[Sampled, ...]:
+        """logits: [1 + len(draft), vocab]: each row drawn as plain decoding draws it, with
+        the sequence's generator, one row at a time and only as far as the drafts match."""
+        params, generator = [item.seq.params], [item.seq.generator]
+        tokens = verify(item.draft, lambda row: sample(logits[row:row + 1], params, generator)[0])
+        return tuple(Sampled(token) for token in tokens)
 
     @staticmethod
     def sample(sampling: list[ScheduledSeq], logits: torch.Tensor) -> dict[int, Sampled]:

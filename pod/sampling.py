@@ -222,3 +222,6 @@ class ChunkOutput(NamedTuple):
     sampled: Sampled | None = None  # when the chunk reached the end of what was fed
     # the logprobs of the prompt tokens this chunk's rows predict (prompt_logprobs requests)
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    # speculation: the tokens sampled after `sampled` at its draft rows, in order; all but the
+    # last matched the draft (len(verified) draft tokens were accepted)
+    verified: tuple[Sampled, ...] = ()

@@ -1,6 +1,5 @@
-"""Plans one step: admission, restores, forced parks, chunked prefill and decode, and parks
-victims (via the pure policy in `preemption.py`) when the pool cannot give the step its pages.
-"""
+"""Plans one step: admission, restores, forced parks, chunked prefill, decode and its drafts;
+parks victims (via the pure policy in `preemption.py`) when the pool cannot give a step pages."""
 
 from __future__ import annotations
 
@@ -12,9 +11,9 @@ from dataclasses import dataclass
 
 from . import preemption as policy
 from .kv_pool import KVPool
-from .preemption import PreemptStats
 from .slot import CONTEXT_EXCEEDED, FinishReason, Phase, PreemptMode, SeqEvent, Sequence
-from .step_plan import ScheduledSeq, grant_pages, step_order, step_pages
+from .speculation import SpecConfig, Speculator
+from .step_plan import ScheduledSeq, add_drafts, grant_pages, step_order, step_pages
 from .swap import Swapper
 
 log = logging.getLogger("kvpark.scheduler")
@@ -29,16 +28,16 @@ class SchedulerConfig:
     preempt_high: float = 0.94  # park proactively when the next step would pass this share
     preempt_low: float = 0.80  # restore only while the pool stays below this share
     resume_order: str = "spec"  # or "fair" (head-of-line by park time)
+    spec: SpecConfig = SpecConfig()  # speculative decoding (off by default)
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, swapper: Swapper) -> None:
         self.config = config
         self.pool: KVPool = swapper.pool
-        # parking copies; on CUDA they run on their own stream while other slots keep decoding,
-        # and a sequence whose copy is in flight is neither scheduled nor chosen
+        # parks' copies (on CUDA in flight while others decode: a busy sequence is not chosen)
         self.swapper = swapper
-        self.stats = PreemptStats()  # counted here, where the decisions are
+        self.stats = policy.PreemptStats()  # counted here, where the decisions are
         self.on_finish: Callable[[Sequence], None] = lambda seq: None  # metrics hook
         self.waiting: deque[Sequence] = deque()
         self.arrived: list[Sequence] = []  # since the last admission: told if they must wait
@@ -46,6 +45,7 @@ class Scheduler:
         # the watermarks in pages: park before a step passes HIGH, restore only below LOW
         self.high_pages = int(self.pool.num_pages * config.preempt_high)
         self.low_pages = int(self.pool.num_pages * config.preempt_low)
+        self.speculator = Speculator(config.spec, config.max_context)  # drafts, after the grant
 
     def notify(self, seq: Sequence, event: SeqEvent) -> None:
         if event is SeqEvent.FINISHED:
@@ -120,10 +120,14 @@ class Scheduler:
         if self.config.preempt:
             self._restore_parked()
             self._force_parks()
+        ps = self.pool.page_size
         while True:
             plan, blocked = grant_pages(step_order(self.running), self.config.batch_size,
-                                        self.pool.num_free_pages, self.pool.page_size)
-            over_high = not blocked and self._passes_high(plan)
+                                        self.pool.num_free_pages, ps)
+            # would the step pass the high watermark (a granted step never passes the pool)?
+            over_high = not blocked and self.config.preempt and policy.passes_high(
+                self.pool.num_used_pages, len(self.swapper.pages_in_flight),
+                step_pages(plan, ps), self.high_pages)
             if not blocked and not over_high:
                 break
             victim = policy.choose_victim(self.running) if self.config.preempt else None
@@ -138,16 +142,11 @@ class Scheduler:
             # time, the latest arrival first; its pages may be what the others were missing
             latest = max(blocked, key=lambda s: (s.arrival, s.seq_id))
             self.finish(latest, FinishReason.CONTEXT_EXCEEDED, CONTEXT_EXCEEDED)
+        unused = self.pool.num_free_pages - self.pool.num_cached_pages  # drafts evict nothing
+        plan = add_drafts(plan, self.speculator, self.config.batch_size, unused, ps)
         for item in plan:
-            item.seq.page_table.extend(self.pool.allocate(item.new_pages(self.pool.page_size)))
+            item.seq.page_table.extend(self.pool.allocate(item.new_pages(ps)))
         return plan
-
-    def _passes_high(self, plan: list[ScheduledSeq]) -> bool:
-        """Would this step push the pool past the high watermark? (park before the wall)"""
-        if not self.config.preempt or self.config.preempt_high >= 1.0:
-            return False
-        return policy.passes_high(self.pool.num_used_pages, len(self.swapper.pages_in_flight),
-                                  step_pages(plan, self.pool.page_size), self.high_pages)
 
     # ---- parking -----------------------------------------------------------------------------
     def park(self, seq: Sequence, wait: bool = True) -> PreemptMode:
@@ -190,7 +189,8 @@ class Scheduler:
         promised = policy.promised_pages(running, self.pool.page_size, self.config.batch_size)
         room = policy.PoolRoom(self.pool.num_free_pages - promised,
                                self.pool.num_used_pages + promised, self.low_pages,
-                               self.pool.capacity_tokens, self.pool.page_size)
+                               self.pool.capacity_tokens, self.pool.page_size,
+                               self.config.spec.n_spec)
         restores = policy.plan_restores(
             policy.restore_order(parked, self.config.resume_order), room,
             self.config.batch_size, self.config.resume_order == "fair", bool(running))

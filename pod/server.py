@@ -47,6 +47,7 @@ from .scheduler import Scheduler, SchedulerConfig
 from .slot import Sequence
 from .slot_files import ModelIdentity, get_source_bytes, get_weights_digest
 from .slot_memory import SlotMemory
+from .speculation import SpecConfig
 from .swap import Swapper
 
 log = logging.getLogger("kvpark.server")
@@ -205,7 +206,9 @@ def scheduler_config_of(args: ServerArgs, max_context: int) -> SchedulerConfig:
     return SchedulerConfig(num_slots=args.parallel, batch_size=args.batch_size,
                            preempt=args.preempt, preempt_every=args.preempt_every,
                            max_context=max_context, preempt_high=args.preempt_high / 100,
-                           preempt_low=args.preempt_low / 100, resume_order=args.preempt_resume)
+                           preempt_low=args.preempt_low / 100, resume_order=args.preempt_resume,
+                           spec=SpecConfig(args.spec_type, args.spec_draft_n_max,
+                                           args.spec_draft_n_min))
 
 
 def make_host_tier(args: ServerArgs, pool: KVPool, host: HostStore, copy: CopyEngine
@@ -308,6 +311,9 @@ def build_stack(args: ServerArgs) -> ServingStack:
              budget.describe(), args.preempt_every, args.preempt_high, args.preempt_low,
              args.preempt_resume)
     log.info("prefix cache %s", "on" if cache else "off (--no-prefix-cache)")
+    log.info("speculative decoding %s", f"{args.spec_type}, drafts of "
+             f"{args.spec_draft_n_min}..{args.spec_draft_n_max} tokens"
+             if scheduler_config.spec.enabled else "off")
     log.info("sampling defaults: %s", defaults.describe())
     identity = ModelIdentity(loaded.name, get_source_bytes(loaded.source), weights_digest,
                              str(dtype).removeprefix("torch."), model.weight_format.value,

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .sampling import SamplingParams, TokenLogprob
+from .speculation import SpecState
 
 if TYPE_CHECKING:  # the GPU check imports this module without the tokenizer's dependencies
     from .constraint import TokenConstraint
@@ -136,6 +137,7 @@ class Sequence:
     arrival: float = field(default_factory=time.monotonic)
     priority: int = 0  # victims come from the lowest tier; restores go highest first
     parking: ParkState = field(default_factory=ParkState)
+    spec: SpecState = field(default_factory=SpecState)  # drafts verified (--spec-type)
     output: TextOutput | None = None  # detokenizer and stop strings (None: ids only)
     constraint: TokenConstraint | None = None  # masks what may be sampled next (grammars)
     # one per token of the visible output when the request asked for logprobs (append-only:

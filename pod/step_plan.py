@@ -7,20 +7,27 @@ from dataclasses import dataclass
 
 from .paging import pages_for
 from .slot import Sequence
+from .speculation import Speculator, draft_room
 
 
 @dataclass(frozen=True)
 class ScheduledSeq:
     seq: Sequence
     num_tokens: int  # fed this step: tokens[num_computed : num_computed + num_tokens]
+    # speculation: guessed next tokens fed after them as rows of their own, to be verified
+    draft: tuple[int, ...] = ()
+
+    @property
+    def num_rows(self) -> int:
+        return self.num_tokens + len(self.draft)
 
     @property
     def samples(self) -> bool:
         return self.seq.num_computed + self.num_tokens == len(self.seq.tokens)
 
     def new_pages(self, page_size: int) -> int:
-        """Pages the step adds to the sequence's page table."""
-        return pages_for(self.seq.num_computed + self.num_tokens, page_size) - len(
+        """Pages the step adds to the sequence's page table (draft rows' included)."""
+        return pages_for(self.seq.num_computed + self.num_rows, page_size) - len(
             self.seq.page_table)
 
 
@@ -56,3 +63,29 @@ def grant_pages(running: list[Sequence], batch_size: int, free_pages: int,
 
 def step_pages(plan: list[ScheduledSeq], page_size: int) -> int:
     return sum(item.new_pages(page_size) for item in plan)
+
+
+def add_drafts(plan: list[ScheduledSeq], speculator: Speculator, batch_size: int,
+               free_pages: int, page_size: int) -> list[ScheduledSeq]:
+    """The plan with draft rows after its decode rows, within the token budget it leaves (and
+    the speculator's cap on a step's rows) and the `free_pages` left after its own pages: a
+    draft never makes a step park anyone or evict a cached page (the caller passes the pool's
+    unused pages, cached ones not counted), and a draft is cut to what fits, so a sequence at
+    the pool's edge decodes plainly."""
+    rows = sum(item.num_rows for item in plan)
+    budget = batch_size - rows
+    if speculator.config.max_step_rows:
+        budget = min(budget, speculator.config.max_step_rows - rows)
+    free = max(0, free_pages - step_pages(plan, page_size))
+    drafted: list[ScheduledSeq] = []
+    for item in plan:
+        seq, own = item.seq, item.new_pages(page_size)
+        room = min(budget, draft_room(seq.num_computed, item.num_rows,
+                                      len(seq.page_table) + own, free, page_size))
+        draft = speculator.propose(seq, room) if item.samples and room > 0 else ()
+        if draft:
+            item = ScheduledSeq(seq, item.num_tokens, draft)
+            free -= item.new_pages(page_size) - own
+            budget -= len(draft)
+        drafted.append(item)
+    return drafted

@@ -22,10 +22,12 @@ from kvpark.pod.engine import Engine
 from kvpark.pod.host_store import HostStore
 from kvpark.pod.host_tier import HostTier
 from kvpark.pod.kv_pool import KVPool
+from kvpark.pod.paging import pages_for
 from kvpark.pod.prefix_cache import PrefixCache
 from kvpark.pod.sampling import ChunkOutput, Sampled, SamplingParams
 from kvpark.pod.scheduler import Scheduler, SchedulerConfig
 from kvpark.pod.slot import Phase, Sequence
+from kvpark.pod.speculation import SpecConfig
 from kvpark.pod.swap import Swapper
 
 PAGE_SIZE = 4
@@ -43,15 +45,23 @@ class FakeRunner:
     def run(self, plan):
         for item in plan if self.pool is not None else ():
             seq, ps = item.seq, self.pool.page_size
-            for pos in range(seq.num_computed, seq.num_computed + item.num_tokens):
+            for pos in range(seq.num_computed, seq.num_computed + item.num_rows):
                 page = seq.page_table[pos // ps]
                 assert self.pool.ref_count(page) == 1, f"a write into shared page {page}"
-        return [ChunkOutput(Sampled(7) if item.samples else None) for item in plan]
+        return [ChunkOutput(Sampled(7), verified=verified_sevens(item.draft)) if item.samples
+                else ChunkOutput() for item in plan]
+
+
+def verified_sevens(draft: tuple[int, ...]) -> tuple[Sampled, ...]:
+    """What a model that always samples 7 makes of a draft's rows: a 7 from each row after a
+    draft token that was 7 (verification stops at the first other one)."""
+    accepted = next((i for i, t in enumerate(draft) if t != 7), len(draft))
+    return (Sampled(7),) * accepted
 
 
 def make_engine(budget_pages: int, preempt: bool, preempt_every: int,
                 batch_size: int = 8, prefix_cache: bool = False,
-                cache_pages: int | None = None) -> Engine:
+                cache_pages: int | None = None, spec: SpecConfig | None = None) -> Engine:
     """With `cache_pages` (-1: no cap of its own) the pool gets a host tier."""
     cache = PrefixCache("test-model", PAGE_SIZE) if prefix_cache else None
     pool = KVPool(num_layers=1, num_pages=NUM_PAGES, page_size=PAGE_SIZE, num_kv_heads=1,
@@ -62,7 +72,7 @@ def make_engine(budget_pages: int, preempt: bool, preempt_every: int,
         cap = cache_pages if cache_pages < 0 else cache_pages * pool.page_bytes
         pool.tier = HostTier(host, SyncCopyEngine(pool), pool.host_page_shape, pool.dtype, cap)
     config = SchedulerConfig(num_slots=3, batch_size=batch_size, preempt=preempt,
-                             preempt_every=preempt_every)
+                             preempt_every=preempt_every, spec=spec or SpecConfig())
     return Engine(Scheduler(config, Swapper(pool, host)),
                   FakeRunner(pool if prefix_cache else None), frozenset({EOS}))
 
@@ -104,6 +114,8 @@ def check_invariants(engine: Engine, seqs: list[Sequence], finished: dict) -> No
             assert seq.seq_id not in finished
         if seq.phase is Phase.PARKED:
             assert not seq.page_table
+        elif seq.phase is Phase.RUNNING and s.speculator.config.enabled:  # drafts' pages gone
+            assert len(seq.page_table) <= pages_for(seq.num_computed, s.pool.page_size)
 
 
 def check_host_tier(engine: Engine) -> None:
@@ -183,10 +195,23 @@ def test_invariants_hold_with_the_host_tier(events, budget_pages, preempt, preem
                cache_pages=cache_pages)
 
 
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(events=st.lists(prefix_event, max_size=60),
+       budget_pages=st.sampled_from([-1, 0, 3, 50]), preempt=st.booleans(),
+       preempt_every=st.sampled_from([0, 3]), draft_max=st.integers(1, 6))
+def test_invariants_hold_with_speculation(events, budget_pages, preempt, preempt_every,
+                                          draft_max):
+    """The same events with n-gram drafts (every token is 7, so drafts are long and accepted):
+    draft pages come and go within a step; between steps a running sequence holds only its
+    computed tokens' pages, and no draft row writes a shared page."""
+    run_events(events, budget_pages, preempt, preempt_every, prefix_cache=True,
+               spec=SpecConfig("ngram-simple", draft_max=draft_max))
+
+
 def run_events(events, budget_pages, preempt, preempt_every, prefix_cache=False,
-               cache_pages=None):
+               cache_pages=None, spec: SpecConfig | None = None):
     engine = make_engine(budget_pages, preempt, preempt_every, prefix_cache=prefix_cache,
-                         cache_pages=cache_pages)
+                         cache_pages=cache_pages, spec=spec)
     s = engine.scheduler
     seqs: list[Sequence] = []
     finished: dict[int, int] = {}

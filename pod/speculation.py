@@ -1,0 +1,197 @@
+"""Speculative decoding without a second model (`--spec-type ngram-simple`): prompt lookup.
+
+Drafting: the last n tokens of a sequence (prompt and generated; n from `NGRAM_MAX` down to 1)
+are looked up at their most recent earlier occurrence, and the tokens that followed it there
+are proposed (llama.cpp's ngram-simple, vLLM's `ngram`). The step feeds [last sampled token,
+d1..dk] as k + 1 rows of the same sequence.
+
+Verification is exact-match acceptance, not rejection sampling: the rows' logits are sampled in
+order with the sequence's own generator, stopping at the first row whose sample differs from
+the next draft token (that sample is the correction; when all k match, the last row gives one
+token more). Row i sees exactly the context plain decoding would show it (the drafts before it
+equal the samples before it) and its logits are the same bits (decode rows are a property of
+each row alone), and the generator is asked exactly as often, in the same order: every emitted
+token is drawn from the target model's own distribution, so greedy and seeded sampling give
+byte-identical output with speculation on or off. A draft is only a guess of which rows to
+compute early; it never changes what is sampled.
+
+Page accounting: draft rows take pages only from the pool's truly free pages (never evicting the
+prefix cache, never parking anyone), and a verification gives back every page past the accepted
+tokens (`release_draft_pages`), so between steps a page table holds exactly the pages of its
+computed tokens, as without speculation: parks, the prefix cache and slot files see no drafts.
+
+Adaptive, per sequence: the next draft is as long as the last one's accepted run plus one
+(all accepted: twice as long, up to `--spec-draft-n-max`), so a failing guess costs one extra
+row, not n-max (on a CPU each decode row costs compute: measured in benchmarks/README.md).
+Drafts with nothing accepted `MISSES_TO_PAUSE` times in a row stop drafting for `PAUSE_MIN`
+generated tokens, doubled on each further pause up to `PAUSE_MAX`; a fully accepted draft resets
+the pause. Free text then costs a couple of one-row guesses per pause period.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .paging import pages_for
+
+if TYPE_CHECKING:  # slot.py holds a SpecState: imported for the types only
+    from .slot import Sequence
+
+NGRAM_MAX = 3  # the longest suffix looked up (llama.cpp's ngram-simple idea, vLLM's n-gram)
+MISSES_TO_PAUSE = 2  # drafts with nothing accepted, in a row, before a sequence pauses
+PAUSE_MIN = 8  # generated tokens without drafting after the first pause
+PAUSE_MAX = 256  # the longest pause (a copy that starts late in free text is still found)
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """`--spec-type`, `--spec-draft-n-max`, `--spec-draft-n-min`."""
+
+    kind: str = "none"  # "none" or "ngram-simple"
+    draft_max: int = 3  # tokens drafted per step at most
+    draft_min: int = 0  # a shorter proposal is not verified (llama.cpp's n-min)
+    # a step's rows at most with drafts in it (0: no cap). On the CPU the C kernels stream the
+    # weights once per tile of 4 rows and every row costs compute: drafts fill what the plain
+    # rows leave of the tile, where a row is nearly free (benchmarks/README.md)
+    max_step_rows: int = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.kind != "none" and self.draft_max > 0
+
+    @property
+    def n_spec(self) -> int:
+        """Cells a step may need past a sequence's tokens: the spec's `n_spec` (limitation 4)."""
+        return self.draft_max if self.enabled else 0
+
+
+@dataclass
+class SpecState:
+    """One sequence's speculation: totals for `timings`, and the adaptive pause."""
+
+    num_drafts: int = 0  # verifications
+    num_drafted: int = 0  # draft tokens fed (llama.cpp's draft_n)
+    num_accepted: int = 0  # of which the samples matched (draft_n_accepted)
+    misses: int = 0  # verifications in a row with nothing accepted
+    draft_len: int = 0  # the next draft's length at most (0: --spec-draft-n-max)
+    pause: int = 0  # the latest pause's length (0: never paused)
+    paused_until: int = 0  # no drafting until num_generated reaches this
+
+
+@dataclass
+class SpecStats:
+    """Server totals the metrics read (vLLM's spec_decode_* counters)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+
+# ---- drafting and acceptance (pure) -----------------------------------------------------------
+
+def find_draft(tokens: Seq[int], max_tokens: int, ngram_max: int = NGRAM_MAX) -> list[int]:
+    """The up to `max_tokens` tokens that followed the most recent earlier occurrence of the
+    longest suffix of `tokens` (n = ngram_max .. 1) found; [] when none occurs."""
+    end = len(tokens)
+    if end < 2 or max_tokens <= 0:
+        return []
+    last = tokens[-1]
+    # where an earlier n-gram could end: positions holding the last token, most recent first
+    ends = [j for j in range(end - 2, -1, -1) if tokens[j] == last]
+    for n in range(min(ngram_max, end - 1), 0, -1):
+        suffix = list(tokens[end - n:])
+        for j in ends:
+            if j + 1 >= n and list(tokens[j + 1 - n:j + 1]) == suffix:
+                return list(tokens[j + 1:j + 1 + max_tokens])
+    return []
+
+
+def verify(draft: Seq[int], draw: Callable[[int], int]) -> list[int]:
+    """Sample rows 0..len(draft) in order with `draw(row)`; stop after the first sample that
+    differs from the next draft token. Returns the emitted tokens: the matched drafts, then the
+    correction (or, all matched, the last row's token). Rows after a mismatch are never drawn,
+    so the generator advances exactly as in plain decoding."""
+    emitted: list[int] = []
+    for row in range(len(draft) + 1):
+        token = draw(row)
+        emitted.append(token)
+        if row == len(draft) or token != draft[row]:
+            break
+    return emitted
+
+
+def next_pause(state: SpecState, num_generated: int) -> None:
+    """Adapt after a verification (`state.misses` already counted): pause a sequence whose
+    drafts keep failing, longer each time."""
+    if state.misses < MISSES_TO_PAUSE:
+        return
+    state.pause = min(PAUSE_MAX, state.pause * 2) if state.pause else PAUSE_MIN
+    state.paused_until = num_generated + state.pause
+    state.misses = 0
+
+
+# ---- the scheduler's and the engine's side ---------------------------------------------------
+
+class Speculator:
+    """Proposes each decode row's draft when a step is planned and settles it after the step.
+    Sequences with a grammar, logits processing or logprobs are not speculated: their samplers
+    keep per-token state that plain decoding advances one token at a time."""
+
+    def __init__(self, config: SpecConfig, max_context: int) -> None:
+        self.config = config
+        self.max_context = max_context  # tokens one sequence may reach
+        self.stats = SpecStats()
+
+    def can_draft(self, seq: Sequence) -> bool:
+        return (self.config.enabled and seq.num_pending == 1 and not seq.is_replaying
+                and not seq.in_prompt and seq.params.is_plain and seq.constraint is None
+                and seq.num_generated >= seq.spec.paused_until)
+
+    def propose(self, seq: Sequence, room: int) -> tuple[int, ...]:
+        """A draft of at most `room` tokens, and no more than the sequence may still emit
+        (max_tokens, the context) minus the one token the last row adds."""
+        if not self.can_draft(seq):
+            return ()
+        left = self.max_context - len(seq.tokens)
+        if seq.params.max_tokens is not None:
+            left = min(left, seq.params.max_tokens - seq.num_generated)
+        # never below n-min: a shorter draft would be refused and the length never grow back
+        longest = max(seq.spec.draft_len or self.config.draft_max, self.config.draft_min)
+        draft = find_draft(seq.tokens, min(longest, self.config.draft_max, room, left - 1))
+        return tuple(draft) if draft and len(draft) >= self.config.draft_min else ()
+
+    def settle(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        """Count a verification of `drafted` tokens, `accepted` of them matched."""
+        state = seq.spec
+        state.num_drafts += 1
+        state.num_drafted += drafted
+        state.num_accepted += accepted
+        self.stats.num_drafts += 1
+        self.stats.num_draft_tokens += drafted
+        self.stats.num_accepted_tokens += accepted
+        # everything matched: twice as long next time (a copy reaches n-max in a few steps, a
+        # lucky one-token match in free text does not buy a long guess); else one past the match
+        state.draft_len = min(self.config.draft_max, 2 * drafted) if accepted == drafted \
+            else accepted + 1
+        if accepted == drafted:
+            state.misses, state.pause = 0, 0
+        elif accepted:
+            state.misses = 0
+        else:
+            state.misses += 1
+            next_pause(state, seq.num_generated)
+
+
+def draft_room(num_computed: int, num_rows: int, num_pages: int, free_pages: int,
+               page_size: int) -> int:
+    """Draft tokens that fit after a chunk of `num_rows` rows in the sequence's `num_pages`
+    pages plus `free_pages` more."""
+    return (num_pages + free_pages) * page_size - num_computed - num_rows
+
+
+def pages_past(num_tokens: int, page_table: list[int], page_size: int) -> list[int]:
+    """The pages of a table beyond those `num_tokens` tokens fill (drafts' pages)."""
+    return page_table[pages_for(num_tokens, page_size):]
