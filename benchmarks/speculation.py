@@ -33,21 +33,20 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
-from workload import ServerProcess, median, parse_metrics, print_table, write_json
+from workload import (
+    LIGHTHOUSE,
+    ServerProcess,
+    median,
+    parse_metrics,
+    print_table,
+    write_json,
+)
 
 DRAFTED = "kvpark:spec_decode_num_draft_tokens_total"
 ACCEPTED = "kvpark:spec_decode_num_accepted_tokens_total"
 
 TEXT = (
-    "The old lighthouse stood at the edge of the harbour for more than two hundred years. "
-    "Its keepers climbed one hundred and twelve steps every evening to light the lamp, and "
-    "every morning they climbed them again to trim the wick and polish the great glass lens. "
-    "Ships coming home in the fog listened for its bell and watched for its slow white flash, "
-    "which turned once every ten seconds. When the harbour was rebuilt, engineers wanted to "
-    "pull the tower down, but the fishermen of the town signed a letter asking that it be "
-    "kept. Today the lamp is electric and nobody lives in the keeper's cottage, yet the light "
-    "still turns every night, and children from the village school visit each spring to count "
-    "the steps and look out over the grey water towards the islands.\n\n"
+    LIGHTHOUSE + "\n\n"
     "The last keeper was a woman named Margaret Hale, who took the post after her father fell "
     "ill and kept it for thirty-one years. She wrote in the logbook every night: the wind, the "
     "state of the sea, the ships she saw and the hour the lamp was lit. Her handwriting was "

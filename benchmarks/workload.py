@@ -13,6 +13,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "server"))
 from serverproc import ServerProcess, parse_metrics  # noqa: E402,F401
+from texts import LIGHTHOUSE  # noqa: E402,F401  (a passage to copy: tests/server/texts.py)
 
 TOPICS = ["the history of bread", "how tides work", "the life of honeybees",
           "building a wooden boat", "the rules of chess", "why the sky is blue",

@@ -4,17 +4,9 @@ recompute, and the drafts are accepted where the answer copies its prompt."""
 
 import pytest
 from serverproc import ServerProcess
+from texts import LIGHTHOUSE
 
-PASSAGE = (
-    "The old lighthouse stood at the edge of the harbour for more than two hundred years. "
-    "Its keepers climbed one hundred and twelve steps every evening to light the lamp, and "
-    "every morning they climbed them again to trim the wick and polish the great glass lens. "
-    "Ships coming home in the fog listened for its bell and watched for its slow white flash, "
-    "which turned once every ten seconds. When the harbour was rebuilt, engineers wanted to "
-    "pull the tower down, but the fishermen of the town signed a letter asking that it be "
-    "kept. Today the lamp is electric and nobody lives in the keeper's cottage, yet the light "
-    "still turns every night, and children from the village school visit each spring to count "
-    "the steps and look out over the grey water towards the islands.")
+PASSAGE = LIGHTHOUSE
 COPY = ("<|im_start|>user\nRepeat this text exactly:\n\n" + PASSAGE
         + "<|im_end|>\n<|im_start|>assistant\n")
 STORY = ("<|im_start|>user\nWrite a short story about a fox who learns to sail."
