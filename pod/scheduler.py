@@ -142,8 +142,9 @@ class Scheduler:
             # time, the latest arrival first; its pages may be what the others were missing
             latest = max(blocked, key=lambda s: (s.arrival, s.seq_id))
             self.finish(latest, FinishReason.CONTEXT_EXCEEDED, CONTEXT_EXCEEDED)
-        unused = self.pool.num_free_pages - self.pool.num_cached_pages  # drafts evict nothing
-        plan = add_drafts(plan, self.speculator, self.config.batch_size, unused, ps)
+        if self.config.spec.enabled:  # drafts take unused pages only: they evict nothing
+            unused = self.pool.num_free_pages - self.pool.num_cached_pages
+            plan = add_drafts(plan, self.speculator, self.config.batch_size, unused, ps)
         for item in plan:
             item.seq.page_table.extend(self.pool.allocate(item.new_pages(ps)))
         return plan
