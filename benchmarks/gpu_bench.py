@@ -421,7 +421,8 @@ def run_chats(model: LlamaModel, runner: ModelRunner, cfg: BenchConfig, pool: KV
     seqs = chat_sequences(cfg, recorder, model.config.vocab_size)
     engine.start()
     started = time.perf_counter()
-    engine.submit(seqs)
+    # the harness keeps its sequences to read them after (the HTTP side submits values)
+    engine.call_soon(lambda: [scheduler.add(seq) for seq in seqs])
     finished = recorder.done.wait(cfg.chats.timeout_s)
     wall = time.perf_counter() - started
     engine.stop()

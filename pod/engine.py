@@ -13,10 +13,11 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
+from .handover import Submission, make_sequence
 from .paging import pages_for
 from .runner import ModelRunner
 from .sampling import ChunkOutput, Sampled
@@ -26,6 +27,9 @@ from .slot_files import SlotState
 from .slot_memory import SlotMemory
 from .speculation import pages_past
 from .step_plan import ScheduledSeq
+
+if TYPE_CHECKING:
+    from .model.tokenizer import Tokenizer
 
 log = logging.getLogger("kvpark.engine")
 
@@ -59,8 +63,10 @@ class Capacity:
 class Engine:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, eos_token_ids: frozenset[int],
                  on_step: Callable[[list[ScheduledSeq], float], None] = lambda plan, s: None,
-                 lock: threading.RLock | None = None, memory: SlotMemory | None = None) -> None:
+                 lock: threading.RLock | None = None, memory: SlotMemory | None = None,
+                 tokenizer: Tokenizer | None = None) -> None:
         self.scheduler = scheduler
+        self.tokenizer = tokenizer  # the sequences' text and grammars (None: ids only)
         self.runner = runner
         self.eos_token_ids = eos_token_ids
         self.on_step = on_step
@@ -72,7 +78,7 @@ class Engine:
         # the hand-over queues: submit and cancel never wait for a step to end
         self._cond = threading.Condition()
         self._incoming: list[Sequence] = []
-        self._cancels: list[Sequence] = []
+        self._cancels: list[str] = []  # request ids
         self._calls: list[Callable[[], None]] = []
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="kvpark-engine", daemon=True)
@@ -111,14 +117,17 @@ class Engine:
         self._thread.join(timeout=30)
         self.scheduler.wait_for_copies()  # no copy may outlive the buffers it writes
 
-    def submit(self, seqs: list[Sequence]) -> None:
+    def submit(self, submissions: list[Submission]) -> None:
+        """Values in: the engine builds its own sequences, which no other thread holds."""
+        seqs = [make_sequence(s, self.tokenizer) for s in submissions]
         with self._cond:
             self._incoming.extend(seqs)
             self._cond.notify()
 
-    def cancel(self, seq: Sequence) -> None:
+    def cancel(self, request_ids: Collection[str]) -> None:
+        """End the sequences of these ids, wherever they are (finished ones stay as they are)."""
         with self._cond:
-            self._cancels.append(seq)
+            self._cancels.extend(request_ids)
             self._cond.notify()
 
     def call_soon(self, fn: Callable[[], None]) -> None:
@@ -232,8 +241,11 @@ class Engine:
         calls, self._calls = self._calls, []
         for seq in incoming:
             self.scheduler.add(seq)
-        for seq in cancels:
-            self.scheduler.finish(seq, FinishReason.CANCELLED)
+        if cancels:
+            cancelled = set(cancels)
+            for seq in [*self.scheduler.waiting, *self.scheduler.active]:
+                if seq.request_id in cancelled:
+                    self.scheduler.finish(seq, FinishReason.CANCELLED)
         return calls
 
     def step(self) -> bool:

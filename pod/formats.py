@@ -9,10 +9,11 @@ import time
 from typing import Any, ClassVar
 
 from .bridge import Event, PromptProgress, RequestStream, StreamEvent
+from .handover import SeqResult
 from .model.tokenizer import Tokenizer
 from .request_errors import ApiError
 from .sampling import SamplingParams, TokenLogprob
-from .slot import FinishReason, Sequence
+from .slot import FinishReason
 from .tools import ParsedOutput, parse_output
 
 # the HTTP status of each failure (the scheduler says why a sequence ended, not how to say it)
@@ -24,13 +25,13 @@ FAILURE_STATUS = {
 }
 
 
-def failure(seq: Sequence) -> ApiError:
+def failure(seq: SeqResult) -> ApiError:
     status = FAILURE_STATUS.get(seq.finish_reason, 500)
     kind = "invalid_request_error" if status < 500 else "server_error"
     return ApiError(status, seq.error or "unknown error", error_type=kind)
 
 
-def usage(seqs: list[Sequence]) -> dict[str, Any]:
+def usage(seqs: list[SeqResult]) -> dict[str, Any]:
     completion = sum(s.num_generated for s in seqs)
     # the n choices of a prompt share it: count each prompt of a batched request once
     firsts = [s for s in seqs if s.index % s.family_size == 0]
@@ -40,7 +41,7 @@ def usage(seqs: list[Sequence]) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": sum(s.num_cached for s in firsts)}}
 
 
-def timings(seq: Sequence) -> dict[str, float]:
+def timings(seq: SeqResult) -> dict[str, float]:
     """llama.cpp's timings: the prompt as sent (recompute replays are not in here); cache_n of
     its tokens came from the prefix cache (prompt_n still counts them, unlike llama.cpp)."""
     prompt_ms = seq.prompt_seconds * 1e3
@@ -62,15 +63,15 @@ def timings(seq: Sequence) -> dict[str, float]:
     }
 
 
-def draft_timings(seq: Sequence) -> dict[str, int]:
+def draft_timings(seq: SeqResult) -> dict[str, int]:
     """llama.cpp's speculative-decoding counts, present only when the sequence was drafted."""
-    if not seq.spec.num_drafts:
+    if not seq.num_drafts:
         return {}
-    return {"draft_n": seq.spec.num_drafted, "draft_n_accepted": seq.spec.num_accepted}
+    return {"draft_n": seq.num_drafted, "draft_n_accepted": seq.num_accepted}
 
 
-def finish_reason(seq: Sequence) -> str | None:
-    return seq.finish_reason.value if seq.finish_reason is not None else None
+def finish_reason(seq: SeqResult) -> str:
+    return seq.finish_reason.value
 
 
 # ---- logprobs ----------------------------------------------------------------------------------
@@ -225,8 +226,8 @@ class WireFormat:
         """Counts from the events (values taken on the engine thread), for usage in chunks."""
         if event.kind is StreamEvent.TEXT:
             self._generated[event.index] = event.num_generated
-        elif event.kind is StreamEvent.FINISHED:  # finished: the engine writes it no more
-            self._generated[event.index] = self.stream.seqs[event.index].num_generated
+        elif event.kind is StreamEvent.FINISHED:
+            self._generated[event.index] = event.result.num_generated
 
     def progress(self, progress: PromptProgress) -> dict[str, Any]:
         """llama.cpp's prompt progress chunk (return_progress)."""
@@ -238,10 +239,10 @@ class WireFormat:
         self._opened.add(index)
         return first
 
-    def prompt_logprobs(self, seq: Sequence) -> list[dict[str, Any] | None] | None:
+    def prompt_logprobs(self, index: int) -> list[dict[str, Any] | None] | None:
         if not self.stream.request.show_prompt_logprobs:
             return None
-        return vllm_prompt_logprobs(self.names, seq.prompt_logprobs)
+        return vllm_prompt_logprobs(self.names, self.stream.choices[index].prompt_logprobs)
 
     @property
     def wants_logprobs(self) -> bool:
@@ -251,11 +252,11 @@ class WireFormat:
         """The choice's logprobs not sent yet, up to `upto` (a TEXT event's count; None: all,
         for a finished sequence). A chunk carries those of the tokens sampled since the
         previous one: its text's tokens, or a stop string's, or text still held back."""
-        seq = self.stream.seqs[index]
+        received = self.stream.choices[index].logprobs
         start = self._num_sent.get(index, 0)
-        end = len(seq.logprobs) if upto is None else upto
+        end = len(received) if upto is None else upto
         self._num_sent[index] = max(start, end)
-        return seq.logprobs[start:end]
+        return received[start:end]
 
     @property
     def include_usage(self) -> bool:
@@ -271,10 +272,10 @@ class WireFormat:
     def text(self, index: int, text: str, num_logprobs: int | None = None) -> dict[str, Any]:
         raise NotImplementedError
 
-    def finish(self, seq: Sequence) -> dict[str, Any]:
+    def finish(self, seq: SeqResult) -> dict[str, Any]:
         raise NotImplementedError
 
-    def finish_chunks(self, seq: Sequence) -> list[dict[str, Any]]:
+    def finish_chunks(self, seq: SeqResult) -> list[dict[str, Any]]:
         """What a stream sends when `seq` ended: its last delta and finish reason."""
         return [self.finish(seq)]
 
@@ -296,7 +297,7 @@ class OpenAIFormat(WireFormat):
 
     def usage_so_far(self) -> dict[str, int]:
         """vLLM's continuous usage stats: the prompt, and the tokens the events reported."""
-        prompt = usage(self.stream.seqs)["prompt_tokens"]  # prompts never change: safe to read
+        prompt = sum(len(p) for p in self.stream.prompts)
         completion = sum(self._generated.values())
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion}
@@ -305,19 +306,19 @@ class OpenAIFormat(WireFormat):
         return {**self._chunk([]), "prompt_progress": progress.as_json()}
 
     def body(self) -> dict[str, Any]:
-        seqs = self.stream.seqs
+        seqs = self.stream.results
         return {"id": self.stream.request_id, "object": self.object_name,
                 "created": int(time.time()), "model": self.model,
                 "system_fingerprint": self.fingerprint,
                 "choices": [self.choice(s) for s in seqs], "usage": usage(seqs),
                 "timings": timings(seqs[0]), "preempt": self.stream.preempt_summary()}
 
-    def choice(self, seq: Sequence) -> dict[str, Any]:
+    def choice(self, seq: SeqResult) -> dict[str, Any]:
         raise NotImplementedError
 
     def usage(self) -> dict[str, Any]:
         chunk = self._chunk([])
-        chunk["usage"] = usage(self.stream.seqs)
+        chunk["usage"] = usage(self.stream.results)
         return chunk
 
 
@@ -332,31 +333,31 @@ class ChatFormat(OpenAIFormat):
     def body(self) -> dict[str, Any]:
         body = super().body()
         if self.stream.request.show_prompt_logprobs:  # vLLM: one list, beside the choices
-            body["prompt_logprobs"] = self.prompt_logprobs(self.stream.seqs[0])
+            body["prompt_logprobs"] = self.prompt_logprobs(0)
         return body
 
     def with_prompt_logprobs(self, chunk: dict[str, Any], index: int) -> dict[str, Any]:
         if self.first_chunk_of(index) and index == 0 and self.stream.request.show_prompt_logprobs:
-            chunk["prompt_logprobs"] = self.prompt_logprobs(self.stream.seqs[0])
+            chunk["prompt_logprobs"] = self.prompt_logprobs(0)
         return chunk
 
-    def choice(self, seq: Sequence) -> dict[str, Any]:
+    def choice(self, seq: SeqResult) -> dict[str, Any]:
         logprobs = (chat_logprobs(self.names, seq.logprobs) if self.wants_logprobs else None)
         return {"index": seq.index, "message": {"role": "assistant",
-                                                "content": self.stream.text(seq.index)},
+                                                "content": seq.text},
                 "logprobs": logprobs, "finish_reason": finish_reason(seq)}
 
     def opening(self) -> list[dict[str, Any]]:
-        return [self._chunk([{"index": s.index, "delta": {"role": "assistant", "content": ""},
+        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                               "logprobs": None, "finish_reason": None}
-                             for s in self.stream.seqs])]
+                             for i in range(self.stream.num_seqs)])]
 
     def text(self, index: int, text: str, num_logprobs: int | None = None) -> dict[str, Any]:
         return self.with_prompt_logprobs(self._chunk([
             {"index": index, "delta": {"content": text},
              "logprobs": self.logprobs(index, num_logprobs), "finish_reason": None}]), index)
 
-    def finish(self, seq: Sequence) -> dict[str, Any]:
+    def finish(self, seq: SeqResult) -> dict[str, Any]:
         return self.with_prompt_logprobs(self._chunk([
             {"index": seq.index, "delta": {}, "logprobs": self.logprobs(seq.index, None),
              "finish_reason": finish_reason(seq)}]), seq.index)
@@ -371,17 +372,17 @@ class ToolChatFormat(ChatFormat):
         super().__init__(model, stream, fingerprint)
         self._parsed: dict[int, ParsedOutput] = {}  # one parse (and one set of call ids) each
 
-    def parsed(self, seq: Sequence) -> ParsedOutput:
+    def parsed(self, seq: SeqResult) -> ParsedOutput:
         if seq.index not in self._parsed:
-            self._parsed[seq.index] = parse_output(self.stream.text(seq.index))
+            self._parsed[seq.index] = parse_output(seq.text)
         return self._parsed[seq.index]
 
-    def finish_reason(self, seq: Sequence) -> str | None:
+    def finish_reason(self, seq: SeqResult) -> str:
         if seq.finish_reason is FinishReason.STOP and self.parsed(seq).tool_calls:
             return "tool_calls"
         return finish_reason(seq)
 
-    def choice(self, seq: Sequence) -> dict[str, Any]:
+    def choice(self, seq: SeqResult) -> dict[str, Any]:
         parsed = self.parsed(seq)
         message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
         if parsed.tool_calls:
@@ -391,19 +392,19 @@ class ToolChatFormat(ChatFormat):
 
     def opening(self) -> list[dict[str, Any]]:
         # content null, not "": a call has no content (clients keep the first value they see)
-        return [self._chunk([{"index": s.index, "delta": {"role": "assistant", "content": None},
+        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": None},
                               "logprobs": None, "finish_reason": None}
-                             for s in self.stream.seqs])]
+                             for i in range(self.stream.num_seqs)])]
 
     def text(self, index: int, text: str, num_logprobs: int | None = None) -> dict[str, Any]:
         return self._chunk([{"index": index, "delta": {}, "logprobs": None,
                              "finish_reason": None}])
 
-    def finish(self, seq: Sequence) -> dict[str, Any]:
+    def finish(self, seq: SeqResult) -> dict[str, Any]:
         return self._chunk([{"index": seq.index, "delta": {}, "logprobs": None,
                              "finish_reason": self.finish_reason(seq)}])
 
-    def finish_chunks(self, seq: Sequence) -> list[dict[str, Any]]:
+    def finish_chunks(self, seq: SeqResult) -> list[dict[str, Any]]:
         # the calls before the finish reason, as OpenAI sends them: clients close a call's
         # arguments when the next call or the finish reason comes
         parsed = self.parsed(seq)
@@ -431,24 +432,25 @@ class CompletionFormat(OpenAIFormat):
         self._offset[index] = shaped["text_offset"][-1] + len(self.names.get(last.token)[0])
         return shaped
 
-    def echoed(self, seq: Sequence) -> dict[str, Any] | None:
+    def echoed(self, index: int) -> dict[str, Any] | None:
         """The echoed prompt's part of `logprobs` (None: no echo, or no logprobs asked)."""
-        if seq.index not in self.stream.echoes or not self.wants_logprobs:
+        if index not in self.stream.echoes or not self.wants_logprobs:
             return None
         k = self.stream.request.params.logprobs or 0
-        return echoed_logprobs(self.names, seq.prompt_ids, seq.prompt_logprobs, k)
+        return echoed_logprobs(self.names, self.stream.prompt_ids(index),
+                               self.stream.choices[index].prompt_logprobs, k)
 
-    def choice(self, seq: Sequence) -> dict[str, Any]:
-        echo, echoed = self.stream.echoes.get(seq.index, ""), self.echoed(seq)
+    def choice(self, seq: SeqResult) -> dict[str, Any]:
+        echo, echoed = self.stream.echoes.get(seq.index, ""), self.echoed(seq.index)
         offset = len("".join(echoed["tokens"])) if echoed else 0
         logprobs = (completion_logprobs(self.names, seq.logprobs, offset) if self.wants_logprobs
                     else None)
         if echoed:
             logprobs = joined_logprobs(echoed, logprobs)
-        choice = {"index": seq.index, "text": echo + self.stream.text(seq.index),
+        choice = {"index": seq.index, "text": echo + seq.text,
                   "logprobs": logprobs, "finish_reason": finish_reason(seq)}
         if self.stream.request.show_prompt_logprobs:
-            choice["prompt_logprobs"] = self.prompt_logprobs(seq)
+            choice["prompt_logprobs"] = self.prompt_logprobs(seq.index)
         return choice
 
     def shaped(self, index: int, text: str, upto: int | None, reason: str | None
@@ -457,13 +459,12 @@ class CompletionFormat(OpenAIFormat):
         choice: dict[str, Any] = {"index": index, "text": text, "logprobs": None,
                                   "finish_reason": reason}
         if self.first_chunk_of(index):
-            seq = self.stream.seqs[index]
-            echoed = self.echoed(seq)
+            echoed = self.echoed(index)
             choice["text"] = self.stream.echoes.get(index, "") + text
             if echoed:
                 self._offset[index] = len("".join(echoed["tokens"]))
             if self.stream.request.show_prompt_logprobs:
-                choice["prompt_logprobs"] = self.prompt_logprobs(seq)
+                choice["prompt_logprobs"] = self.prompt_logprobs(index)
             choice["logprobs"] = (joined_logprobs(echoed, self.logprobs(index, upto))
                                   if echoed else self.logprobs(index, upto))
         else:
@@ -473,7 +474,7 @@ class CompletionFormat(OpenAIFormat):
     def text(self, index: int, text: str, num_logprobs: int | None = None) -> dict[str, Any]:
         return self.shaped(index, text, num_logprobs, None)
 
-    def finish(self, seq: Sequence) -> dict[str, Any]:
+    def finish(self, seq: SeqResult) -> dict[str, Any]:
         return self.shaped(seq.index, "", None, finish_reason(seq))
 
 
@@ -509,24 +510,25 @@ class LlamaFormat(WireFormat):
 
     def new_tokens(self) -> list[int]:
         """return_tokens: the ids generated since the last chunk, as far as the events told
-        (the list is append-only: its prefix is safe to read)."""
+        (a finished sequence's: all of them)."""
         if not self.stream.request.return_tokens:
             return []
-        seq = self.stream.seqs[0]
+        choice = self.stream.choices[0]
+        received = choice.result.generated_ids if choice.result else choice.token_ids
         upto = self._generated.get(0, 0)
         start, self._tokens_sent = self._tokens_sent, max(self._tokens_sent, upto)
-        return seq.tokens[seq.num_prompt + start : seq.num_prompt + upto]
+        return list(received[start:upto])
 
     def body(self) -> dict[str, Any]:
-        seq = self.stream.seqs[0]
-        text = self.stream.text(0)
+        seq = self.stream.result(0)
+        text = seq.text
         body = {"content": text, "model": self.model, "stop": True,
                 "stop_type": stop_type(seq), "tokens_predicted": seq.num_generated,
                 "tokens_evaluated": seq.num_prompt, "tokens_cached": seq.num_cached,
                 "truncated": False,  # kvpark never cuts a prompt to fit: it parks or refuses
                 "has_new_line": "\n" in text, "timings": timings(seq), "id_slot": seq.slot_id,
                 "generation_settings": generation_settings(self.stream.request.params),
-                "tokens": seq.generated_ids if self.stream.request.return_tokens else []}
+                "tokens": list(seq.generated_ids) if self.stream.request.return_tokens else []}
         if self.wants_logprobs:
             body["completion_probabilities"] = llama_probabilities(self.names, seq.logprobs,
                                                                    self.post_sampling)
@@ -545,11 +547,11 @@ class LlamaFormat(WireFormat):
     def text(self, index: int, text: str, num_logprobs: int | None = None) -> dict[str, Any]:
         return self.with_probabilities({"content": text, "tokens": self.new_tokens(),
                                         "stop": False, "index": index,
-                                        "id_slot": self.stream.seqs[0].slot_id},
+                                        "id_slot": self.stream.choices[0].slot_id},
                                        index, num_logprobs)
 
-    def finish(self, seq: Sequence) -> dict[str, Any]:
-        text = self.stream.text(0)
+    def finish(self, seq: SeqResult) -> dict[str, Any]:
+        text = seq.text
         return self.with_probabilities(
             {"content": "", "tokens": self.new_tokens(), "stop": True, "index": seq.index,
              "id_slot": seq.slot_id, "model": self.model, "stop_type": stop_type(seq),
@@ -560,18 +562,18 @@ class LlamaFormat(WireFormat):
              "timings": timings(seq)}, seq.index, None)
 
     def usage(self) -> dict[str, Any]:
-        return {"usage": usage(self.stream.seqs)}
+        return {"usage": usage(self.stream.results)}
 
     def progress(self, progress: PromptProgress) -> dict[str, Any]:
         return {"index": 0, "content": "", "tokens": [], "stop": False,
                 "prompt_progress": progress.as_json()}
 
 
-def stop_type(seq: Sequence) -> str:
+def stop_type(seq: SeqResult) -> str:
     """llama.cpp's stop_type: a stop string matched ("word"), the length limit, or EOS."""
     if seq.finish_reason is FinishReason.LENGTH:
         return "limit"
-    return "word" if seq.output is not None and seq.output.stopped else "eos"
+    return "word" if seq.stopped_by_word else "eos"
 
 
 FORMATS: dict[str, type[WireFormat]] = {

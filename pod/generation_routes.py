@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, Response
 from . import protocol
 from .admission import check_admission, check_fits
 from .auth import check_auth
-from .bridge import RequestStream, SSEResponse, wait_disconnect
+from .bridge import RequestStream, SSEResponse, open_stream, wait_disconnect
 from .build_info import fingerprint
 from .error_handlers import error_response
 from .formats import failure, get_format
@@ -72,9 +72,9 @@ class GenerationRoutes:
                 raise ApiError(503, SHUT_DOWN, error_type="unavailable",
                                headers={"Connection": "close"})
             request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-            stream = merge_streams([RequestStream(asyncio.get_running_loop(), stack.tokenizer,
-                                                  gen, request_id) for gen in gens])
-            stack.engine.submit(stream.seqs)
+            stream, submissions = open_stream(asyncio.get_running_loop(), stack.tokenizer, gens,
+                                              request_id)
+            stack.engine.submit(submissions)
             return stream
         finally:
             server.num_receiving -= 1
@@ -86,11 +86,10 @@ class GenerationRoutes:
         await asyncio.wait({done, gone}, return_when=asyncio.FIRST_COMPLETED)
         if not done.done():
             done.cancel()
-            for seq in stream.seqs:
-                stack.engine.cancel(seq)
+            stack.engine.cancel(stream.seq_ids)
             return Response(status_code=499)
         gone.cancel()
-        failed = [seq for seq in stream.seqs if seq.failed]
+        failed = [result for result in stream.results if result.failed]
         if failed:
             return error_response(failure(failed[0]))
         return JSONResponse(get_format(self.server.model_name(stack), stream,
@@ -100,20 +99,3 @@ class GenerationRoutes:
         return stream_events(stream, stack.engine, self.server.model_name(stack),
                              fingerprint(stack.numerics), self.server.args.sse_keepalive)
 
-
-def merge_streams(streams: list[RequestStream]) -> RequestStream:
-    """A batched `prompt` as one stream: prompt p's j-th choice is choice p * n + j (OpenAI's
-    order), and all of them report to the first stream's queue."""
-    first = streams[0]
-    n = first.request.params.n
-    for p, stream in enumerate(streams[1:], 1):
-        for seq in stream.seqs:
-            if seq.index in stream.echoes:
-                first.echoes[p * n + seq.index] = stream.echoes[seq.index]
-            seq.index = p * n + seq.index
-            seq.request_id = f"{first.request_id}/{seq.index}"
-            seq.on_event = first.on_event
-            first.seqs.append(seq)
-    if len(streams) > 1 and n == 1:
-        first.seqs[0].request_id = f"{first.request_id}/0"
-    return first

@@ -296,7 +296,7 @@ def build_stack(args: ServerArgs) -> ServingStack:
     runner = ModelRunner(model, pool, backend, graphs=graphs,
                          fault_token=args.inject_fault_token)
     engine = Engine(scheduler, runner, loaded.tokenizer.eos_token_ids, on_step=metrics.on_step,
-                    lock=lock, memory=memory)
+                    lock=lock, memory=memory, tokenizer=loaded.tokenizer)
     log.info("model %s (%s): %d layers, %d/%d heads, %s on %s, linears %s%s", loaded.name,
              loaded.source, config.num_layers, config.num_heads, config.num_kv_heads, dtype,
              device, model.weight_format.value,

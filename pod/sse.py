@@ -45,22 +45,20 @@ async def stream_events(stream: RequestStream, engine: Engine, model: str, finge
             if not opened:  # a request parked before its first token opens with a notice
                 opened = True
                 yield from_lines(fmt.opening())
-            seq = stream.seqs[event.index]
             if event.kind is StreamEvent.PROGRESS:
                 yield sse(fmt.progress(event.progress))
             elif event.kind is StreamEvent.TEXT:
                 yield sse(fmt.text(event.index, event.text, event.num_logprobs))
             elif event.kind is StreamEvent.FINISHED:
                 finished += 1
-                if seq.failed:
-                    yield sse(failure(seq).body())
+                if event.result.failed:
+                    yield sse(failure(event.result).body())
                 else:
-                    yield from_lines(fmt.finish_chunks(seq))
+                    yield from_lines(fmt.finish_chunks(event.result))
         if fmt.include_usage:
             yield sse(fmt.usage())
         if fmt.ends_with_done:
             yield sse("[DONE]")
     finally:
-        if finished < len(stream.seqs):  # the client went away: free slot, pages, host RAM
-            for seq in stream.seqs:
-                engine.cancel(seq)
+        if finished < stream.num_seqs:  # the client went away: free slot, pages, host RAM
+            engine.cancel(stream.seq_ids)

@@ -4,9 +4,8 @@ reads the slots in one piece."""
 
 import threading
 
-import torch
-
 from kvpark.pod.engine import Engine
+from kvpark.pod.handover import Submission, make_sequence
 from kvpark.pod.host_store import HostStore
 from kvpark.pod.kv_pool import KVPool
 from kvpark.pod.sampling import ChunkOutput, Sampled, SamplingParams
@@ -47,13 +46,13 @@ def make_engine(scheduler_class=Scheduler) -> Engine:
     return Engine(scheduler, GatedRunner(), frozenset({3}))
 
 
-def make_seq(finished: threading.Event) -> Sequence:
+def make_submission(finished: threading.Event) -> Submission:
     def on_event(seq, event, text):
         if event == "finished":
             finished.set()
 
-    return Sequence(request_id="r", prompt_ids=[1, 2, 4], generator=torch.Generator(),
-                    params=SamplingParams(temperature=0, max_tokens=2), on_event=on_event)
+    return Submission("r", (1, 2, 4), SamplingParams(temperature=0, max_tokens=2), None,
+                      on_event)
 
 
 def test_busy_holds_while_a_submission_moves_into_the_scheduler():
@@ -61,7 +60,7 @@ def test_busy_holds_while_a_submission_moves_into_the_scheduler():
     finished = threading.Event()
     engine.start()
     try:
-        engine.submit([make_seq(finished)])
+        engine.submit([make_submission(finished)])
         assert engine.scheduler.adding.wait(30)
         seen: list[bool] = []
         reader = threading.Thread(target=lambda: seen.append(engine.busy))
@@ -85,7 +84,7 @@ def test_snapshot_shows_each_slot():
     engine = make_engine()
     assert engine.snapshot() == [None, None]
     finished = threading.Event()
-    seq = make_seq(finished)
+    seq = make_sequence(make_submission(finished), None)
     engine.scheduler.add(seq)
     engine.scheduler.schedule()
     view = engine.snapshot()[seq.slot_id]

@@ -37,6 +37,20 @@ def test_the_api_sees_the_engine_only():
         assert ".scheduler" not in source and ".pool" not in source, f"pod/{module}.py"
 
 
+def slot_names_imported(module: str) -> set[str]:
+    tree = ast.parse((POD / f"{module}.py").read_text())
+    return {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+            and node.module == "slot" for alias in node.names}
+
+
+def test_the_http_side_never_names_a_sequence():
+    """It submits values and reads values (`handover.py`); only the bridge's engine-thread
+    side (`bridge.Reporter`) sees a sequence, and the thread-boundary test walks the rest."""
+    for module in (*API_MODULES, "formats"):
+        held = slot_names_imported(module) & {"Sequence", "ParkState"}  # SlotView: a value
+        assert not held, f"pod/{module}.py imports {held}"
+
+
 def test_every_module_of_the_http_side_is_held_to_its_rules():
     """A new route group reads the shared `Server` (`lifecycle.py`): it must be in API_MODULES."""
     readers = {p.stem for p in POD.glob("*.py") if "kvpark.pod.lifecycle" in imports(p.stem)}

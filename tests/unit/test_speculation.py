@@ -249,6 +249,7 @@ def test_tokens_are_the_same_with_speculation_on_and_off(temperature, park):
 
 def test_metrics_and_timings_count_drafted_and_accepted_tokens():
     from kvpark.pod.formats import timings
+    from kvpark.pod.handover import SeqResult
     from kvpark.pod.metrics import Metrics
 
     engine = make_engine(SpecConfig("ngram-simple", draft_max=6), num_pages=64)
@@ -270,9 +271,9 @@ def test_metrics_and_timings_count_drafted_and_accepted_tokens():
                            ("num_accepted_tokens", seq.spec.num_accepted)):
         assert values[f"kvpark:spec_decode_{name}_total"] == expected > 0
         assert values[f"vllm:spec_decode_{name}_total{label}"] == expected
-    assert timings(seq)["draft_n"] == seq.spec.num_drafted
-    assert timings(seq)["draft_n_accepted"] == seq.spec.num_accepted
-    assert "draft_n" not in timings(plain)  # logprobs requests are never drafted
+    assert timings(SeqResult.of(seq))["draft_n"] == seq.spec.num_drafted
+    assert timings(SeqResult.of(seq))["draft_n_accepted"] == seq.spec.num_accepted
+    assert "draft_n" not in timings(SeqResult.of(plain))  # logprobs requests: never drafted
 
 
 def test_a_stop_mid_draft_ends_there_and_frees_every_page():
@@ -302,7 +303,7 @@ def test_a_cancel_during_verification_frees_every_page():
     engine = make_engine(SpecConfig("ngram-simple", draft_max=6), num_pages=64)
     seq = make_seq(COPY_PROMPT, SamplingParams(temperature=0, max_tokens=200))
     engine.scheduler.add(seq)
-    engine.runner.on_drafted = lambda: engine.cancel(seq)  # from inside the model's run
+    engine.runner.on_drafted = lambda: engine.cancel([seq.request_id])  # inside the model's run
     while not engine.runner.last_drafts:
         engine.step()
     assert seq.phase is Phase.RUNNING  # the verification was taken; the cancel is queued
