@@ -175,7 +175,8 @@ def pick_num_pages(args: ServerArgs, config: ModelConfig, dtype: torch.dtype,
 
 
 class Stages:
-    """Logs each loading stage and its time: a load takes 20-60 s that would be silent."""
+    """Logs each loading stage and its time: a load takes tens of seconds that would be
+    silent."""
 
     def __init__(self) -> None:
         self.started = self.last = time.perf_counter()
