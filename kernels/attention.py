@@ -89,6 +89,9 @@ class AttentionBackend(ABC):
     """One step: `plan(layout)` once, then for every layer `append_kv` and `attend`."""
 
     name: str
+    # a backend that declares it offers `prepare_graph(batch_size, max_pages)` and
+    # `plan_graph(layout)`, which CUDA graphs of decode steps need (pod/cuda_graphs.py)
+    can_capture_graphs: bool = False
 
     @abstractmethod
     def plan(self, layout: StepLayout) -> None: ...

@@ -132,6 +132,7 @@ def upload_plan_arrays(arrays: PlanArrays, device: torch.device) -> PlanArrays:
 
 class FlashInferPagedAttention(AttentionBackend):
     name = "flashinfer"
+    can_capture_graphs = True
 
     def __init__(self, device: torch.device | str, shape: AttentionShape | None = None,
                  workspace_bytes: int = WORKSPACE_BYTES) -> None:

@@ -5,7 +5,7 @@ for its Q4_1 blocks (repacked with float32 scales) and the Q8_0 embedding. `csrc
 quantises each row of activations to 8 bits per block of 32 (as llama.cpp does) and sums each
 block in integers: y = sum_b (dw_b dx_b) isum_b (+ sum_b min_b dx_b sum(qx_b) for Q4_1): the
 dequantised weights times the quantised activations.
-`reference_quant_linear` below is the same arithmetic in torch. Rows are independent (a row's
+`tests/reference_quant_linear.py` is the same arithmetic in torch. Rows are independent (a row's
 bits never depend on the other rows of a call, nor on the thread count). Prefill rows keep the
 float32 oneDNN GEMMs, which are compute-bound there and much faster than this kernel.
 """
@@ -108,41 +108,6 @@ class QuantizedWeight:
         mins = None if parts[0].mins is None else torch.cat([p.mins for p in parts])
         return QuantizedWeight(parts[0].kind, torch.cat([p.scale for p in parts]), mins,
                                torch.cat([p.quants for p in parts]))
-
-    def dequantize(self) -> torch.Tensor:
-        """float32 [out, in], as gguf's dequantisation gives it (for tests)."""
-        if self.kind == "Q4_1":
-            q = torch.cat([self.quants & 15, self.quants >> 4], dim=-1).float()
-            w = q * self.scale[..., None] + self.mins[..., None]
-        else:
-            w = self.quants.float() * self.scale[..., None]
-        return w.reshape(self.out_features, self.in_features)
-
-
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [rows, in] -> (q [rows, in / 32, 32] int8, d [rows, in / 32]): the kernel's 8-bit
-    activations, d = max|x| / 127 per block, q = x * (127 / max|x|) rounded to nearest even."""
-    blocks = x.reshape(x.shape[0], -1, BLOCK)
-    amax = blocks.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    return torch.round(blocks * inv).to(torch.int8), (amax / 127.0)[..., 0]
-
-
-def reference_quant_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
-    """What the kernel computes, in float64 from the same integers (the kernel's float sums
-    differ only in rounding order)."""
-    q, dx = quantize_activations(x)
-    if weight.kind == "Q4_1":
-        w = torch.cat([weight.quants & 15, weight.quants >> 4], dim=-1).long()
-    else:
-        w = weight.quants.long()
-    isum = torch.einsum("rbi,obi->rob", q.long(), w).double()  # exact block sums
-    y = (isum * weight.scale.double()[None] * dx.double()[:, None]).sum(-1)
-    if weight.mins is not None:
-        xsum = (dx * q.long().sum(-1).float()).double()  # float32 dx times the integer sum
-        y += xsum @ weight.mins.double().T
-    return y.float()
-
 
 def quant_linear(x: torch.Tensor, weight: QuantizedWeight, isa: Isa | None = None,
                  num_threads: int | None = None) -> torch.Tensor:

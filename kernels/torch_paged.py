@@ -7,7 +7,7 @@ independent of batch neighbours.
 
 Why per sequence and not one padded batch: measured on a 2-core EPYC (benchmarks/README.md,
 "CPU decode step"), one SDPA over a padded batch cost the same as four per-sequence calls at
-equal lengths and up to 8x more at unequal ones (it attends over the padding), and it is
+equal lengths and several times more at unequal ones (it attends over the padding), and it is
 row-independent only while SDPA's internal KV block size divides the padded length.
 """
 

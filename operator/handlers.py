@@ -23,7 +23,7 @@ from typing import Any
 
 import kopf
 
-from kvpark.operator import builders, crd, kube, peering
+from kvpark.operator import autoscaling, builders, crd, kube, metadata, peering
 from kvpark.operator import plan as plan_
 from kvpark.operator import sizing as sizing_
 from kvpark.operator import status as status_
@@ -32,7 +32,8 @@ from kvpark.operator.status import Problem
 
 CONFIG = OperatorConfig.from_env()
 MANAGED_BY = f"app.kubernetes.io/managed-by={MANAGER}"
-OPTIONAL_APIS = (builders.POD_MONITORS, builders.SCALED_OBJECTS, *builders.INFERENCE_POOLS)
+OPTIONAL_APIS = (autoscaling.POD_MONITORS, autoscaling.SCALED_OBJECTS,
+                *builders.INFERENCE_POOLS)
 AUTOSCALERS = ("HorizontalPodAutoscaler", "ScaledObject")  # their status can make us Degraded
 # kopf runs the CR's handlers, the resync loop and the Deployment watch concurrently
 LOCKS: defaultdict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
@@ -213,7 +214,7 @@ def reconcile(body: Mapping[str, Any]) -> None:
         deployment, conflict = get_own_deployment(existing, namespace, name, uid)
         applied = not problems  # before what the children report, which is no failure to apply
         problems += get_autoscaler_problems(existing, uid)
-        selector = builders.get_selector(name)
+        selector = metadata.get_selector(name)
         pods = kube.list_objects("Pod", namespace, selector) \
             if status_.needs_pods(spec["replicas"], deployment) else []
         pod_problems = status_.get_pod_problems(pods)

@@ -495,7 +495,7 @@ def check(args: ServerArgs) -> str | None:
 
 def model_problem(spec: str | None) -> str | None:
     """A model path that cannot be loaded, said before anything starts (the loader would fail
-    20 s later with a traceback)."""
+    only after the slow part of the start, with a traceback)."""
     if spec is None or spec.startswith(("builtin://", "synthetic:")):
         return None
     path = os.path.expanduser(spec)

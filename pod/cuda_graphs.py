@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -70,15 +69,6 @@ def get_dummy_layout(bucket: int, scratch_page: int, page_size: int) -> StepLayo
 
 
 # ---- capture -----------------------------------------------------------------------------------
-@runtime_checkable
-class GraphBackend(Protocol):
-    """What a backend must offer to be captured (FlashInferPagedAttention does)."""
-
-    def prepare_graph(self, batch_size: int, max_pages: int) -> None: ...
-
-    def plan_graph(self, layout: StepLayout) -> None: ...
-
-
 # (forward, memory pool) -> (replay, static output of the captured forward)
 CaptureFn = Callable[[Callable[[], torch.Tensor], object], tuple[Callable[[], None], torch.Tensor]]
 
@@ -111,7 +101,7 @@ class DecodeGraphRunner:
 
     def __init__(self, model: LlamaModel, pool: KVPool, backend: AttentionBackend,
                  max_batch: int, capture: CaptureFn | None = None) -> None:
-        assert isinstance(backend, GraphBackend), f"the {backend.name} backend cannot be captured"
+        assert backend.can_capture_graphs, f"the {backend.name} backend cannot be captured"
         self.model = model
         self.pool = pool
         self.backend = backend

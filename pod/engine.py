@@ -50,14 +50,11 @@ class Capacity:
     def tokens(self) -> int:
         return self.num_pages * self.page_size
 
-    def pages_for(self, num_tokens: int) -> int:
-        return pages_for(num_tokens, self.page_size)
-
     def pages_for_family(self, num_seqs: int, prompt: int, each: int) -> int:
         """Pages `num_seqs` siblings of up to `each` tokens need side by side: the prompt's
         full pages once when they are shared (all but its last token, which each computes)."""
         shared = (prompt - 1) // self.page_size if self.shares_prompts else 0
-        return shared + num_seqs * (self.pages_for(each) - shared)
+        return shared + num_seqs * (pages_for(each, self.page_size) - shared)
 
 
 class Engine:

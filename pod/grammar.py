@@ -38,8 +38,6 @@ NOTHING_MATCHES = {
                    "leads back to itself?)",
     "gbnf": "no text can match it: no first token fits (rules that only lead back to "
             "themselves?)",
-    "lark": "no text can match it: no first token fits (rules that only lead back to "
-            "themselves?)",
 }
 
 
@@ -52,7 +50,7 @@ class Grammar:
     """An llguidance grammar (its JSON text: the cache key) and what it was made from."""
 
     text: str
-    source: str  # "json_schema", "gbnf" or "lark": for messages
+    source: str  # "json_schema", "gbnf", "regex" or "choice": for messages
 
     @classmethod
     def from_json_schema(cls, schema: Any) -> Grammar:
@@ -71,10 +69,6 @@ class Grammar:
         except Exception as exc:  # the converter raises plain errors for malformed rules
             raise GrammarError(f"not valid GBNF: {exc}") from exc
         return cls(llguidance.LLMatcher.grammar_from_lark(lark), "gbnf")
-
-    @classmethod
-    def from_lark(cls, lark: str) -> Grammar:
-        return cls(llguidance.LLMatcher.grammar_from_lark(lark), "lark")
 
     @classmethod
     def from_regex(cls, regex: str) -> Grammar:

@@ -202,9 +202,6 @@ class KVPool:
     def ref_count(self, page: int) -> int:
         return self._refs[page]
 
-    def free_page_ids(self) -> list[int]:
-        return sorted(self._free)
-
     @property
     def host_page_shape(self) -> tuple[int, ...]:
         """One page of every layer as the host tier keeps it: [layers, 2, page_size, Hkv, D]."""

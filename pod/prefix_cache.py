@@ -91,9 +91,6 @@ class PrefixCache:
     def num_cached_pages(self) -> int:
         return len(self._lru)
 
-    def cached_page_ids(self) -> list[int]:
-        return list(self._lru)
-
     def is_registered(self, page: int) -> bool:
         return page in self._hash_of
 

@@ -28,6 +28,13 @@ class InjectedFault(RuntimeError):
     pass
 
 
+def get_chunk_output(emitted: tuple[Sampled, ...],
+                     prompt_logprobs: tuple[TokenLogprob, ...]) -> ChunkOutput:
+    """`emitted`: the chunk's sampled token, then its verified draft rows' tokens; empty when
+    the chunk does not reach the end of what its sequence has fed."""
+    return ChunkOutput(emitted[0] if emitted else None, prompt_logprobs, emitted[1:])
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, pool: KVPool, backend: AttentionBackend,
                  graphs: DecodeGraphRunner | None = None, fault_token: int | None = None
@@ -54,22 +61,22 @@ class ModelRunner:
         rows add, and the prompt rows' logprobs where asked for.
         Changes no sequence: a failed step is rerun."""
         self.check_fault(plan)
-        # generated-token rows read the GGUF's quantised blocks: a property of each row alone
-        # (draft rows are generated-token rows: they get the bits their plain decode would)
-        from_blocks = [p >= item.seq.num_prompt for item in plan
-                       for p in range(item.seq.num_computed,
-                                      item.seq.num_computed + item.num_rows)
-                       ] if self.model.has_blocks else None
+        from_blocks = self.get_block_mask(plan)
         rows = None if from_blocks is None else BlockRows.from_mask(from_blocks)
         hidden = self.forward(plan, rows)
         prompt_logprobs = self.prompt_logprobs(plan, hidden, rows)
         sampled = self.sample_ends(plan, hidden, from_blocks)
-        outputs = []
-        for item in plan:
-            emitted = sampled.get(id(item), ())
-            outputs.append(ChunkOutput(emitted[0] if emitted else None,
-                                       prompt_logprobs.get(id(item), ()), emitted[1:]))
-        return outputs
+        return [get_chunk_output(sampled.get(id(item), ()), prompt_logprobs.get(id(item), ()))
+                for item in plan]
+
+    def get_block_mask(self, plan: list[ScheduledSeq]) -> list[bool] | None:
+        """Per fed row: does it read the GGUF's quantised blocks? Generated-token rows do, a
+        property of each row alone (draft rows are generated-token rows: they get the bits
+        their plain decode would). None: the model has no blocks."""
+        if not self.model.has_blocks:
+            return None
+        return [p >= item.seq.num_prompt for item in plan
+                for p in range(item.seq.num_computed, item.seq.num_computed + item.num_rows)]
 
     def check_fault(self, plan: list[ScheduledSeq]) -> None:
         if self.fault_token is not None:

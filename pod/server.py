@@ -28,7 +28,7 @@ from .autotune import (
 )
 from .batch_invariance import cap_onednn, check_gemm_kernels
 from .budget import MIB, Budget, resolve_budget
-from .cuda_graphs import DecodeGraphRunner, GraphBackend
+from .cuda_graphs import DecodeGraphRunner
 from .engine import Engine
 from .generation_defaults import GenerationDefaults, defaults_for
 from .host_store import HostStore
@@ -175,7 +175,8 @@ def pick_num_pages(args: ServerArgs, config: ModelConfig, dtype: torch.dtype,
 
 
 class Stages:
-    """Logs each loading stage and its time: a load takes 20-60 s that would be silent."""
+    """Logs each loading stage and its time: a load takes tens of seconds that would be
+    silent."""
 
     def __init__(self) -> None:
         self.started = self.last = time.perf_counter()
@@ -269,7 +270,7 @@ def build_stack(args: ServerArgs) -> ServingStack:
     backend = pick_backend(args, device, config, dtype)
     stages.done(f"attention kernel ready ({backend.name}; a C kernel is compiled on first use)")
     graphs = None
-    if args.cuda_graph and device.type == "cuda" and isinstance(backend, GraphBackend):
+    if args.cuda_graph and device.type == "cuda" and backend.can_capture_graphs:
         graphs = DecodeGraphRunner(model, pool, backend, max_batch=args.parallel)
         graphs.capture_all()  # before the scheduler hands out pages: it takes a scratch page
         stages.done(f"CUDA graphs captured for batch buckets {graphs.buckets}")

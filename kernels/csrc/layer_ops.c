@@ -1,6 +1,7 @@
 /* A decoder layer's work around the attention for block rows, in two calls instead of ~25 torch
- * ops: on a 2-core CPU a batch-1 decode step of SmolLM2-135M spent 6 ms of 37 in the norms,
- * RoPE, residual adds and the Python between them (~2.7 us an op, 33 ops a layer).
+ * ops: the norms, RoPE, residual adds and the Python between them (33 ops a layer, each with
+ * its fixed cost) were a large part of a batch-1 decode step of SmolLM2-135M on the CPU
+ * (benchmarks/README.md, "Measurements behind code comments").
  *
  *   pre:  h = rms_norm(x, input_norm); qkv = h W_qkv^T; RoPE on the q and k heads
  *   post: x += attn W_o^T; h = rms_norm(x, post_norm); g, u = h W_gu^T; x += (silu(g) u) W_down^T

@@ -32,7 +32,7 @@
 
 /* floats per vector (partial sums kept apart, then added in a fixed tree): one AVX-512
  * register, or one AVX2 register on the AVX2 build (16-float vectors there live in pairs of
- * registers and spill: 6x slower). The arithmetic order is fixed per build. */
+ * registers and spill: several times slower). The arithmetic order is fixed per build. */
 #if defined(__AVX512F__)
 #define LANES 16
 #else

@@ -47,8 +47,8 @@
 typedef float vf __attribute__((vector_size(LANES * 4)));
 
 /* outputs per tile: one. Several outputs per tile share the activations' loads, but interleave
- * their weight rows' streams from memory: measured on a 2-core EPYC, the lm_head at 1 row took
- * 2x as long with 2 or 4 outputs a tile (AVX-512 and AVX2 builds), the MLPs no less */
+ * their weight rows' streams from memory: 2 or 4 outputs a tile measured slower, the lm_head
+ * and the MLPs alike (benchmarks/README.md, "Measurements behind code comments") */
 #define OUTS_FEW_ROWS 1
 #define OUTS_MANY_ROWS 1
 
@@ -145,7 +145,8 @@ static void quantize_row(const float *x, int nb, int kind, QRow row) {
  * compile-time constants where called, so the accumulators live in registers. */
 
 /* the weights stream from memory once per step, n_out rows interleaved: the hardware
- * prefetcher alone kept a step's lm_head at ~9 GB/s of the ~30 one core can read */
+ * prefetcher alone kept a step's lm_head well below what one core can read (benchmarks/
+ * README.md, "Measurements behind code comments") */
 #define PREFETCH_AHEAD 256
 #if defined(__AVX512F__) || defined(__AVX2__)
 static inline void prefetch(const void *p) {
@@ -513,8 +514,9 @@ int kvpark_quant_linear(int kind, const float *scale, const float *mins, const v
     Call call = {kind, out_features, nb, rows, scale, mins, quants, xq, y_stride, y};
     /* 4 parts a thread, so a thread kept off the CPU by other jobs holds up little; at least
      * 64 outputs and 2^17 weight-rows a part: below that waking a worker costs more than it
-     * saves (measured at 2 threads, one row through every linear: 2^19, which left qkv, o and
-     * down on one thread, 7.35 ms; 2^17 6.80; 2^16 6.64, within noise) */
+     * saves (measured at 2 threads, one row through every linear: 2^19 left qkv, o and down
+     * on one thread and was slower, 2^16 was within noise of 2^17; benchmarks/README.md,
+     * "Measurements behind code comments") */
     const int64_t by_work = (int64_t)rows * out_features * in_features >> 17;
     int most = out_features / 64 < by_work ? out_features / 64 : (int)by_work;
     if (most < 1) most = 1;

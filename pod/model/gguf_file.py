@@ -1,8 +1,9 @@
 """A GGUF file's metadata and tensor index, read in one pass over a memory map.
 
 `gguf.GGUFReader` builds numpy views of every part of every metadata value: SmolLM2's 49,152
-tokens and 48,900 merges cost it ~6 s a file (most of a synthetic model's start, where the file
-is opened only for its tokenizer), for values that are plain strings. This reads the same format
+tokens and 48,900 merges cost it seconds a file (most of a synthetic model's start, where the
+file is opened only for its tokenizer; benchmarks/README.md, "Measurements behind code
+comments"), for values that are plain strings. This reads the same format
 (GGUF v2/v3, little-endian) into plain Python values with `struct`, and gives each tensor's bytes
 as the numpy view GGUFReader gives (typed for float and integer tensors, the raw block bytes of a
 row otherwise), which `gguf.quants.dequantize` takes as it is.

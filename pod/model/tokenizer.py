@@ -135,7 +135,8 @@ class Tokenizer:
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         """Special-token texts such as `<|im_start|>` become their single id."""
         # encode_batch releases the GIL and encode does not: a long prompt tokenised on a
-        # worker thread must not stall the event loop (encode held it 0.7 s for a 1 MB text)
+        # worker thread must not stall the event loop (encode holds it for the whole text:
+        # benchmarks/README.md, "Measurements behind code comments")
         ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
         return self._with_bos(ids, add_bos)
 

@@ -15,6 +15,7 @@ from gpu_stack import (
     random_tokens,
     same_bytes,
 )
+from page_sets import free_page_ids
 
 from kvpark.kernels.kv_copy import CopyKind
 from kvpark.pod.slot import Phase, PreemptMode
@@ -50,7 +51,7 @@ def test_a_swap_resume_copies_back_only_the_pages_evicted_while_parked(smollm2, 
 
     # another sequence needs every free page and two more: the least recently used cached
     # pages, the parked sequence's last two full ones, are evicted and written over
-    taken = pool.allocate(len(pool.free_page_ids()) + EVICTED)
+    taken = pool.allocate(len(free_page_ids(pool)) + EVICTED)
     assert stack.cache.stats.evictions == EVICTED
     for cache in pool.caches:
         cache[taken] = 7.0

@@ -9,11 +9,12 @@ from typing import Any
 import kubernetes_validate.utils as kv
 import pytest
 
-from kvpark.operator import builders, crd, sizing
+from kvpark.operator import autoscaling, builders, crd, metadata, sizing
 from kvpark.operator.config import OperatorConfig
+from kvpark.operator.security import UID as SERVER_UID
 
 CONFIG = OperatorConfig(image="registry.example/kvpark:1.2.3")
-SERVED = {builders.POD_MONITORS, builders.SCALED_OBJECTS}
+SERVED = {autoscaling.POD_MONITORS, autoscaling.SCALED_OBJECTS}
 UID = "4f9c2a6e-0000-4000-8000-000000000001"
 
 
@@ -125,7 +126,7 @@ def test_gpu_and_memory_resources() -> None:
 def test_pod_runs_unprivileged_with_a_read_only_root() -> None:
     pod = deployment_of()["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True
-    assert pod["securityContext"]["runAsUser"] == builders.UID != 0
+    assert pod["securityContext"]["runAsUser"] == SERVER_UID != 0
     assert pod["automountServiceAccountToken"] is False
     assert pod["enableServiceLinks"] is False  # KVPARK_PORT=tcp://... would become --port
     for container in pod["containers"] + pod["initContainers"]:
@@ -232,13 +233,13 @@ def test_every_child_is_owned_named_and_labelled() -> None:
                                             "kind": "PreemptServer", "name": "llm", "uid": UID,
                                             "controller": True, "blockOwnerDeletion": True}]
         assert meta["labels"]["app.kubernetes.io/managed-by"] == "kvpark-operator"
-    selector = builders.get_selector_labels("llm")
+    selector = metadata.get_selector_labels("llm")
     deployment, service, pdb = children.apply[:3]
     assert deployment["spec"]["selector"]["matchLabels"] == selector
     assert selector.items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
     assert service["spec"]["selector"] == selector
     assert pdb["spec"]["selector"]["matchLabels"] == selector
-    assert builders.get_selector("llm") == \
+    assert metadata.get_selector("llm") == \
         "app.kubernetes.io/instance=llm,app.kubernetes.io/name=kvpark-server"
 
 
@@ -398,6 +399,6 @@ def test_pod_monitor_labels_come_from_the_operator_and_the_spec() -> None:
     (monitor,) = [c for c in children.apply if c["kind"] == "PodMonitor"]
     labels = monitor["metadata"]["labels"]
     assert labels["release"] == "kps" and labels["team"] == "ml"  # the spec's win over config
-    assert labels["app.kubernetes.io/name"] == builders.APP  # ours stay ours
+    assert labels["app.kubernetes.io/name"] == metadata.APP  # ours stay ours
     deployment = next(c for c in children.apply if c["kind"] == "Deployment")
     assert "release" not in deployment["metadata"]["labels"]

@@ -16,7 +16,7 @@ import pytest
 from test_operator_builders import UID, arg, build, deployment_of
 from test_operator_crd import all_errors, resource
 
-from kvpark.operator import builders
+from kvpark.operator import model_source
 
 HF = {"uri": "hf://Org/Repo/sub/q4.gguf", "revision": "0123abcd", "sizeMiB": 800}
 
@@ -49,7 +49,7 @@ def test_cached_fetch_and_server_paths() -> None:
         "spec"]["template"]["spec"]
     (fetch,) = pod["initContainers"]
     folder = "/models/hf/Org/Repo/0123abcd"
-    assert fetch["command"] == ["sh", "-c", builders.CACHED_FETCH, "fetch-model", folder,
+    assert fetch["command"] == ["sh", "-c", model_source.CACHED_FETCH, "fetch-model", folder,
                                 "hf", "download", "Org/Repo", "sub/q4.gguf",
                                 "--revision", "0123abcd"]
     assert {"name": "model", "mountPath": "/models/hf"} in fetch["volumeMounts"]
@@ -110,7 +110,7 @@ def test_concurrent_fetches_download_once(tmp_path: Path) -> None:
     folder = tmp_path / "cache" / "Org" / "Repo" / "main"
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}",
            "COUNT": str(tmp_path / "count")}
-    command = ["sh", "-c", builders.CACHED_FETCH, "fetch-model", str(folder),
+    command = ["sh", "-c", model_source.CACHED_FETCH, "fetch-model", str(folder),
                "hf", "download", "Org/Repo", "--revision", "main"]
     first, second = (subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True)
                      for _ in range(2))
@@ -118,7 +118,7 @@ def test_concurrent_fetches_download_once(tmp_path: Path) -> None:
     assert [p.returncode for p in (first, second)] == [0, 0]
     assert (tmp_path / "count").read_text() == "run\n"  # one download, the other waited
     assert sum("complete in the cache" in o for o in outputs) == 1
-    assert (folder / builders.CACHE_MARKER).is_file()
+    assert (folder / model_source.CACHE_MARKER).is_file()
     assert (folder / "model.gguf").read_text() == "weights\n"
     third = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
     assert "complete in the cache" in third.stdout
@@ -131,14 +131,14 @@ def test_a_failed_download_leaves_no_marker(tmp_path: Path) -> None:
     failing.write_text("#!/bin/sh\nexit 3\n")
     failing.chmod(0o755)
     folder = tmp_path / "f"
-    result = subprocess.run(["sh", "-c", builders.CACHED_FETCH, "fetch-model", str(folder),
+    result = subprocess.run(["sh", "-c", model_source.CACHED_FETCH, "fetch-model", str(folder),
                              str(failing), "download", "O/R"], capture_output=True)
     assert result.returncode == 3
-    assert not (folder / builders.CACHE_MARKER).exists()
+    assert not (folder / model_source.CACHE_MARKER).exists()
 
 
 def test_the_script_is_posix_sh() -> None:
     """The image's /bin/sh is dash (Debian): no bashisms."""
     if shutil.which("dash") is None:
         pytest.skip("no dash here")
-    subprocess.run(["dash", "-n", "-c", builders.CACHED_FETCH], check=True)
+    subprocess.run(["dash", "-n", "-c", model_source.CACHED_FETCH], check=True)

@@ -9,7 +9,7 @@ from typing import Any
 import kopf
 import pytest
 
-from kvpark.operator import builders, crd, handlers, kube
+from kvpark.operator import autoscaling, crd, handlers, kube, metadata
 from kvpark.operator.__main__ import get_kopf_args
 from kvpark.operator.config import OperatorConfig
 
@@ -158,7 +158,7 @@ def test_a_rejected_child_is_reported_and_the_rest_applied(fake: FakeKube) -> No
 
 
 def test_served_apis_decide_the_optional_children(fake: FakeKube) -> None:
-    fake.served = {builders.POD_MONITORS}
+    fake.served = {autoscaling.POD_MONITORS}
     handlers.reconcile(add_server(fake, {}))
     assert ("PodMonitor", "ns", "s") in fake.objects
     assert "PodMonitor" not in conditions(fake)["Ready"]["message"]
@@ -227,7 +227,7 @@ def test_an_object_owned_by_an_older_server_of_the_name_is_left_to_the_gc(fake: 
 
 def test_switching_the_engine_deletes_the_old_autoscaler_first(fake: FakeKube) -> None:
     """Defect 2: KEDA refuses a ScaledObject while an HPA scales the same target."""
-    fake.served = {builders.SCALED_OBJECTS}
+    fake.served = {autoscaling.SCALED_OBJECTS}
     body = add_server(fake, {"autoscaling": {"maxReplicas": 3}})
     handlers.reconcile(body)
     assert ("HorizontalPodAutoscaler", "ns", "s") in fake.objects
@@ -256,7 +256,7 @@ def test_switching_the_engine_deletes_the_old_autoscaler_first(fake: FakeKube) -
 def test_any_api_error_is_degraded_and_the_generation_is_not_claimed(
         fake: FakeKube, error: kube.ApiError) -> None:
     """Defect 2: 403 (webhooks, RBAC) and 5xx reach Degraded with the API server's message."""
-    fake.served = {builders.SCALED_OBJECTS}
+    fake.served = {autoscaling.SCALED_OBJECTS}
     handlers.reconcile(add_server(fake, {}))
     assert fake.get(crd.KIND, "ns", "s")["status"]["observedGeneration"] == 1
     body = fake.get(crd.KIND, "ns", "s")
@@ -279,7 +279,7 @@ def test_any_api_error_is_degraded_and_the_generation_is_not_claimed(
 
 def test_a_steady_state_writes_nothing(fake: FakeKube) -> None:
     """Defect 8: once the children are as wanted, a reconcile only reads."""
-    fake.served = {builders.POD_MONITORS, builders.SCALED_OBJECTS}
+    fake.served = {autoscaling.POD_MONITORS, autoscaling.SCALED_OBJECTS}
     handlers.reconcile(add_server(fake, {"replicas": 1, "autoscaling": {"maxReplicas": 2}}))
     fake.writes.clear()
     for _ in range(3):
@@ -304,7 +304,7 @@ def test_a_foreign_deployment_lends_no_status(fake: FakeKube) -> None:
     assert found["Ready"]["status"] == "False"
     assert found["Ready"]["message"].startswith("Deployment s already exists, not owned")
     assert fake.get(crd.KIND, "ns", "s")["status"]["readyReplicas"] == 0
-    assert ("Pod", builders.get_selector("s")) not in fake.lists  # not its pods either
+    assert ("Pod", metadata.get_selector("s")) not in fake.lists  # not its pods either
 
 
 def test_an_autoscaler_that_cannot_scale_degrades_an_applied_generation(fake: FakeKube) -> None:

@@ -223,11 +223,11 @@ def test_pod_failures_reach_status_and_events_within_an_interval(cluster: Cluste
     nowhere until the Deployment's progressDeadlineSeconds (1800 s). kmock runs no scheduler
     or kubelet: the test writes the pods' status as they would."""
     kmock_only(cluster, "a real API server ignores the status of a pod being created")
-    from kvpark.operator import builders
+    from kvpark.operator import metadata
 
     cluster.create_server("pods", "s", {"replicas": 2})
     cluster.wait_child("Deployment", "pods", "s")
-    labels = builders.get_labels("s")
+    labels = metadata.get_labels("s")
     for name, status in [
         ("s-1", {"conditions": [{"type": "PodScheduled", "status": "False",
                                  "reason": "Unschedulable", "message": "0/3 nodes are "

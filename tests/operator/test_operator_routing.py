@@ -22,7 +22,7 @@ from kmock_harness import REPO
 from test_operator_builders import build
 from test_operator_crd import all_errors, resource
 
-from kvpark.operator import builders
+from kvpark.operator import autoscaling, builders
 
 V1, ALPHA = builders.INFERENCE_POOLS
 ROUTING = {"inferencePool": {"endpointPicker": {"name": "epp"}}}
@@ -144,7 +144,7 @@ def test_metric_names_are_read_from_the_server() -> None:
     assert {"kvpark:requests_deferred", "kvpark:kv_cache_usage_ratio",
             "kvpark:n_preempt_total", "kvpark:preempt_park_seconds_bucket"} <= names
     assert all(s.promql.split("(")[-1].split("{")[0] in names
-               for s in builders.SIGNALS.values())
+               for s in autoscaling.SIGNALS.values())
 
 
 DASHBOARD = REPO / "charts" / "kvpark" / "dashboards" / "kvpark-preemption.json"

@@ -7,6 +7,7 @@ copy lands, exactly once; and the KV that comes back is the KV that left.
 
 import torch
 from fake_copy import FakeCopyEngine
+from page_sets import free_page_ids
 
 from kvpark.pod.host_store import HostStore
 from kvpark.pod.kv_pool import KVPool
@@ -42,13 +43,13 @@ def test_park_in_flight_holds_its_pages_until_the_copy_lands():
     pages = list(seq.page_table)
     assert scheduler.park(seq, wait=False) is PreemptMode.SWAP
     assert seq.phase is Phase.PARKED and scheduler.swapper.is_busy(seq)
-    assert not set(pages) & set(pool.free_page_ids())  # a park still reads them
+    assert not set(pages) & set(free_page_ids(pool))  # a park still reads them
     assert sorted(scheduler.swapper.pages_in_flight) == sorted(pages)
     assert scheduler.schedule() == []  # neither scheduled nor restored while in flight
     assert seq.phase is Phase.PARKED
     copy.complete(copy.in_flight[0])
     scheduler.reap_copies()
-    assert set(pages) <= set(pool.free_page_ids()) and not scheduler.swapper.pages_in_flight
+    assert set(pages) <= set(free_page_ids(pool)) and not scheduler.swapper.pages_in_flight
     assert torch.all(seq.parking.host_kv == 3.0)
 
 

@@ -16,6 +16,7 @@ from collections import Counter
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from page_sets import cached_page_ids, free_page_ids
 
 from kvpark.kernels.kv_copy import SyncCopyEngine
 from kvpark.pod.engine import Engine
@@ -95,7 +96,7 @@ def check_invariants(engine: Engine, seqs: list[Sequence], finished: dict) -> No
         check_references(engine)
         owned = list(set(owned))  # shared pages: check_references counts their holders
     assert len(owned) == len(set(owned)), "a page is in two page tables"
-    assert not set(owned) & set(s.pool.free_page_ids()), "a page is both free and owned"
+    assert not set(owned) & set(free_page_ids(s.pool)), "a page is both free and owned"
     assert len(owned) + s.pool.num_free_pages == s.pool.num_pages, "pages leaked"
     parked_bytes = sum(seq.parking.host_bytes for seq in s.active
                        if seq.parking.host_kv is not None)
@@ -142,7 +143,7 @@ def check_references(engine: Engine) -> None:
                       + s.swapper.pages_in_flight)
     for page in range(pool.num_pages):
         assert pool.ref_count(page) == holders[page], f"page {page}: references != holders"
-    cached, free = set(cache.cached_page_ids()), set(pool.free_page_ids())
+    cached, free = set(cached_page_ids(cache)), set(free_page_ids(pool))
     assert not cached & set(holders), "a page is both cached and referenced"
     assert not cached & free, "a page is both cached and free"
     assert len(cached) + len(free) + len(holders) == pool.num_pages, "pages leaked"
