@@ -38,6 +38,8 @@ NOTHING_MATCHES = {
                    "leads back to itself?)",
     "gbnf": "no text can match it: no first token fits (rules that only lead back to "
             "themselves?)",
+    "regex": "no text can match this regex: no first token fits (an empty character class?)",
+    "choice": "no text can match any of the choices: no first token fits",
 }
 
 

@@ -119,6 +119,13 @@ def test_a_grammar_whose_rules_only_lead_back_to_themselves_matches_nothing(gram
         grammars.compile(grammar)
 
 
+@pytest.mark.parametrize("regex", [r"[^\s\S]", "[a&&b]"])
+def test_a_regex_no_text_can_match_is_a_grammar_error(grammars, regex):
+    """Not a KeyError (a 500): the client is told its regex matches nothing."""
+    with pytest.raises(GrammarError, match="no text can match this regex"):
+        grammars.compile(Grammar.from_regex(regex))
+
+
 def test_a_recursive_schema_with_a_way_out_still_compiles(tok, grammars):
     tree = {"type": "object", "properties": {
         "v": {"type": "integer"}, "children": {"type": "array", "items": {"$ref": "#"}}},
