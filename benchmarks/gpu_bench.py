@@ -65,6 +65,7 @@ from kvpark.pod.runner import ModelRunner  # noqa: E402
 from kvpark.pod.sampling import SamplingParams  # noqa: E402
 from kvpark.pod.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from kvpark.pod.slot import Sequence  # noqa: E402
+from kvpark.pod.submission import Submission  # noqa: E402
 from kvpark.pod.swap import Swapper  # noqa: E402
 
 PAGE_SIZE = 16
@@ -404,10 +405,9 @@ def chat_sequences(cfg: BenchConfig, recorder: ChatRecorder, vocab: int) -> list
     for i in range(NUM_CHATS):
         gen = torch.Generator().manual_seed(i)
         prompt = torch.randint(0, vocab, (cfg.chats.prompt + 16 * i,), generator=gen).tolist()
-        seqs.append(Sequence(
-            request_id=f"chat{i}", prompt_ids=prompt, generator=torch.Generator(),
-            params=SamplingParams(temperature=0, max_tokens=cfg.chats.output, ignore_eos=True),
-            on_event=recorder.on_event))
+        params = SamplingParams(temperature=0, max_tokens=cfg.chats.output, ignore_eos=True)
+        seqs.append(Sequence(Submission(f"chat{i}", tuple(prompt), params, None,
+                                        recorder.on_event), torch.Generator()))
     return seqs
 
 

@@ -43,6 +43,7 @@ from kvpark.pod.runner import ModelRunner
 from kvpark.pod.sampling import SamplingParams, make_generator
 from kvpark.pod.scheduler import Scheduler, SchedulerConfig
 from kvpark.pod.slot import Sequence
+from kvpark.pod.submission import Submission
 from kvpark.pod.swap import Swapper
 
 PAGE_SIZE = 16
@@ -158,8 +159,8 @@ def build_setup(variant: Variant, loaded: LoadedModel, batch: int, context: int,
     for i in range(batch):
         prompt = torch.randint(100, config.vocab_size, (context,), generator=gen).tolist()
         params = SamplingParams(temperature=0.0, ignore_eos=True)
-        scheduler.add(Sequence(f"bench-{i}", prompt, params, make_generator(0),
-                               on_event=lambda seq, kind, token: None))
+        scheduler.add(Sequence(Submission(f"bench-{i}", tuple(prompt), params, 0,
+                                          lambda seq, kind, token: None), make_generator(0)))
     setup = Setup(variant, model, scheduler, runner)
     while any(seq.num_pending > 1 for seq in scheduler.active) or scheduler.waiting:
         setup.step()  # prefill (chunked, as when serving)

@@ -170,6 +170,7 @@ def step_rows(threads: int, rounds: int = 7, max_rows: int = 8) -> None:
     from kvpark.pod.server import build_stack
     from kvpark.pod.slot import Sequence
     from kvpark.pod.step_plan import ScheduledSeq
+    from kvpark.pod.submission import Submission
 
     stack = build_stack(parse_args(["--model", "builtin://smollm2-135m", "-np", "4", "-c", "8192",
                                     "--weights", "gguf", "--threads", str(threads)], env={}))
@@ -177,8 +178,8 @@ def step_rows(threads: int, rounds: int = 7, max_rows: int = 8) -> None:
     seqs = []
     for i in range(4):
         ids = stack.tokenizer.encode(prompt_for("copy", i, "rows"))
-        seq = Sequence(f"r{i}", ids, SamplingParams(temperature=0, max_tokens=1000),
-                       make_generator(0), lambda *a: None)
+        seq = Sequence(Submission(f"r{i}", tuple(ids), SamplingParams(temperature=0,
+                                  max_tokens=1000), 0, lambda *a: None), make_generator(0))
         engine.scheduler.add(seq)
         seqs.append(seq)
     while any(s.in_prompt for s in seqs):

@@ -85,10 +85,11 @@ class Reporter:
             if self.return_progress:
                 self._put(Event(StreamEvent.PROGRESS, seq.index, progress=PromptProgress(
                     seq.num_prompt, seq.num_cached, min(seq.num_computed, seq.num_prompt),
-                    seq.prompt_seconds * 1e3)))
+                    seq.output.prompt_seconds * 1e3)))
             return
-        if event is SeqEvent.FINISHED and not seq.failed and seq.output is not None:
-            text = seq.output.finish()  # what was held back as a possible stop string
+        visible = seq.output.visible
+        if event is SeqEvent.FINISHED and not seq.failed and visible is not None:
+            text = visible.finish()  # what was held back as a possible stop string
         if text:
             self._put(self._text(seq, text))
         if event is SeqEvent.FINISHED:
@@ -100,13 +101,14 @@ class Reporter:
         first = seq.index not in self._sent_logprobs
         logprobs_from = self._sent_logprobs.get(seq.index, 0)
         tokens_from = self._sent_tokens.get(seq.index, 0)
-        self._sent_logprobs[seq.index] = len(seq.logprobs)
+        output = seq.output
+        self._sent_logprobs[seq.index] = len(output.logprobs)
         self._sent_tokens[seq.index] = seq.num_generated
         generated = seq.tokens[seq.num_prompt + tokens_from:]
         return Event(StreamEvent.TEXT, seq.index, text, seq.num_generated,
-                     tuple(seq.logprobs[logprobs_from:]), tuple(generated),
-                     tuple(seq.prompt_logprobs) if first else (), seq.slot_id,
-                     num_logprobs=len(seq.logprobs))
+                     tuple(output.logprobs[logprobs_from:]), tuple(generated),
+                     tuple(output.prompt_logprobs) if first else (), seq.slot_id,
+                     num_logprobs=len(output.logprobs))
 
     def _put(self, event: Event) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, event)

@@ -293,22 +293,22 @@ class Engine:
         if seq.is_finished:
             return
         if seq.in_prompt:
-            seq.prompt_seconds += seconds
-        seq.prompt_logprobs.extend(output.prompt_logprobs)  # before any event: all are there
+            seq.output.prompt_seconds += seconds
+        seq.output.prompt_logprobs.extend(output.prompt_logprobs)  # before any event: all there
         in_prompt = seq.in_prompt
         sampled = output.sampled
         echo_only = sampled is not None and seq.params.max_tokens == 0  # nothing generated
         token = None if sampled is None or echo_only else sampled.token
         self.scheduler.advance(item, token)
         if in_prompt:  # before the first token's event
-            seq.on_event(seq, SeqEvent.PROGRESS, "")
+            seq.on_event(SeqEvent.PROGRESS)
         if echo_only:
             self.scheduler.finish(seq, FinishReason.LENGTH)
             return
         if sampled is None:
             return
-        if seq.first_token_at is None:
-            seq.first_token_at = time.monotonic()
+        if seq.output.first_token_at is None:
+            seq.output.first_token_at = time.monotonic()
         if item.draft:
             self.scheduler.speculator.settle(seq, len(item.draft), len(output.verified))
         if self._emit(seq, sampled) and item.draft:
@@ -336,11 +336,12 @@ class Engine:
         is_eos = sampled.token in self.eos_token_ids and not seq.params.ignore_eos
         if not is_eos:  # EOS ends the text; it is not part of it (nor of the logprobs)
             if sampled.logprob is not None:  # before the event: the stream counts them
-                seq.logprobs.append(sampled.logprob)
+                seq.output.logprobs.append(sampled.logprob)
             # vLLM: a stop string ends the output only after min_tokens
             can_stop = seq.num_generated > seq.params.min_tokens
-            text = seq.output.push(sampled.token, can_stop) if seq.output else ""
-            seq.on_event(seq, SeqEvent.TOKEN, text)
+            visible = seq.output.visible
+            text = visible.push(sampled.token, can_stop) if visible is not None else ""
+            seq.on_event(SeqEvent.TOKEN, text)
         reason = self.finish_reason(seq, is_eos)
         if reason is not None:
             self.scheduler.finish(seq, reason)
@@ -348,7 +349,7 @@ class Engine:
 
     def finish_reason(self, seq: Sequence, is_eos: bool) -> FinishReason | None:
         """The one place that decides whether a sampled token ends its sequence."""
-        if is_eos or (seq.output is not None and seq.output.stopped):
+        if is_eos or (seq.output.visible is not None and seq.output.visible.stopped):
             return FinishReason.STOP
         if seq.constraint is not None and seq.constraint.is_done():
             return FinishReason.STOP

@@ -274,9 +274,10 @@ class Metrics:
         self.generated_tokens.inc(seq.num_generated)
         latency = time.monotonic() - seq.arrival
         self.latency.observe(latency)
-        if seq.first_token_at is not None:
-            self.ttft.observe(seq.first_token_at - seq.arrival)
-            self.vllm.ttft.observe(seq.first_token_at - seq.arrival)
+        first_token_at = seq.output.first_token_at
+        if first_token_at is not None:
+            self.ttft.observe(first_token_at - seq.arrival)
+            self.vllm.ttft.observe(first_token_at - seq.arrival)
         if seq.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH):
             self.last_token_at.pop(seq.seq_id, None)  # no step will see it again: no leak
         self.vllm.on_finish(outcome, num_prompt, seq.num_generated, latency)

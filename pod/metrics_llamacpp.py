@@ -29,10 +29,11 @@ class LlamacppTotals:
 
     def on_finish(self, seq: Sequence, num_prompt: int) -> None:
         self.prompt_tokens += num_prompt
-        self.prompt_seconds += seq.prompt_seconds if num_prompt else 0.0
+        self.prompt_seconds += seq.output.prompt_seconds if num_prompt else 0.0
         self.predicted_tokens += seq.num_generated
-        if seq.first_token_at is not None and seq.finished_at is not None:
-            self.predicted_seconds += seq.finished_at - seq.first_token_at
+        output = seq.output
+        if output.first_token_at is not None and output.finished_at is not None:
+            self.predicted_seconds += output.finished_at - output.first_token_at
 
     def on_step(self, num_sequences: int) -> None:
         self.decode_calls += 1

@@ -156,7 +156,7 @@ class ModelRunner:
             seq, k = item.seq, item.seq.params.prompt_logprobs
             if k is None:  # nearly every sequence: nothing to compute
                 continue
-            first = max(seq.num_computed, len(seq.prompt_logprobs))  # row p predicts p + 1
+            first = max(seq.num_computed, len(seq.output.prompt_logprobs))  # row p predicts p + 1
             last = min(seq.num_computed + item.num_tokens, seq.num_prompt - 1)
             if first < last:
                 offset = start_row - item.num_rows - seq.num_computed

@@ -50,7 +50,7 @@ class Scheduler:
     def notify(self, seq: Sequence, event: SeqEvent) -> None:
         if event is SeqEvent.FINISHED:
             self.on_finish(seq)
-        seq.on_event(seq, event, "")
+        seq.on_event(event)
 
     # ---- views -------------------------------------------------------------------------------
     @property

@@ -10,7 +10,6 @@ from __future__ import annotations
 import enum
 import itertools
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -18,6 +17,7 @@ import torch
 
 from .sampling import SamplingParams, TokenLogprob
 from .speculation import SpecState
+from .submission import Submission
 
 if TYPE_CHECKING:  # the GPU check imports this module without the tokenizer's dependencies
     from .constraint import TokenConstraint
@@ -116,16 +116,32 @@ class ParkState:
         return lasted
 
 
+@dataclass
+class SeqOutput:
+    """What a sequence produced and when (engine thread), copied into its `SeqResult` when it
+    ended."""
+
+    visible: TextOutput | None = None  # detokenizer and stop strings (None: ids only)
+    # one per token of the visible output when the request asked for logprobs
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    # prompt_logprobs requests: entry i is prompt token i + 1's (the first has no row before
+    # it); complete before the first sampled token, never rewritten by a replay
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    error: str | None = None  # what went wrong, for a failure
+    prompt_seconds: float = 0.0  # compute time of the prompt as sent (replays excluded)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+
+
 @dataclass(eq=False)
 class Sequence:
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
+    """One sequence, its state grouped by owner: the request as sent (`request`, never
+    written), the engine's own state (the fields here), `parking` (the swapper's and the
+    scheduler's) and `output`. Only the engine thread holds it."""
+
+    request: Submission
     generator: torch.Generator
-    # called on the engine thread: (seq, event, text); text is a TOKEN's visible output
-    on_event: Callable[[Sequence, SeqEvent, str], None]
-    index: int = 0  # position within its family (the `n` choices)
-    family_size: int = 1
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     tokens: list[int] = field(default_factory=list)
     num_computed: int = 0
@@ -135,31 +151,48 @@ class Sequence:
     slot_id: int | None = None
     phase: Phase = Phase.WAITING
     arrival: float = field(default_factory=time.monotonic)
-    priority: int = 0  # victims come from the lowest tier; restores go highest first
     parking: ParkState = field(default_factory=ParkState)
     spec: SpecState = field(default_factory=SpecState)  # drafts verified (--spec-type)
-    output: TextOutput | None = None  # detokenizer and stop strings (None: ids only)
     constraint: TokenConstraint | None = None  # masks what may be sampled next (grammars)
-    # one per token of the visible output when the request asked for logprobs (append-only:
-    # the event loop reads a prefix of it while the engine thread appends)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    # prompt_logprobs requests: entry i is prompt token i + 1's (the first has no row before
-    # it); complete before the first sampled token, never rewritten by a replay
-    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
-    # outcome and timings
-    finish_reason: FinishReason | None = None
-    error: str | None = None  # what went wrong, for a failure
-    prompt_seconds: float = 0.0  # compute time of the prompt as sent (replays excluded)
-    first_token_at: float | None = None
-    finished_at: float | None = None
+    output: SeqOutput = field(default_factory=SeqOutput)
 
     def __post_init__(self) -> None:
         if not self.tokens:
-            self.tokens = list(self.prompt_ids)
+            self.tokens = list(self.request.prompt_ids)
+
+    # the request as sent
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def prompt_ids(self) -> tuple[int, ...]:
+        return self.request.prompt_ids
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def index(self) -> int:  # its choice in the response
+        return self.request.index
+
+    @property
+    def family_size(self) -> int:
+        return self.request.family_size
+
+    @property
+    def priority(self) -> int:  # victims come from the lowest tier; restores go highest first
+        return self.request.priority
+
+    def on_event(self, event: SeqEvent, text: str = "") -> None:
+        """Tell the request's owner (engine thread); `text` is a TOKEN's visible output."""
+        self.request.report(self, event, text)
 
     def mark_finished(self, reason: FinishReason, error: str | None, now: float) -> None:
         self.phase = Phase.FINISHED
-        self.finish_reason, self.error, self.finished_at = reason, error, now
+        output = self.output
+        output.finish_reason, output.error, output.finished_at = reason, error, now
 
     @property
     def num_prompt(self) -> int:
@@ -195,8 +228,13 @@ class Sequence:
         return self.phase is Phase.FINISHED
 
     @property
+    def finish_reason(self) -> FinishReason | None:
+        return self.output.finish_reason
+
+    @property
     def failed(self) -> bool:
-        return self.finish_reason is not None and self.finish_reason.is_error
+        reason = self.output.finish_reason
+        return reason is not None and reason.is_error
 
     @property
     def in_family(self) -> bool:

@@ -29,6 +29,7 @@ from kvpark.pod.sampling import SamplingParams
 from kvpark.pod.scheduler import Scheduler, SchedulerConfig
 from kvpark.pod.slot import Sequence
 from kvpark.pod.step_plan import ScheduledSeq
+from kvpark.pod.submission import Submission
 from kvpark.pod.swap import Swapper
 
 PAGE_SIZE = 16
@@ -158,10 +159,10 @@ def make_seq(name: str, prompt: list[int], max_tokens: int, constraint=None,
              ignore_eos: bool = True,
              on_event: Callable[[Sequence, str, str], object] | None = None) -> Sequence:
     """A greedy request (temperature 0), as the API would hand it to the engine."""
-    return Sequence(request_id=name, prompt_ids=list(prompt), generator=torch.Generator(),
-                    params=SamplingParams(temperature=0, max_tokens=max_tokens,
-                                          ignore_eos=ignore_eos),
-                    on_event=on_event or (lambda seq, kind, text: None), constraint=constraint)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos)
+    return Sequence(Submission(name, tuple(prompt), params, None,
+                               on_event or (lambda seq, kind, text: None)),
+                    torch.Generator(), constraint=constraint)
 
 
 class LogitsRecorder:

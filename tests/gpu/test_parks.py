@@ -15,6 +15,7 @@ from kvpark.pod.runner import ModelRunner
 from kvpark.pod.sampling import SamplingParams
 from kvpark.pod.scheduler import Scheduler, SchedulerConfig
 from kvpark.pod.slot import Sequence
+from kvpark.pod.submission import Submission
 from kvpark.pod.swap import Swapper
 
 pytestmark = pytest.mark.gpu
@@ -84,9 +85,9 @@ def test_async_engine_is_the_cuda_default(monkeypatch):
 def make_seq(prompt_len: int, max_tokens: int) -> Sequence:
     gen = torch.Generator().manual_seed(prompt_len)
     prompt = torch.randint(0, 49152, (prompt_len,), generator=gen).tolist()
-    return Sequence(request_id=f"r{prompt_len}", prompt_ids=prompt,
-                    params=SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
-                    generator=torch.Generator(), on_event=lambda seq, kind, token: False)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return Sequence(Submission(f"r{prompt_len}", tuple(prompt), params, None,
+                               lambda seq, kind, token: False), torch.Generator())
 
 
 @pytest.mark.parametrize("backend_name", ["torch", "flashinfer"])

@@ -5,6 +5,8 @@ nor in a page table until the copy lands; cancelling it mid-copy gives everythin
 copy lands, exactly once; and the KV that comes back is the KV that left.
 """
 
+import dataclasses
+
 import torch
 from fake_copy import FakeCopyEngine
 from page_sets import free_page_ids
@@ -14,6 +16,7 @@ from kvpark.pod.kv_pool import KVPool
 from kvpark.pod.sampling import SamplingParams
 from kvpark.pod.scheduler import Scheduler, SchedulerConfig
 from kvpark.pod.slot import Phase, PreemptMode, Sequence
+from kvpark.pod.submission import Submission
 from kvpark.pod.swap import Swapper
 
 
@@ -25,9 +28,8 @@ def make(num_pages=16):
 
 
 def running_seq(scheduler, pool, n_tokens, fill):
-    seq = Sequence(request_id=f"r{fill}", prompt_ids=[1] * n_tokens,
-                   params=SamplingParams(temperature=0), generator=torch.Generator(),
-                   on_event=lambda *a: None)
+    seq = Sequence(Submission(f"r{fill}", (1,) * n_tokens, SamplingParams(temperature=0), None,
+                              lambda *a: None), torch.Generator())
     scheduler.add(seq)
     scheduler._admit()
     seq.page_table = pool.allocate(pool.pages_for(n_tokens))
@@ -74,7 +76,8 @@ def test_cancel_mid_copy_frees_everything_once_the_copy_lands():
     scheduler, pool, copy = make()
     seq = running_seq(scheduler, pool, 10, fill=1.0)
     finished = []
-    seq.on_event = lambda s, kind, token: finished.append(kind) if kind == "finished" else None
+    seq.request = dataclasses.replace(seq.request, report=lambda s, kind, token: finished.append(
+        kind) if kind == "finished" else None)
     scheduler.park(seq, wait=False)
     held = scheduler.swapper.host.held_bytes
     scheduler.finish(seq, reason="cancelled")

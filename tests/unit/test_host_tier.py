@@ -156,7 +156,7 @@ def test_a_swap_never_takes_host_bytes_of_another_computation():
     for page in tier.lookup(pool.cache.grow_hashes([], prompt, 13, 3)):
         page.kv.fill_(-7.0)  # another computation's bits under the same hashes
     seq = make_seq(prompt)
-    seq.params = replace(seq.params, prompt_logprobs=0)  # every row computed: no cache
+    seq.request = replace(seq.request, params=replace(seq.params, prompt_logprobs=0))  # no cache
     scheduler.add(seq)
     run_to(scheduler, seq, 14)
     before = kv_bytes(pool, seq, 14)

@@ -11,6 +11,7 @@ from kvpark.pod.metrics import Metrics
 from kvpark.pod.sampling import ChunkOutput, Sampled, SamplingParams
 from kvpark.pod.scheduler import Scheduler, SchedulerConfig
 from kvpark.pod.slot import FinishReason, Sequence
+from kvpark.pod.submission import Submission
 from kvpark.pod.swap import Swapper
 
 
@@ -29,9 +30,9 @@ def make_engine() -> tuple[Engine, Metrics]:
 
 
 def make_seq(prompt_len: int, max_tokens: int, index: int = 0, family: int = 1) -> Sequence:
-    return Sequence(request_id="r", prompt_ids=[1] * prompt_len,
-                    params=SamplingParams(max_tokens=max_tokens), generator=torch.Generator(),
-                    on_event=lambda *a: None, index=index, family_size=family)
+    return Sequence(Submission("r", (1,) * prompt_len, SamplingParams(max_tokens=max_tokens),
+                               None, lambda *a: None, index=index, family_size=family),
+                    torch.Generator())
 
 
 def scrape(metrics: Metrics) -> dict[str, float]:

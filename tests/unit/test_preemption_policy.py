@@ -5,11 +5,13 @@ import torch
 from kvpark.pod import preemption as policy
 from kvpark.pod.sampling import SamplingParams
 from kvpark.pod.slot import Phase, PreemptMode, Sequence
+from kvpark.pod.submission import Submission
 
 
-def seq(name, n_tokens, arrival=0.0, **state):
-    s = Sequence(request_id=name, prompt_ids=list(range(n_tokens)), params=SamplingParams(),
-                 generator=torch.Generator(), on_event=lambda *a: None, arrival=arrival)
+def seq(name, n_tokens, arrival=0.0, priority=0, family_size=1, **state):
+    s = Sequence(Submission(name, tuple(range(n_tokens)), SamplingParams(), None,
+                            lambda *a: None, family_size=family_size, priority=priority),
+                 torch.Generator(), arrival=arrival)
     s.phase = Phase.RUNNING
     for key, value in state.items():
         setattr(s.parking if hasattr(s.parking, key) else s, key, value)

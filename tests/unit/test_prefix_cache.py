@@ -11,15 +11,16 @@ from kvpark.pod.prefix_cache import PrefixCache, chain_hash, seed_hash
 from kvpark.pod.sampling import SamplingParams
 from kvpark.pod.scheduler import Scheduler, SchedulerConfig
 from kvpark.pod.slot import Phase, PreemptMode, Sequence
+from kvpark.pod.submission import Submission
 from kvpark.pod.swap import Swapper
 
 PS = 4
 
 
 def make_seq(prompt: list[int], n: int = 1, index: int = 0) -> Sequence:
-    return Sequence(request_id=f"r{index}", prompt_ids=list(prompt),
-                    params=SamplingParams(temperature=0), generator=torch.Generator(),
-                    on_event=lambda *a: None, index=index, family_size=n)
+    return Sequence(Submission(f"r{index}", tuple(prompt), SamplingParams(temperature=0), None,
+                               lambda *a: None, index=index, family_size=n),
+                    torch.Generator())
 
 
 def make(num_pages=16, budget=-1, split_kinds=False):

@@ -21,6 +21,7 @@ from kvpark.pod.sampling import (
 from kvpark.pod.sampling_fields import sampling_params
 from kvpark.pod.slot import Sequence
 from kvpark.pod.step_plan import ScheduledSeq
+from kvpark.pod.submission import Submission
 from kvpark.pod.text_output import StopMatcher
 
 ROW = [2.0, -1.0, 0.5, 3.0, 0.0]
@@ -92,7 +93,8 @@ def test_logprob_is_log_softmax_of_raw_logits():
 
 
 def _seq(params, tokens, num_prompt=1):
-    seq = Sequence("r", tokens[:num_prompt], params, make_generator(0), lambda *a: None)
+    seq = Sequence(Submission("r", tuple(tokens[:num_prompt]), params, 0, lambda *a: None),
+                   make_generator(0))
     seq.tokens = list(tokens)
     seq.num_computed = len(tokens) - 1
     return ScheduledSeq(seq, 1)

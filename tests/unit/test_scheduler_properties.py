@@ -29,6 +29,7 @@ from kvpark.pod.sampling import ChunkOutput, Sampled, SamplingParams
 from kvpark.pod.scheduler import Scheduler, SchedulerConfig
 from kvpark.pod.slot import Phase, Sequence
 from kvpark.pod.speculation import SpecConfig
+from kvpark.pod.submission import Submission
 from kvpark.pod.swap import Swapper
 
 PAGE_SIZE = 4
@@ -84,9 +85,9 @@ def make_seq(prompt_len: int, max_tokens: int, finished: dict, token: int = 1) -
             finished[seq.seq_id] = finished.get(seq.seq_id, 0) + 1
         return False
 
-    return Sequence(request_id=f"r{prompt_len}", prompt_ids=[token] * prompt_len,
-                    params=SamplingParams(temperature=0, max_tokens=max_tokens),
-                    generator=torch.Generator(), on_event=on_event)
+    return Sequence(Submission(f"r{prompt_len}", (token,) * prompt_len,
+                               SamplingParams(temperature=0, max_tokens=max_tokens), None,
+                               on_event), torch.Generator())
 
 
 def check_invariants(engine: Engine, seqs: list[Sequence], finished: dict) -> None:
@@ -110,7 +111,7 @@ def check_invariants(engine: Engine, seqs: list[Sequence], finished: dict) -> No
         if seq.is_finished:
             assert finished.get(seq.seq_id) == 1, "finished more than once, or silently"
             assert not seq.page_table and seq.parking.host_kv is None
-            assert seq.error or seq.finish_reason
+            assert seq.output.error or seq.finish_reason
         else:
             assert seq.seq_id not in finished
         if seq.phase is Phase.PARKED:
@@ -248,7 +249,7 @@ def run_events(events, budget_pages, preempt, preempt_every, prefix_cache=False,
     assert s.pool.tier is None or s.pool.tier.parked_bytes == 0
     for seq in seqs:
         assert seq.is_finished
-        if seq.error is None and seq.finish_reason != "cancelled":
+        if seq.output.error is None and seq.finish_reason != "cancelled":
             assert seq.finish_reason == "length"
             assert seq.num_generated == seq.params.max_tokens
 
@@ -316,5 +317,5 @@ def test_without_preemption_only_one_of_two_blocked_sequences_fails():
         engine.scheduler.add(seq)
     while engine.scheduler.has_work:
         engine.step()
-    assert second.error == "Context size has been exceeded." and first.error is None
+    assert second.output.error == "Context size has been exceeded." and first.output.error is None
     assert first.finish_reason == "length" and first.num_generated == 40

@@ -15,6 +15,7 @@ from kvpark.pod.sampling import SamplingParams
 from kvpark.pod.slot import Sequence
 from kvpark.pod.slot_files import ModelIdentity, SlotFileError, SlotState
 from kvpark.pod.slot_memory import SlotMemory
+from kvpark.pod.submission import Submission
 
 PS = 4
 IDENTITY = ModelIdentity("m", 123, "ab" * 32, "float32", "fp32", False, num_layers=2,
@@ -29,9 +30,8 @@ def make_pool(num_pages: int = 8, split_kinds: bool = False) -> KVPool:
 def finished_seq(pool: KVPool, tokens: list[int], num_prompt: int, slot_id: int = 0) -> Sequence:
     """A sequence that ran `tokens` in slot `slot_id`, filled its pages (each K/V value names
     its token and position) and let go of them, as a finish does."""
-    seq = Sequence(request_id="r", prompt_ids=tokens[:num_prompt],
-                   params=SamplingParams(temperature=0), generator=torch.Generator(),
-                   on_event=lambda *a: None, slot_id=slot_id)
+    seq = Sequence(Submission("r", tuple(tokens[:num_prompt]), SamplingParams(temperature=0),
+                              None, lambda *a: None), torch.Generator(), slot_id=slot_id)
     seq.tokens = list(tokens)
     seq.page_table = pool.allocate(pool.pages_for(len(tokens)))
     for pos, token in enumerate(tokens):

@@ -33,6 +33,7 @@ from kvpark.pod.speculation import (
     verify,
 )
 from kvpark.pod.step_plan import ScheduledSeq, add_drafts
+from kvpark.pod.submission import Submission
 from kvpark.pod.swap import Swapper
 
 VOCAB = 32
@@ -403,8 +404,8 @@ def make_engine(spec: SpecConfig, num_pages: int, preempt_every: int = 0, budget
 
 
 def make_seq(prompt: list[int], params: SamplingParams, seed: int | None = 0) -> Sequence:
-    return Sequence(request_id="r", prompt_ids=list(prompt), params=params,
-                    generator=make_generator(seed), on_event=lambda *a: None)
+    return Sequence(Submission("r", tuple(prompt), params, seed, lambda *a: None),
+                    make_generator(seed))
 
 
 def eos_prompt() -> list[int]:

@@ -12,15 +12,15 @@ from kvpark.pod.host_store import HostStore
 from kvpark.pod.kv_pool import KVPool
 from kvpark.pod.sampling import SamplingParams
 from kvpark.pod.slot import PreemptMode, Sequence
+from kvpark.pod.submission import Submission
 from kvpark.pod.swap import ParkResult, Swapper
 from kvpark.pod.transfers import Outcome, ParkTransfer, TransferTracker
 
 
 def make_seq(pool: KVPool, num_pages: int) -> Sequence:
     tokens = num_pages * pool.page_size
-    seq = Sequence(request_id="r", prompt_ids=[1] * (tokens + 1),
-                   params=SamplingParams(temperature=0), generator=torch.Generator(),
-                   on_event=lambda *a: None)
+    seq = Sequence(Submission("r", (1,) * (tokens + 1), SamplingParams(temperature=0), None,
+                              lambda *a: None), torch.Generator())
     seq.page_table, seq.num_computed = pool.allocate(num_pages), tokens
     return seq
 
