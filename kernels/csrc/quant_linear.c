@@ -105,6 +105,65 @@ static QRow qrow_at(void *scratch, int nb, int r) {
     return row;
 }
 
+/* One block: max|x|, then x * inv rounded to nearest even (|.| <= 127) into lo (inputs
+ * 0..15) and hi (16..31), returning the quants' sum. The scalar loops call fmaxf and lrintf
+ * once per input (libm calls: -O3 inlines neither without -fno-math-errno), which made the
+ * quantisation, done on the calling thread before the workers start, a third of a 16-row
+ * call of a 576-input linear; with AVX2 (also in the AVX-512 build) 8 inputs at a time give
+ * the same bytes: the same products, cvtps2dq rounds as lrintf does (the default mode),
+ * max_ps(|x|, m) keeps m for a NaN as fmaxf does, and each int32's low byte is the int8 cast
+ * (NaN, infinities: 0 both ways). */
+#if defined(__AVX2__)
+static inline float block_amax(const float *p) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 m = _mm256_setzero_ps();
+    for (int i = 0; i < BLOCK; i += 8)
+        m = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(p + i)), m);
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+static inline int32_t quantize_block(const float *p, float inv, int8_t *lo, int8_t *hi) {
+    const __m256 scale = _mm256_set1_ps(inv);
+    __m256i q[4];
+    for (int k = 0; k < 4; k++)
+        q[k] = _mm256_and_si256(_mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(p + 8 * k),
+                                                                 scale)),
+                                _mm256_set1_epi32(0xff));
+    /* bytes 0..255: the packs cannot saturate; they interleave 128-bit lanes, the permute
+     * puts inputs 0..31 back in order */
+    const __m256i packed = _mm256_packus_epi16(_mm256_packus_epi32(q[0], q[1]),
+                                               _mm256_packus_epi32(q[2], q[3]));
+    const __m256i bytes = _mm256_permutevar8x32_epi32(packed,
+                                                      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm_storeu_si128((__m128i *)lo, _mm256_castsi256_si128(bytes));
+    _mm_storeu_si128((__m128i *)hi, _mm256_extracti128_si256(bytes, 1));
+    /* the signed bytes' sum: q + 128 summed as unsigned bytes, less 32 * 128 */
+    const __m256i sums = _mm256_sad_epu8(_mm256_xor_si256(bytes, _mm256_set1_epi8((char)0x80)),
+                                         _mm256_setzero_si256());
+    __m128i s = _mm_add_epi64(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
+    s = _mm_add_epi64(s, _mm_unpackhi_epi64(s, s));
+    return _mm_cvtsi128_si32(s) - BLOCK * 128;
+}
+#else
+static inline float block_amax(const float *p) {
+    float amax = 0.0f;
+    for (int i = 0; i < BLOCK; i++) amax = fmaxf(amax, fabsf(p[i]));
+    return amax;
+}
+
+static inline int32_t quantize_block(const float *p, float inv, int8_t *lo, int8_t *hi) {
+    int32_t qsum = 0;
+    for (int i = 0; i < HALF; i++) {
+        lo[i] = (int8_t)lrintf(p[i] * inv); /* |.| <= 127: nearest, ties to even */
+        hi[i] = (int8_t)lrintf(p[HALF + i] * inv);
+        qsum += lo[i] + hi[i];
+    }
+    return qsum;
+}
+#endif
+
 static void quantize_row(const float *x, int nb, int kind, QRow row) {
     const int nbp = padded_blocks(nb);
     memset(row.q, 0, (size_t)nbp * BLOCK);
@@ -114,8 +173,7 @@ static void quantize_row(const float *x, int nb, int kind, QRow row) {
     }
     for (int b = 0; b < nb; b++) {
         const float *p = x + b * BLOCK;
-        float amax = 0.0f;
-        for (int i = 0; i < BLOCK; i++) amax = fmaxf(amax, fabsf(p[i]));
+        const float amax = block_amax(p);
         const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
         row.dx[b] = amax / 127.0f;
         int8_t *lo, *hi;
@@ -126,12 +184,7 @@ static void quantize_row(const float *x, int nb, int kind, QRow row) {
             lo = row.q + b * BLOCK;
             hi = lo + HALF;
         }
-        int32_t qsum = 0;
-        for (int i = 0; i < HALF; i++) {
-            lo[i] = (int8_t)lrintf(p[i] * inv); /* |.| <= 127: nearest, ties to even */
-            hi[i] = (int8_t)lrintf(p[HALF + i] * inv);
-            qsum += lo[i] + hi[i];
-        }
+        const int32_t qsum = quantize_block(p, inv, lo, hi);
         /* the block's sum as the quantised values give it: the Q4_1 mins then multiply the
          * same activations as the quants do, y = sum(dequantised w * quantised x), whose
          * rounding errors partly cancel (w is centred; d*q alone is all positive) */
