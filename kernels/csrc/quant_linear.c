@@ -33,7 +33,17 @@
 #include <immintrin.h>
 #endif
 
-#define ROW_TILE 4 /* input rows per pass over the weights */
+/* The AVX2 build's tiles read the activations as memory operands, with each block's dx
+ * already repeated over its lanes (QRow.dx_wide): 16 ymm registers then hold 8 rows'
+ * accumulators, so one weight's unpacking serves 8 rows. The AVX-512 tiles hold 4 rows'
+ * activations in registers. */
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#define AVX2_TILES 1
+#define ROW_TILE 8 /* input rows per pass over the weights */
+#else
+#define AVX2_TILES 0
+#define ROW_TILE 4
+#endif
 #define BLOCK 32
 #define HALF 16
 #define GROUP 4 /* Q4_1 activations are laid out in groups of 4 blocks (see quantize_row) */
@@ -84,17 +94,24 @@ static void add_mins(const float *mins, int out_features, int nb, const float *x
 /* Per row: `nbp` (nb rounded up to GROUP) scales dx, zero past nb; nb float32 block sums of x;
  * nbp * 32 quants. Q8_0: block b's 32 quants at b * 32, in input order. Q4_1: in groups of
  * GROUP blocks, 128 bytes a group: the inputs 0..15 of its 4 blocks (64 bytes, block after
- * block), then their inputs 16..31 - the order of a group's low and high weight nibbles. */
+ * block), then their inputs 16..31 - the order of a group's low and high weight nibbles.
+ * The AVX2 build adds dx_wide after the quants. */
 typedef struct {
     float *dx, *xsum;
     int32_t *qsum; /* integer sum of each block's quants */
     int8_t *q;
+#if AVX2_TILES
+    /* nbp * 8 floats, block b's dx at 4b..4b+3 (Q4_1: a pair of blocks' dx in the pair's
+     * lanes) or 8b..8b+7 (Q8_0) */
+    float *dx_wide;
+#endif
 } QRow;
 
 static inline int padded_blocks(int nb) { return (nb + GROUP - 1) / GROUP * GROUP; }
 
 static inline size_t row_bytes(int nb) {
-    return (size_t)padded_blocks(nb) * (2 * sizeof(float) + sizeof(int32_t) + BLOCK);
+    return (size_t)padded_blocks(nb) *
+           (2 * sizeof(float) + sizeof(int32_t) + BLOCK + AVX2_TILES * 8 * sizeof(float));
 }
 
 static QRow qrow_at(void *scratch, int nb, int r) {
@@ -102,6 +119,9 @@ static QRow qrow_at(void *scratch, int nb, int r) {
     const int nbp = padded_blocks(nb);
     QRow row = {(float *)base, (float *)base + nbp, (int32_t *)((float *)base + 2 * nbp),
                 (int8_t *)((float *)base + 3 * nbp)};
+#if AVX2_TILES
+    row.dx_wide = (float *)(row.q + (size_t)nbp * BLOCK);
+#endif
     return row;
 }
 
@@ -191,6 +211,11 @@ static void quantize_row(const float *x, int nb, int kind, QRow row) {
         row.xsum[b] = row.dx[b] * (float)qsum;
         row.qsum[b] = qsum;
     }
+#if AVX2_TILES
+    const int lanes = kind == 0 ? 4 : 8;
+    for (int b = 0; b < nbp; b++)
+        for (int i = 0; i < lanes; i++) row.dx_wide[lanes * b + i] = row.dx[b];
+#endif
 }
 
 /* ---- integer block dot products, per ISA ---------------------------------------------------
@@ -371,20 +396,13 @@ static inline __attribute__((always_inline)) void q4_1_tile(
     const float *scale, const uint8_t *quants, int nb, const QRow *xr,
     float *y, int64_t y_stride, int o, const int n_out, const int rows) {
     const __m256i nibble = _mm256_set1_epi8(15);
-    __m256 acc[4][4];
+    __m256 acc[4][ROW_TILE];
     for (int j = 0; j < n_out; j++)
         for (int r = 0; r < rows; r++) acc[j][r] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b += 2) {
         const int n = nb - b < 2 ? nb - b : 2;
         /* the pair's activations inside its group of 4 (see quantize_row) */
         const int64_t x_at = (int64_t)(b / GROUP) * GROUP * BLOCK + (b % GROUP) * HALF;
-        __m256i xlo[4], xhi[4];
-        __m256 dx[4];
-        for (int r = 0; r < rows; r++) {
-            xlo[r] = _mm256_loadu_si256((const __m256i *)(xr[r].q + x_at));
-            xhi[r] = _mm256_loadu_si256((const __m256i *)(xr[r].q + x_at + GROUP * HALF));
-            dx[r] = spread_pair(xr[r].dx + b, 2); /* past nb: padded with zeros */
-        }
         for (int j = 0; j < n_out; j++) {
             const int64_t at = (int64_t)(o + j) * nb + b;
             prefetch(quants + at * HALF);
@@ -395,38 +413,44 @@ static inline __attribute__((always_inline)) void q4_1_tile(
             const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
             const __m256 dw = spread_pair(scale + at, n);
             for (int r = 0; r < rows; r++) {
-                const __m256i isum = dot_nibbles(lo, xlo[r], hi, xhi[r]);
-                acc[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, dx[r]),
+                const int8_t *q = xr[r].q + x_at;
+                const __m256i isum = dot_nibbles(
+                    lo, _mm256_loadu_si256((const __m256i *)q), hi,
+                    _mm256_loadu_si256((const __m256i *)(q + GROUP * HALF)));
+                /* past nb: dx padded with zeros */
+                const __m256 dx = _mm256_loadu_ps(xr[r].dx_wide + 4 * b);
+                acc[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, dx),
                                             acc[j][r]);
             }
         }
     }
     for (int j = 0; j < n_out; j++)
-        for (int r = 0; r < rows; r++)
-            y[r * y_stride + o + j] = reduce_add(acc[j][r]);
+        for (int r = 0; r < rows; r++) y[r * y_stride + o + j] = reduce_add(acc[j][r]);
 }
 
-/* Q8_0, one block per step: |w| times x with w's sign */
+/* Q8_0, one block per step: |w| times x with w's sign; dw * dx in every lane as the scalar
+ * product's bits */
 static inline __attribute__((always_inline)) void q8_0_tile(
     const float *scale, const int8_t *quants, int nb, const QRow *xr, float *y,
     int64_t y_stride, int o, const int n_out, const int rows) {
-    __m256 acc[4][4];
+    __m256 acc[4][ROW_TILE];
     for (int j = 0; j < n_out; j++)
         for (int r = 0; r < rows; r++) acc[j][r] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
-        __m256i xq[4];
-        for (int r = 0; r < rows; r++)
-            xq[r] = _mm256_loadu_si256((const __m256i *)(xr[r].q + (int64_t)b * BLOCK));
         for (int j = 0; j < n_out; j++) {
             const int64_t at = (int64_t)(o + j) * nb + b;
             prefetch(quants + at * BLOCK);
             const __m256i w = _mm256_loadu_si256((const __m256i *)(quants + at * BLOCK));
             const __m256i magnitude = _mm256_sign_epi8(w, w);
+            const __m256 dw = _mm256_broadcast_ss(scale + at);
             for (int r = 0; r < rows; r++) {
+                const __m256i xq = _mm256_loadu_si256((const __m256i *)(xr[r].q +
+                                                                        (int64_t)b * BLOCK));
                 const __m256i isum = dot_u8s8(_mm256_setzero_si256(), magnitude,
-                                              _mm256_sign_epi8(xq[r], w));
-                acc[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum),
-                                            _mm256_set1_ps(scale[at] * xr[r].dx[b]), acc[j][r]);
+                                              _mm256_sign_epi8(xq, w));
+                const __m256 dx = _mm256_loadu_ps(xr[r].dx_wide + 8 * b);
+                acc[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, dx),
+                                            acc[j][r]);
             }
         }
     }
@@ -472,8 +496,8 @@ static inline void q8_0_tile(const float *scale, const int8_t *quants, int nb, c
 }
 #endif
 
-/* outputs [begin, end) for a tile of `rows` (1..4) input rows: OUTS_FEW_ROWS outputs at a time
- * for 1-2 rows, OUTS_MANY_ROWS for 3-4 (registers), then one at a time */
+/* outputs [begin, end) for a tile of `rows` (1..ROW_TILE) input rows: OUTS_FEW_ROWS outputs
+ * at a time for 1-2 rows, OUTS_MANY_ROWS for more (registers), then one at a time */
 #define OUTPUTS(kind_call, rows)                                                               \
     do {                                                                                       \
         int o = begin;                                                                         \
@@ -517,7 +541,15 @@ static void run_part(void *arg, int part, int num_parts) {
             case 1: OUTPUTS(Q4, 1); break;
             case 2: OUTPUTS(Q4, 2); break;
             case 3: OUTPUTS(Q4, 3); break;
+#if AVX2_TILES
+            case 4: OUTPUTS(Q4, 4); break;
+            case 5: OUTPUTS(Q4, 5); break;
+            case 6: OUTPUTS(Q4, 6); break;
+            case 7: OUTPUTS(Q4, 7); break;
+            default: OUTPUTS(Q4, 8); break;
+#else
             default: OUTPUTS(Q4, 4); break;
+#endif
             }
             for (int r = 0; r < n; r++)
                 add_mins(c->mins, c->out_features, nb, xr[r].xsum, yt + r * c->y_stride, begin,
@@ -528,7 +560,15 @@ static void run_part(void *arg, int part, int num_parts) {
             case 1: OUTPUTS(Q8, 1); break;
             case 2: OUTPUTS(Q8, 2); break;
             case 3: OUTPUTS(Q8, 3); break;
+#if AVX2_TILES
+            case 4: OUTPUTS(Q8, 4); break;
+            case 5: OUTPUTS(Q8, 5); break;
+            case 6: OUTPUTS(Q8, 6); break;
+            case 7: OUTPUTS(Q8, 7); break;
+            default: OUTPUTS(Q8, 8); break;
+#else
             default: OUTPUTS(Q8, 4); break;
+#endif
             }
         }
     }
