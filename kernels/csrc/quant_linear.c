@@ -117,8 +117,9 @@ static inline size_t row_bytes(int nb) {
 static QRow qrow_at(void *scratch, int nb, int r) {
     char *base = (char *)scratch + (size_t)r * row_bytes(nb);
     const int nbp = padded_blocks(nb);
-    QRow row = {(float *)base, (float *)base + nbp, (int32_t *)((float *)base + 2 * nbp),
-                (int8_t *)((float *)base + 3 * nbp)};
+    QRow row = {.dx = (float *)base, .xsum = (float *)base + nbp,
+                .qsum = (int32_t *)((float *)base + 2 * nbp),
+                .q = (int8_t *)((float *)base + 3 * nbp)};
 #if AVX2_TILES
     row.dx_wide = (float *)(row.q + (size_t)nbp * BLOCK);
 #endif
