@@ -224,7 +224,10 @@ static void quantize_row(const float *x, int nb, int kind, QRow row) {
  * compile-time constants where called, so the accumulators live in registers. */
 
 /* the weights stream from memory once per step, n_out rows interleaved: the hardware
- * prefetcher alone kept a step's lm_head at ~9 GB/s of the ~30 one core can read */
+ * prefetcher alone kept a step's lm_head at ~9 GB/s of the ~30 one core can read.
+ * NB: GCC 12 emits none of these prefetches: it finds the helper "looping const" (no side
+ * effects) and drops its calls. Emitted (always_inline), the AVX2 build measured no gain
+ * (benchmarks/README.md, "The block kernel on AVX2"), so they are left as they were. */
 #define PREFETCH_AHEAD 256
 #if defined(__AVX512F__) || defined(__AVX2__)
 static inline void prefetch(const void *p) {
