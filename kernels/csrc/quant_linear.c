@@ -129,8 +129,8 @@ static QRow qrow_at(void *scratch, int nb, int r) {
 /* One block: max|x|, then x * inv rounded to nearest even (|.| <= 127) into lo (inputs
  * 0..15) and hi (16..31), returning the quants' sum. The scalar loops call fmaxf and lrintf
  * once per input (libm calls: -O3 inlines neither without -fno-math-errno), which made the
- * quantisation, done on the calling thread before the workers start, a third of a 16-row
- * call of a 576-input linear; with AVX2 (also in the AVX-512 build) 8 inputs at a time give
+ * quantisation, done on the calling thread before the workers start, over a quarter of a
+ * 16-row call of the 576 x 576 linear; with AVX2 (also in the AVX-512 build) 8 inputs at a time give
  * the same bytes: the same products, cvtps2dq rounds as lrintf does (the default mode),
  * max_ps(|x|, m) keeps m for a NaN as fmaxf does, and each int32's low byte is the int8 cast
  * (NaN, infinities: 0 both ways). */
