@@ -33,7 +33,17 @@
 #include <immintrin.h>
 #endif
 
-#define ROW_TILE 4 /* input rows per pass over the weights */
+/* The AVX2 build's tiles read the activations as memory operands, with each block's dx
+ * already repeated over its lanes (QRow.dx_wide): 16 ymm registers then hold 8 rows'
+ * accumulators, so one weight's unpacking serves 8 rows. The AVX-512 tiles hold 4 rows'
+ * activations in registers. */
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#define AVX2_TILES 1
+#define ROW_TILE 8 /* input rows per pass over the weights */
+#else
+#define AVX2_TILES 0
+#define ROW_TILE 4
+#endif
 #define BLOCK 32
 #define HALF 16
 #define GROUP 4 /* Q4_1 activations are laid out in groups of 4 blocks (see quantize_row) */
@@ -84,26 +94,96 @@ static void add_mins(const float *mins, int out_features, int nb, const float *x
 /* Per row: `nbp` (nb rounded up to GROUP) scales dx, zero past nb; nb float32 block sums of x;
  * nbp * 32 quants. Q8_0: block b's 32 quants at b * 32, in input order. Q4_1: in groups of
  * GROUP blocks, 128 bytes a group: the inputs 0..15 of its 4 blocks (64 bytes, block after
- * block), then their inputs 16..31 - the order of a group's low and high weight nibbles. */
+ * block), then their inputs 16..31 - the order of a group's low and high weight nibbles.
+ * The AVX2 build adds dx_wide after the quants. */
 typedef struct {
     float *dx, *xsum;
     int32_t *qsum; /* integer sum of each block's quants */
     int8_t *q;
+#if AVX2_TILES
+    /* nbp * 8 floats, block b's dx at 4b..4b+3 (Q4_1: a pair of blocks' dx in the pair's
+     * lanes) or 8b..8b+7 (Q8_0) */
+    float *dx_wide;
+#endif
 } QRow;
 
 static inline int padded_blocks(int nb) { return (nb + GROUP - 1) / GROUP * GROUP; }
 
 static inline size_t row_bytes(int nb) {
-    return (size_t)padded_blocks(nb) * (2 * sizeof(float) + sizeof(int32_t) + BLOCK);
+    return (size_t)padded_blocks(nb) *
+           (2 * sizeof(float) + sizeof(int32_t) + BLOCK + AVX2_TILES * 8 * sizeof(float));
 }
 
 static QRow qrow_at(void *scratch, int nb, int r) {
     char *base = (char *)scratch + (size_t)r * row_bytes(nb);
     const int nbp = padded_blocks(nb);
-    QRow row = {(float *)base, (float *)base + nbp, (int32_t *)((float *)base + 2 * nbp),
-                (int8_t *)((float *)base + 3 * nbp)};
+    QRow row = {.dx = (float *)base, .xsum = (float *)base + nbp,
+                .qsum = (int32_t *)((float *)base + 2 * nbp),
+                .q = (int8_t *)((float *)base + 3 * nbp)};
+#if AVX2_TILES
+    row.dx_wide = (float *)(row.q + (size_t)nbp * BLOCK);
+#endif
     return row;
 }
+
+/* One block: max|x|, then x * inv rounded to nearest even (|.| <= 127) into lo (inputs
+ * 0..15) and hi (16..31), returning the quants' sum. The scalar loops call fmaxf and lrintf
+ * once per input (libm calls: -O3 inlines neither without -fno-math-errno), which made the
+ * quantisation, done on the calling thread before the workers start, over a quarter of a
+ * 16-row call of the 576 x 576 linear; with AVX2 (also in the AVX-512 build) 8 inputs at a time give
+ * the same bytes: the same products, cvtps2dq rounds as lrintf does (the default mode),
+ * max_ps(|x|, m) keeps m for a NaN as fmaxf does, and each int32's low byte is the int8 cast
+ * (NaN, infinities: 0 both ways). */
+#if defined(__AVX2__)
+static inline float block_amax(const float *p) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 m = _mm256_setzero_ps();
+    for (int i = 0; i < BLOCK; i += 8)
+        m = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(p + i)), m);
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+static inline int32_t quantize_block(const float *p, float inv, int8_t *lo, int8_t *hi) {
+    const __m256 scale = _mm256_set1_ps(inv);
+    __m256i q[4];
+    for (int k = 0; k < 4; k++)
+        q[k] = _mm256_and_si256(_mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(p + 8 * k),
+                                                                 scale)),
+                                _mm256_set1_epi32(0xff));
+    /* bytes 0..255: the packs cannot saturate; they interleave 128-bit lanes, the permute
+     * puts inputs 0..31 back in order */
+    const __m256i packed = _mm256_packus_epi16(_mm256_packus_epi32(q[0], q[1]),
+                                               _mm256_packus_epi32(q[2], q[3]));
+    const __m256i bytes = _mm256_permutevar8x32_epi32(packed,
+                                                      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm_storeu_si128((__m128i *)lo, _mm256_castsi256_si128(bytes));
+    _mm_storeu_si128((__m128i *)hi, _mm256_extracti128_si256(bytes, 1));
+    /* the signed bytes' sum: q + 128 summed as unsigned bytes, less 32 * 128 */
+    const __m256i sums = _mm256_sad_epu8(_mm256_xor_si256(bytes, _mm256_set1_epi8((char)0x80)),
+                                         _mm256_setzero_si256());
+    __m128i s = _mm_add_epi64(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
+    s = _mm_add_epi64(s, _mm_unpackhi_epi64(s, s));
+    return _mm_cvtsi128_si32(s) - BLOCK * 128;
+}
+#else
+static inline float block_amax(const float *p) {
+    float amax = 0.0f;
+    for (int i = 0; i < BLOCK; i++) amax = fmaxf(amax, fabsf(p[i]));
+    return amax;
+}
+
+static inline int32_t quantize_block(const float *p, float inv, int8_t *lo, int8_t *hi) {
+    int32_t qsum = 0;
+    for (int i = 0; i < HALF; i++) {
+        lo[i] = (int8_t)lrintf(p[i] * inv); /* |.| <= 127: nearest, ties to even */
+        hi[i] = (int8_t)lrintf(p[HALF + i] * inv);
+        qsum += lo[i] + hi[i];
+    }
+    return qsum;
+}
+#endif
 
 static void quantize_row(const float *x, int nb, int kind, QRow row) {
     const int nbp = padded_blocks(nb);
@@ -114,8 +194,7 @@ static void quantize_row(const float *x, int nb, int kind, QRow row) {
     }
     for (int b = 0; b < nb; b++) {
         const float *p = x + b * BLOCK;
-        float amax = 0.0f;
-        for (int i = 0; i < BLOCK; i++) amax = fmaxf(amax, fabsf(p[i]));
+        const float amax = block_amax(p);
         const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
         row.dx[b] = amax / 127.0f;
         int8_t *lo, *hi;
@@ -126,18 +205,18 @@ static void quantize_row(const float *x, int nb, int kind, QRow row) {
             lo = row.q + b * BLOCK;
             hi = lo + HALF;
         }
-        int32_t qsum = 0;
-        for (int i = 0; i < HALF; i++) {
-            lo[i] = (int8_t)lrintf(p[i] * inv); /* |.| <= 127: nearest, ties to even */
-            hi[i] = (int8_t)lrintf(p[HALF + i] * inv);
-            qsum += lo[i] + hi[i];
-        }
+        const int32_t qsum = quantize_block(p, inv, lo, hi);
         /* the block's sum as the quantised values give it: the Q4_1 mins then multiply the
          * same activations as the quants do, y = sum(dequantised w * quantised x), whose
          * rounding errors partly cancel (w is centred; d*q alone is all positive) */
         row.xsum[b] = row.dx[b] * (float)qsum;
         row.qsum[b] = qsum;
     }
+#if AVX2_TILES
+    const int lanes = kind == 0 ? 4 : 8;
+    for (int b = 0; b < nbp; b++)
+        for (int i = 0; i < lanes; i++) row.dx_wide[lanes * b + i] = row.dx[b];
+#endif
 }
 
 /* ---- integer block dot products, per ISA ---------------------------------------------------
@@ -146,7 +225,10 @@ static void quantize_row(const float *x, int nb, int kind, QRow row) {
 
 /* the weights stream from memory once per step, n_out rows interleaved: the hardware
  * prefetcher alone kept a step's lm_head well below what one core can read (benchmarks/
- * README.md, "Measurements behind code comments") */
+ * README.md, "Measurements behind code comments").
+ * NB: GCC 12 emits none of these prefetches: it finds the helper "looping const" (no side
+ * effects) and drops its calls. Emitted (always_inline), the AVX2 build measured no gain
+ * (benchmarks/README.md, "The block kernel on AVX2"), so they are left as they were. */
 #define PREFETCH_AHEAD 256
 #if defined(__AVX512F__) || defined(__AVX2__)
 static inline void prefetch(const void *p) {
@@ -319,20 +401,13 @@ static inline __attribute__((always_inline)) void q4_1_tile(
     const float *scale, const uint8_t *quants, int nb, const QRow *xr,
     float *y, int64_t y_stride, int o, const int n_out, const int rows) {
     const __m256i nibble = _mm256_set1_epi8(15);
-    __m256 acc[4][4];
+    __m256 acc[4][ROW_TILE];
     for (int j = 0; j < n_out; j++)
         for (int r = 0; r < rows; r++) acc[j][r] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b += 2) {
         const int n = nb - b < 2 ? nb - b : 2;
         /* the pair's activations inside its group of 4 (see quantize_row) */
         const int64_t x_at = (int64_t)(b / GROUP) * GROUP * BLOCK + (b % GROUP) * HALF;
-        __m256i xlo[4], xhi[4];
-        __m256 dx[4];
-        for (int r = 0; r < rows; r++) {
-            xlo[r] = _mm256_loadu_si256((const __m256i *)(xr[r].q + x_at));
-            xhi[r] = _mm256_loadu_si256((const __m256i *)(xr[r].q + x_at + GROUP * HALF));
-            dx[r] = spread_pair(xr[r].dx + b, 2); /* past nb: padded with zeros */
-        }
         for (int j = 0; j < n_out; j++) {
             const int64_t at = (int64_t)(o + j) * nb + b;
             prefetch(quants + at * HALF);
@@ -343,38 +418,44 @@ static inline __attribute__((always_inline)) void q4_1_tile(
             const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
             const __m256 dw = spread_pair(scale + at, n);
             for (int r = 0; r < rows; r++) {
-                const __m256i isum = dot_nibbles(lo, xlo[r], hi, xhi[r]);
-                acc[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, dx[r]),
+                const int8_t *q = xr[r].q + x_at;
+                const __m256i isum = dot_nibbles(
+                    lo, _mm256_loadu_si256((const __m256i *)q), hi,
+                    _mm256_loadu_si256((const __m256i *)(q + GROUP * HALF)));
+                /* past nb: dx padded with zeros */
+                const __m256 dx = _mm256_loadu_ps(xr[r].dx_wide + 4 * b);
+                acc[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, dx),
                                             acc[j][r]);
             }
         }
     }
     for (int j = 0; j < n_out; j++)
-        for (int r = 0; r < rows; r++)
-            y[r * y_stride + o + j] = reduce_add(acc[j][r]);
+        for (int r = 0; r < rows; r++) y[r * y_stride + o + j] = reduce_add(acc[j][r]);
 }
 
-/* Q8_0, one block per step: |w| times x with w's sign */
+/* Q8_0, one block per step: |w| times x with w's sign; dw * dx in every lane as the scalar
+ * product's bits */
 static inline __attribute__((always_inline)) void q8_0_tile(
     const float *scale, const int8_t *quants, int nb, const QRow *xr, float *y,
     int64_t y_stride, int o, const int n_out, const int rows) {
-    __m256 acc[4][4];
+    __m256 acc[4][ROW_TILE];
     for (int j = 0; j < n_out; j++)
         for (int r = 0; r < rows; r++) acc[j][r] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
-        __m256i xq[4];
-        for (int r = 0; r < rows; r++)
-            xq[r] = _mm256_loadu_si256((const __m256i *)(xr[r].q + (int64_t)b * BLOCK));
         for (int j = 0; j < n_out; j++) {
             const int64_t at = (int64_t)(o + j) * nb + b;
             prefetch(quants + at * BLOCK);
             const __m256i w = _mm256_loadu_si256((const __m256i *)(quants + at * BLOCK));
             const __m256i magnitude = _mm256_sign_epi8(w, w);
+            const __m256 dw = _mm256_broadcast_ss(scale + at);
             for (int r = 0; r < rows; r++) {
+                const __m256i xq = _mm256_loadu_si256((const __m256i *)(xr[r].q +
+                                                                        (int64_t)b * BLOCK));
                 const __m256i isum = dot_u8s8(_mm256_setzero_si256(), magnitude,
-                                              _mm256_sign_epi8(xq[r], w));
-                acc[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum),
-                                            _mm256_set1_ps(scale[at] * xr[r].dx[b]), acc[j][r]);
+                                              _mm256_sign_epi8(xq, w));
+                const __m256 dx = _mm256_loadu_ps(xr[r].dx_wide + 8 * b);
+                acc[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, dx),
+                                            acc[j][r]);
             }
         }
     }
@@ -420,8 +501,8 @@ static inline void q8_0_tile(const float *scale, const int8_t *quants, int nb, c
 }
 #endif
 
-/* outputs [begin, end) for a tile of `rows` (1..4) input rows: OUTS_FEW_ROWS outputs at a time
- * for 1-2 rows, OUTS_MANY_ROWS for 3-4 (registers), then one at a time */
+/* outputs [begin, end) for a tile of `rows` (1..ROW_TILE) input rows: OUTS_FEW_ROWS outputs
+ * at a time for 1-2 rows, OUTS_MANY_ROWS for more (registers), then one at a time */
 #define OUTPUTS(kind_call, rows)                                                               \
     do {                                                                                       \
         int o = begin;                                                                         \
@@ -465,7 +546,15 @@ static void run_part(void *arg, int part, int num_parts) {
             case 1: OUTPUTS(Q4, 1); break;
             case 2: OUTPUTS(Q4, 2); break;
             case 3: OUTPUTS(Q4, 3); break;
+#if AVX2_TILES
+            case 4: OUTPUTS(Q4, 4); break;
+            case 5: OUTPUTS(Q4, 5); break;
+            case 6: OUTPUTS(Q4, 6); break;
+            case 7: OUTPUTS(Q4, 7); break;
+            default: OUTPUTS(Q4, 8); break;
+#else
             default: OUTPUTS(Q4, 4); break;
+#endif
             }
             for (int r = 0; r < n; r++)
                 add_mins(c->mins, c->out_features, nb, xr[r].xsum, yt + r * c->y_stride, begin,
@@ -476,7 +565,15 @@ static void run_part(void *arg, int part, int num_parts) {
             case 1: OUTPUTS(Q8, 1); break;
             case 2: OUTPUTS(Q8, 2); break;
             case 3: OUTPUTS(Q8, 3); break;
+#if AVX2_TILES
+            case 4: OUTPUTS(Q8, 4); break;
+            case 5: OUTPUTS(Q8, 5); break;
+            case 6: OUTPUTS(Q8, 6); break;
+            case 7: OUTPUTS(Q8, 7); break;
+            default: OUTPUTS(Q8, 8); break;
+#else
             default: OUTPUTS(Q8, 4); break;
+#endif
             }
         }
     }

@@ -64,6 +64,33 @@ def test_rows_match_the_reference_arithmetic_and_do_not_depend_on_each_other(smo
         assert torch.equal(ql.quant_linear(x[rows].contiguous(), blocks, isa), y[rows])
 
 
+def random_blocks(kind: str, out_features: int, num_blocks: int, seed: int) -> ql.QuantizedWeight:
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.rand(out_features, num_blocks, generator=g) * 0.02
+    if kind == "Q4_1":
+        return ql.QuantizedWeight(kind, scale, -torch.rand(out_features, num_blocks, generator=g),
+                                  torch.randint(0, 256, (out_features, num_blocks, 16),
+                                                generator=g, dtype=torch.uint8))
+    return ql.QuantizedWeight(kind, scale, None, torch.randint(
+        -128, 128, (out_features, num_blocks, 32), generator=g, dtype=torch.int8))
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_a_rows_bits_do_not_depend_on_the_rows_called_with_it(kind, isa):
+    """Calls of 1 to 19 rows at several offsets (every position in and past a row tile, full
+    and partial tiles), 7 blocks a row (a pair and a group of 4 left over), 37 outputs: each
+    row byte-identical to that row called alone."""
+    blocks = random_blocks(kind, 37, 7, seed=3)
+    x = torch.randn(24, blocks.in_features, generator=torch.Generator().manual_seed(5))
+    x[5] *= 1e-3
+    x[6] = 0.0
+    alone = torch.cat([ql.quant_linear(x[i:i + 1], blocks, isa) for i in range(len(x))])
+    for rows in range(1, 20):
+        for first in (0, 1, 5, len(x) - rows):
+            y = ql.quant_linear(x[first:first + rows], blocks, isa, num_threads=2)
+            assert torch.equal(y.view(torch.int32), alone[first:first + rows].view(torch.int32))
+
+
 def test_activations_round_to_nearest_even_within_each_block():
     x = torch.zeros(1, 64)
     x[0, 0], x[0, 1], x[0, 2] = 127.0, 0.5, 1.5  # block 0: scale 1, ties at 0.5 and 1.5
