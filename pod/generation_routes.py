@@ -36,9 +36,10 @@ class GenerationRoutes:
     async def generate(self, request: Request) -> Response:
         server = self.server
         kind = request.scope["route_kind"]
-        check_auth(request, server.args.api_key)
+        check_auth(request, server.config.api_key)
         stack = server.ready_stack()
-        check_admission(stack, server.draining, server.num_receiving, server.args.max_queue)
+        check_admission(stack, server.draining, server.num_receiving,
+                        server.config.max_queue)
         server.num_open += 1  # admitted: from here the drain waits for this response to end
         streaming = False
         try:
@@ -97,5 +98,5 @@ class GenerationRoutes:
 
     def sse_events(self, stack: ServingStack, stream: RequestStream) -> AsyncIterator[str]:
         return stream_events(stream, stack.engine, self.server.model_name(stack),
-                             fingerprint(stack.numerics), self.server.args.sse_keepalive)
+                             fingerprint(stack.numerics), self.server.config.sse_keepalive)
 

@@ -1,7 +1,8 @@
 """The server's state across its life: the stack loaded in the background, the count of admitted
 requests, and the drain on SIGTERM that waits for them and then ends what is left.
 
-Every route group reads the stack, the flags and these counters from the one `Server` (built by
+Every route group reads the stack, its slice of the flags (`HttpConfig`) and these counters
+from the one `Server` (built by
 `api.create_app`); the engine runs on its own thread and is reached through its facade only.
 """
 
@@ -12,6 +13,7 @@ import logging
 import time
 
 from .args import ServerArgs
+from .http_config import HttpConfig
 from .input_limits import InputLimits
 from .request_errors import ApiError
 from .server import ServingStack, build_stack
@@ -25,7 +27,8 @@ SHUT_DOWN = "the server shut down before this request finished"
 
 class Server:
     def __init__(self, args: ServerArgs, stack: ServingStack | None = None) -> None:
-        self.args = args
+        self.args = args  # for the stack's builder; the HTTP side reads `config`
+        self.config = HttpConfig.of(args)
         self.stack = stack
         self.loading_error: str | None = None
         self.created = int(time.time())
@@ -51,7 +54,7 @@ class Server:
                 return
         self.stack.engine.start()
         log.info("serving %s as %s on http://%s:%d", self.stack.model_name,
-                 ", ".join(self.served_names(self.stack)), self.args.host, self.args.port)
+                 ", ".join(self.served_names(self.stack)), self.config.host, self.config.port)
 
     def stop(self) -> None:
         if self.stack is not None:
@@ -92,12 +95,12 @@ class Server:
         self.num_open -= 1
 
     def served_names(self, stack: ServingStack) -> tuple[str, ...]:
-        return self.args.served_model_name or (stack.model_name,)
+        return self.config.served_model_name or (stack.model_name,)
 
     def model_name(self, stack: ServingStack) -> str:
         """What responses echo in `model` (the first served name, as vLLM does)."""
         return self.served_names(stack)[0]
 
     def limits(self, stack: ServingStack) -> InputLimits:
-        return InputLimits.of(stack.max_context, self.args.max_messages,
-                              self.args.max_prompt_chars)
+        return InputLimits.of(stack.max_context, self.config.max_messages,
+                              self.config.max_prompt_chars)

@@ -34,7 +34,7 @@ class ModelRoutes:
 
     def ready_stack(self, request: Request) -> ServingStack:
         """The stack, once the caller is let in and the model has loaded."""
-        check_auth(request, self.server.args.api_key)
+        check_auth(request, self.server.config.api_key)
         return self.server.ready_stack()
 
     def model_card(self, stack: ServingStack, name: str) -> dict[str, Any]:
@@ -87,7 +87,7 @@ class ModelRoutes:
         return JSONResponse({
             "default_generation_settings": {
                 "id": 0, "id_task": -1, "n_ctx": slot_share(stack),
-                "speculative": stack.args.spec_type != "none",
+                "speculative": self.server.config.speculative,
                 "is_processing": False, "model": name, "params": default_params(stack)},
             "total_slots": stack.engine.capacity.num_slots,
             "model_path": stack.model_path,

@@ -23,8 +23,9 @@ async def read_json(request: Request, server: Server) -> dict[str, Any]:
 
 
 async def read_body(request: Request, server: Server) -> bytes:
-    args = server.args
-    return await read_limited(request, args.max_body_bytes, args.timeout_body, server.aborted)
+    config = server.config
+    return await read_limited(request, config.max_body_bytes, config.timeout_body,
+                              server.aborted)
 
 
 async def read_limited(request: Request, limit: int, timeout: float,

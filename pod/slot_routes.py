@@ -33,7 +33,7 @@ class SlotRoutes:
         self.server = server
 
     async def slots(self, request: Request) -> Response:
-        check_auth(request, self.server.args.api_key)
+        check_auth(request, self.server.config.api_key)
         stack = self.server.ready_stack()
         share = slot_share(stack)
         return JSONResponse([slot_entry(i, view, share)
@@ -42,8 +42,8 @@ class SlotRoutes:
     async def slot_action(self, request: Request) -> Response:
         """POST /slots/{id}?action=park|unpark: park by the normal mode decision, or resume;
         save|restore|erase: llama-server's slot files (`slot_file_action`)."""
-        args = self.server.args
-        check_admin(request, args.admin_key, args.api_key)
+        config = self.server.config
+        check_admin(request, config.admin_key, config.api_key)
         stack = self.server.ready_stack()
         num_slots = stack.engine.capacity.num_slots
         try:
@@ -75,7 +75,7 @@ class SlotRoutes:
         if action == "erase":  # touches no file: needs no --slot-save-path
             erased = await slot_outcome(engine.erase_slot(slot_id))
             return JSONResponse({"id_slot": slot_id, "n_erased": erased})
-        save_path = self.server.args.slot_save_path
+        save_path = self.server.config.slot_save_path
         if not save_path:
             raise ApiError(400, f"this server does not support slots action {action!r}: start "
                            "it with --slot-save-path DIR", param="action",

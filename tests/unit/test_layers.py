@@ -51,6 +51,14 @@ def test_the_http_side_never_names_a_sequence():
         assert not held, f"pod/{module}.py imports {held}"
 
 
+def test_the_routes_read_their_slice_of_the_flags():
+    """`HttpConfig` is what they read; the flags as a whole stay with the app and the builder."""
+    for module in set(API_MODULES) - {"api", "lifecycle"}:
+        source = (POD / f"{module}.py").read_text()
+        assert "kvpark.pod.args" not in imports(module), f"pod/{module}.py"
+        assert ".args." not in source and "args: ServerArgs" not in source, f"pod/{module}.py"
+
+
 def test_every_module_of_the_http_side_is_held_to_its_rules():
     """A new route group reads the shared `Server` (`lifecycle.py`): it must be in API_MODULES."""
     readers = {p.stem for p in POD.glob("*.py") if "kvpark.pod.lifecycle" in imports(p.stem)}
