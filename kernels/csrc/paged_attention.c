@@ -154,16 +154,12 @@ typedef struct {
 
 /* LANES vectors of partial sums -> one vector of their LANES totals, in order. Each total
  * is added up by the same tree, ((l0+l1)+(l2+l3))+... , whichever slot its vector is in. */
-static inline vf pair_sums(vf x, vf y) {
 #if LANES == 16
+static inline vf pair_sums(vf x, vf y) {
     return __builtin_shufflevector(x, y, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28,
                                    30)
            + __builtin_shufflevector(x, y, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29,
                                      31);
-#else
-    return __builtin_shufflevector(x, y, 0, 2, 4, 6, 8, 10, 12, 14)
-           + __builtin_shufflevector(x, y, 1, 3, 5, 7, 9, 11, 13, 15);
-#endif
 }
 
 static inline vf reduce_lanes(vf *a) {
@@ -171,6 +167,23 @@ static inline vf reduce_lanes(vf *a) {
         for (int i = 0; i < width; i++) a[i] = pair_sums(a[2 * i], a[2 * i + 1]);
     return a[0];
 }
+#else
+/* 8 lanes: the same sums, (x0 + x1) first as in the tree, but pairs taken within each 128-bit
+ * half (an AVX2 shuffle across the halves costs more): x's lanes 0+1, 2+3, y's 0+1, 2+3 | x's
+ * 4+5, 6+7, y's 4+5, 6+7 */
+static inline vf half_pair_sums(vf x, vf y) {
+    return __builtin_shufflevector(x, y, 0, 2, 8, 10, 4, 6, 12, 14)
+           + __builtin_shufflevector(x, y, 1, 3, 9, 11, 5, 7, 13, 15);
+}
+
+static inline vf reduce_lanes(vf *a) {
+    /* a_i's (l0+l1)+(l2+l3) in lane i, its (l4+l5)+(l6+l7) in lane 4 + i: of a_0..3, a_4..7 */
+    const vf low = half_pair_sums(half_pair_sums(a[0], a[1]), half_pair_sums(a[2], a[3]));
+    const vf high = half_pair_sums(half_pair_sums(a[4], a[5]), half_pair_sums(a[6], a[7]));
+    return __builtin_shufflevector(low, high, 0, 1, 2, 3, 8, 9, 10, 11)
+           + __builtin_shufflevector(low, high, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+#endif
 
 /* q . k[j][off ..] for LANES consecutive tokens (blocks of LANES from the chunk's start, padded
  * past the tile with rows whose dots are not used), `nc` vectors of head_dim each: a
