@@ -15,9 +15,11 @@
  * decode row or a prefill (or recompute replay) row, or on the threads.
  *
  * Work items are (sequence, tile of up to ROW_TILE query rows, chunks), all heads: one read of
- * a K or V block (from L1) serves every query head of every row of the tile, and a chunk's pages
- * are read whole, K and V together, with software prefetches ahead (a KV head's rows alone are
- * strided and pages scattered: the hardware prefetchers stream them at a third of the speed).
+ * a K or V block (from L1) serves every query head of every row of the tile, and a chunk's token
+ * rows are read whole (all KV heads), K for the scores, then V, with software prefetches a few
+ * rows ahead in that order, a few lines at a time between the dots or weighted sums (a KV head's
+ * rows alone are strided and pages scattered: the hardware prefetchers stream them at a third of
+ * the speed; a whole block's lines at once stall the core until memory has streamed them).
  * When a step has few tiles (a decode row is one), each chunk of a tile is an item of its own,
  * so that the threads share a long row; the item that finishes a tile's last chunk folds its
  * chunks. Tiling and splitting change which rows share a read and which thread computes a chunk,
@@ -42,8 +44,9 @@
 #define MAX_GROUP 64
 #define MAX_VECS (256 / LANES) /* head_dim up to 256 on the vector path */
 #define CHUNK 256              /* tokens of one partial softmax: a multiple of LANES */
-#define PREFETCH 32            /* tokens ahead, into L2 */
-#define V_BLOCK 64             /* tokens of V read for all the tile's heads in turn */
+#define PREFETCH 32            /* token rows ahead, into L2 (Ahead) */
+#define V_BLOCK 32             /* tokens of V read for all the tile's heads in turn */
+#define V_STEP 8               /* tokens of V between two steps of the prefetches */
 #define SPLIT_BELOW 4          /* tiles a thread: with fewer, tiles are split by chunk */
 
 /* GCC/Clang vector extensions */
@@ -150,20 +153,17 @@ typedef struct {
     float *part;   /* [ROW_TILE * num_heads, PART_HEADER + head_dim]: one chunk's partials */
     float *folded; /* [ROW_TILE * num_heads, PART_HEADER + head_dim]: the chunks so far */
     const float *k[CHUNK], *v[CHUNK]; /* the chunk's token rows (all KV heads) */
+    const float *ahead[2 * CHUNK + PREFETCH]; /* the rows to prefetch (Ahead) */
 } Scratch;
 
 /* LANES vectors of partial sums -> one vector of their LANES totals, in order. Each total
  * is added up by the same tree, ((l0+l1)+(l2+l3))+... , whichever slot its vector is in. */
-static inline vf pair_sums(vf x, vf y) {
 #if LANES == 16
+static inline vf pair_sums(vf x, vf y) {
     return __builtin_shufflevector(x, y, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28,
                                    30)
            + __builtin_shufflevector(x, y, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29,
                                      31);
-#else
-    return __builtin_shufflevector(x, y, 0, 2, 4, 6, 8, 10, 12, 14)
-           + __builtin_shufflevector(x, y, 1, 3, 5, 7, 9, 11, 13, 15);
-#endif
 }
 
 static inline vf reduce_lanes(vf *a) {
@@ -171,6 +171,23 @@ static inline vf reduce_lanes(vf *a) {
         for (int i = 0; i < width; i++) a[i] = pair_sums(a[2 * i], a[2 * i + 1]);
     return a[0];
 }
+#else
+/* 8 lanes: the same sums, (x0 + x1) first as in the tree, but pairs taken within each 128-bit
+ * half (an AVX2 shuffle across the halves costs more): x's lanes 0+1, 2+3, y's 0+1, 2+3 | x's
+ * 4+5, 6+7, y's 4+5, 6+7 */
+static inline vf half_pair_sums(vf x, vf y) {
+    return __builtin_shufflevector(x, y, 0, 2, 8, 10, 4, 6, 12, 14)
+           + __builtin_shufflevector(x, y, 1, 3, 9, 11, 5, 7, 13, 15);
+}
+
+static inline vf reduce_lanes(vf *a) {
+    /* a_i's (l0+l1)+(l2+l3) in lane i, its (l4+l5)+(l6+l7) in lane 4 + i: of a_0..3, a_4..7 */
+    const vf low = half_pair_sums(half_pair_sums(a[0], a[1]), half_pair_sums(a[2], a[3]));
+    const vf high = half_pair_sums(half_pair_sums(a[4], a[5]), half_pair_sums(a[6], a[7]));
+    return __builtin_shufflevector(low, high, 0, 1, 2, 3, 8, 9, 10, 11)
+           + __builtin_shufflevector(low, high, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+#endif
 
 /* q . k[j][off ..] for LANES consecutive tokens (blocks of LANES from the chunk's start, padded
  * past the tile with rows whose dots are not used), `nc` vectors of head_dim each: a
@@ -197,28 +214,59 @@ static vf dots(const float *qv, const float *const *k, int64_t off, int d) {
     return load(lanes);
 }
 
-/* o += sum of p[t] v[t][off ..] over t in order */
+/* Software prefetches (into L2) of the token rows a chunk reads, in the order it reads them,
+ * PREFETCH rows ahead, spread evenly between the dot products or weighted sums: a burst of a
+ * block's lines at once fills the core's miss buffers and stalls it while memory streams them,
+ * then the memory idles while the core computes (a long row's K and V come from DRAM). */
+typedef struct {
+    const float *const *rows;
+    int num_rows, next; /* rows[next] is the first not prefetched */
+    int64_t len;        /* floats a row */
+    int due, credit;    /* rows to prefetch over the current block's `parts` calls */
+} Ahead;
+
+/* a block of `parts` calls of ahead_step: they prefetch the rows before rows[until] */
+static inline void ahead_block(Ahead *a, int until) {
+    a->due = min_int(until, a->num_rows) - a->next;
+    a->credit = 0;
+}
+
+static inline void ahead_step(Ahead *a, int parts) {
+    for (a->credit += a->due; a->credit >= parts; a->credit -= parts) {
+        const float *row = a->rows[a->next++];
+        for (int64_t i = 0; i < a->len; i += 16) __builtin_prefetch(row + i, 0, 2); /* 64 B */
+    }
+}
+
+/* o += sum of p[t] v[t][off ..] over t in order; an ahead_step every V_STEP tokens */
 static inline __attribute__((always_inline)) void block_weighted_v(
     float *o, const float *p, const float *const *v, int64_t off, int begin, int end,
-    const int nc) {
+    const int nc, Ahead *ahead, int parts) {
     vf acc[MAX_VECS];
     for (int c = 0; c < nc; c++) acc[c] = load(o + c * LANES);
-    for (int t = begin; t < end; t++) {
-        const vf w = splat(p[t]);
-        for (int c = 0; c < nc; c++) acc[c] += w * load(v[t] + off + c * LANES);
+    for (int t = begin; t < end;) {
+        for (const int stop = min_int(t + V_STEP, end); t < stop; t++) {
+            const vf w = splat(p[t]);
+            for (int c = 0; c < nc; c++) acc[c] += w * load(v[t] + off + c * LANES);
+        }
+        ahead_step(ahead, parts);
     }
     for (int c = 0; c < nc; c++) store(o + c * LANES, acc[c]);
 }
 
 static void weighted_v(float *o, const float *p, const float *const *v, int64_t off, int begin,
-                       int end, int d) {
+                       int end, int d, Ahead *ahead, int parts) {
     const int nc = d / LANES;
-    if (d % LANES == 0 && nc == 4) block_weighted_v(o, p, v, off, begin, end, 4);
-    else if (d % LANES == 0 && nc == 8) block_weighted_v(o, p, v, off, begin, end, 8);
-    else if (d % LANES == 0 && nc <= MAX_VECS) block_weighted_v(o, p, v, off, begin, end, nc);
+    if (d % LANES == 0 && nc == 4) block_weighted_v(o, p, v, off, begin, end, 4, ahead, parts);
+    else if (d % LANES == 0 && nc == 8)
+        block_weighted_v(o, p, v, off, begin, end, 8, ahead, parts);
+    else if (d % LANES == 0 && nc <= MAX_VECS)
+        block_weighted_v(o, p, v, off, begin, end, nc, ahead, parts);
     else
-        for (int t = begin; t < end; t++)
+        for (int t = begin; t < end; t++) {
             for (int i = 0; i < d; i++) o[i] += p[t] * v[t][off + i];
+            if ((t - begin) % V_STEP == V_STEP - 1 || t == end - 1) ahead_step(ahead, parts);
+        }
 }
 
 /* scores -> e^(s - max) in place; part[0] = max, part[1] = the sum */
@@ -274,16 +322,20 @@ static void finish(const float *acc, int d, float *o) {
         for (int i = 0; i < d; i++) o[i] = acc[PART_HEADER + i] * inv_sum;
 }
 
-/* the cache lines of rows[begin .. min(end, n)), `len` floats each, into L2 */
-static inline void prefetch_rows(const float *const *rows, int begin, int end, int n,
-                                 int64_t len) {
-    for (int t = begin; t < end && t < n; t++)
-        for (int64_t i = 0; i < len; i += 16) __builtin_prefetch(rows[t] + i, 0, 2); /* 64 B */
-}
-
 static inline int prefix_len(const Job *job, const Tile *tile) { /* of the tile's first row */
     const int b = tile->seq;
     return job->kv_lens[b] - (job->qo_indptr[b + 1] - job->qo_indptr[b]) + tile->first + 1;
+}
+
+/* the first K rows (PREFETCH at most) of chunk c of a tile, into rows; returns how many */
+static int first_k_rows(const Job *job, const Tile *tile, int c, const float **rows) {
+    const int ps = job->page_size, start = c * CHUNK;
+    const int stop = min_int(start + PREFETCH, prefix_len(job, tile) + tile->rows - 1);
+    const int64_t token_stride = (int64_t)job->num_kv_heads * job->head_dim;
+    const int32_t *pages = job->kv_indices + job->kv_indptr[tile->seq];
+    for (int t = start; t < stop; t++)
+        rows[t - start] = job->cache + ((int64_t)pages[t / ps] * 2 * ps + t % ps) * token_stride;
+    return stop > start ? stop - start : 0;
 }
 
 /* chunk c of a tile: the partials of each (row, head) whose prefix reaches into the chunk, at
@@ -301,38 +353,42 @@ static void run_chunk(const Job *job, const Tile *tile, int c, Scratch *s, float
         if (++slot == ps) slot = 0, page++;
     }
     for (int t = n; t < padded; t++) s->k[t] = s->k[0]; /* dots past the tile are not used */
+    /* the rows in the order they are read: K, V, then (the same item's) next chunk's first K */
+    int num_ahead = 0;
+    for (int t = 0; t < n; t++) s->ahead[num_ahead++] = s->k[t];
+    for (int t = 0; t < n; t++) s->ahead[num_ahead++] = s->v[t];
+    if (!tile->split && c + 1 < tile->num_chunks)
+        num_ahead += first_k_rows(job, tile, c + 1, s->ahead + num_ahead);
+    Ahead ahead = {s->ahead, num_ahead, 0, token_stride, 0, 0};
     /* i = r * hq + head: every head of the rows from the first whose prefix reaches the chunk */
     const int begin = (start < first_len ? 0 : start - first_len + 1) * hq;
     const int end = tile->rows * hq;
     for (int t = 0; t < padded; t += LANES) {
-        prefetch_rows(s->k, t + PREFETCH, t + PREFETCH + LANES, n, token_stride);
-        prefetch_rows(s->v, t + PREFETCH, t + PREFETCH + LANES, n, token_stride);
-        for (int i = begin; i < end; i++)
+        ahead_block(&ahead, t + LANES + PREFETCH);
+        for (int i = begin; i < end; i++) {
+            ahead_step(&ahead, end - begin);
             if (first_len + i / hq > start + t) /* the row needs this block */
                 store(s->scores + i * CHUNK + t,
                       dots(s->q + i * d, s->k + t, (int64_t)(i % hq / group) * d, d)
                       * job->scale);
-    }
-    { /* the pages of the next chunk's first blocks, whole (its V too) */
-        const int64_t page_floats = 2 * (int64_t)ps * token_stride;
-        const int next = start + CHUNK;
-        const int stop = min_int(next + PREFETCH, first_len + tile->rows - 1);
-        for (int p = next / ps; p * ps < stop; p++)
-            for (int64_t i = 0; i < page_floats; i += 16)
-                __builtin_prefetch(job->cache + pages[p] * page_floats + i, 0, 2);
+        }
     }
     for (int i = begin; i < end; i++) {
         float *p = part + i * (PART_HEADER + d);
         softmax_numerators(s->scores + i * CHUNK, min_int(CHUNK, first_len + i / hq - start), p);
         memset(p + PART_HEADER, 0, sizeof(float) * d);
     }
-    for (int t = 0; t < n; t += V_BLOCK)
+    for (int t = 0; t < n; t += V_BLOCK) {
+        ahead_block(&ahead, n + t + V_BLOCK + PREFETCH);
+        const int steps = (min_int(V_BLOCK, n - t) + V_STEP - 1) / V_STEP; /* a row's, at most */
         for (int i = begin; i < end; i++) {
             const int len = min_int(CHUNK, first_len + i / hq - start);
             if (len > t)
                 weighted_v(part + i * (PART_HEADER + d) + PART_HEADER, s->scores + i * CHUNK,
-                           s->v, (int64_t)(i % hq / group) * d, t, min_int(t + V_BLOCK, len), d);
+                           s->v, (int64_t)(i % hq / group) * d, t, min_int(t + V_BLOCK, len), d,
+                           &ahead, (end - begin) * steps);
         }
+    }
 }
 
 static void run_item(Job *job, const Item *item, Scratch *s) {
