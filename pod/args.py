@@ -64,7 +64,7 @@ class ServerArgs:
     max_connections: int = 4096  # open HTTP connections; idle ones are shed first
     attention_backend: str = "auto"
     dtype: str = "auto"
-    weights: str = "auto"  # CPU linears: auto / gguf (decode from the GGUF's blocks), fp32, bf16
+    weights: str = "auto"  # CPU linears: auto / gguf (decode rows from blocks), fp32, bf16
     device: str = "auto"
     batch_invariant: bool = True
     cuda_graph: bool = True
@@ -297,9 +297,10 @@ def add_model_flags(g: argparse._ArgumentGroup) -> None:
     _add(g, "--dtype", dest="dtype", choices=["auto", "float32", "bfloat16", "float16"],
          text="compute type; auto = bfloat16 on CUDA, float32 on the CPU")
     _add(g, "--weights", dest="weights", choices=["auto", "gguf", "fp32", "bf16"],
-         text="CPU linears. auto: decode rows read a GGUF's own Q4_1/Q8_0 blocks when there "
-         "are any (gguf insists), prefill rows float32; fp32: float32 for all rows; bf16: bf16 "
-         "weights, activations rounded to bf16 in each GEMM")
+         text="CPU linears. auto: decode rows read blocks where a start-up measurement finds "
+         "them faster (a GGUF's own Q4_1/Q8_0, Q8_0 made at load for linears stored without "
+         "them, e.g. safetensors), prefill rows float32; gguf: blocks, unmeasured; fp32: "
+         "float32 for all rows; bf16: bf16 weights, activations rounded to bf16 in each GEMM")
     _add(g, "--attention-backend", dest="attention_backend",
          choices=["auto", "torch", "cpu", "flashinfer"],
          text="paged attention kernel; auto = FlashInfer on CUDA, the C kernel on the CPU")

@@ -1,4 +1,4 @@
-"""Choices measured on this machine at start: whether decode rows read the GGUF's blocks
+"""Choices measured on this machine at start: whether decode rows read blocks
 (`--weights auto`), how many C kernel threads (`--kernel-threads 0`) and torch threads
 (`--threads 0`) to run, each from a few timed rounds within a small budget, with the machine's
 load logged so a slow server's log says why it chose what it chose.
@@ -86,7 +86,7 @@ def timed_rounds(run: Callable[[int], float], variants: list[int]) -> Rounds:
 @dataclass(frozen=True)
 class DecodeTimings:
     """Seconds for one decode row through every layer's MLP linears (most of a step's bytes):
-    from the GGUF's blocks by kernel thread count, and float32 oneDNN."""
+    from blocks by kernel thread count, and float32 oneDNN."""
 
     blocks: dict[int, float]
     dense: float
@@ -129,10 +129,9 @@ def measure_decode_linears(model: LlamaModel, thread_counts: list[int]) -> Decod
 
 
 def choose_decode_weights(args: ServerArgs, model: LlamaModel) -> None:
-    """By measurement on this machine: `--weights auto` keeps decode rows on the GGUF's blocks
-    only where they are faster than float32 (slower on an AVX2 EPYC, faster on AVX-512:
-    benchmarks/README.md); `--kernel-threads 0` takes more threads only where they are
-    faster."""
+    """By measurement on this machine: `--weights auto` keeps decode rows on blocks (the
+    GGUF's, or Q8_0 made at load) only where they are faster than float32; `--kernel-threads 0`
+    takes more threads only where they are faster."""
     auto_threads = args.kernel_threads == 0
     if not model.has_blocks or (args.weights != "auto" and not auto_threads):
         return
@@ -143,9 +142,9 @@ def choose_decode_weights(args: ServerArgs, model: LlamaModel) -> None:
     blocks = timings.blocks[worker_pool.get_num_threads()]
     keep = args.weights != "auto" or blocks <= timings.dense
     log.info("--weights %s, --kernel-threads %s: decode rows from %s, kernel threads %d (one row "
-             "through every layer's MLP: GGUF blocks %s, float32 oneDNN %.2f ms; %s)",
+             "through every layer's MLP: blocks %s, float32 oneDNN %.2f ms; %s)",
              args.weights, "auto" if auto_threads else args.kernel_threads,
-             "the GGUF's blocks" if keep else "float32 (faster here)",
+             "blocks" if keep else "float32 (faster here)",
              worker_pool.get_num_threads(),
              ", ".join(f"{t * 1e3:.2f} ms at {n} thread{'s' * (n > 1)}"
                        for n, t in timings.blocks.items()), timings.dense * 1e3,

@@ -35,6 +35,7 @@ from .host_store import HostStore
 from .host_tier import HostTier
 from .kv_pool import KVPool
 from .metrics import Metrics
+from .model.blocks_at_load import blocks_nbytes, make_missing_blocks
 from .model.config import ModelConfig
 from .model.llama import LlamaModel, WeightFormat
 from .model.loader import LoadedModel, load_model_files
@@ -99,21 +100,27 @@ def pick_weight_format(args: ServerArgs, device: torch.device, dtype: torch.dtyp
 
 def pick_blocks(args: ServerArgs, loaded: LoadedModel, device: torch.device,
                 dtype: torch.dtype) -> dict[str, QuantizedWeight] | None:
-    """A GGUF's own blocks for decode rows on a float32 CPU model (`--weights auto|gguf`)."""
+    """Blocks for decode rows on a float32 CPU model (`--weights auto|gguf`): a GGUF's own
+    Q4_1 / Q8_0 matrices, and Q8_0 made at load for each linear stored without them."""
     if args.weights not in ("auto", "gguf"):
         return None
     reason = None
-    if not loaded.quantized:
-        reason = "the checkpoint has no Q4_1 / Q8_0 matrices"
-    elif device.type != "cpu" or dtype != torch.float32:
+    if device.type != "cpu" or dtype != torch.float32:
         reason = "decode from blocks is a float32 CPU path"
     elif not quant_linear.is_available():
         reason = "the C kernel did not build (see --attention-backend cpu)"
-    if reason is None:
-        return loaded.quantized
-    if args.weights == "gguf":
-        raise ValueError(f"--weights gguf: {reason}")
-    return None
+    if reason is not None:
+        if args.weights == "gguf":
+            raise ValueError(f"--weights gguf: {reason}")
+        return None
+    started = time.perf_counter()
+    made = make_missing_blocks(loaded.config, loaded.weights, loaded.quantized)
+    if made:
+        log.info("--weights %s: made Q8_0 blocks at load for %d linears the checkpoint stores "
+                 "without blocks (%.0f MiB, %.1f s); %d kept as the checkpoint's own",
+                 args.weights, len(made), blocks_nbytes(made) / MIB,
+                 time.perf_counter() - started, len(loaded.quantized))
+    return {**loaded.quantized, **made}
 
 
 CPU_DEFAULT_CTX = 8192
@@ -252,7 +259,7 @@ def build_stack(args: ServerArgs) -> ServingStack:
     config = loaded.config
     weights_digest = get_weights_digest(loaded.weights)  # before the model takes the weights
     blocks = pick_blocks(args, loaded, device, dtype)  # builds the C kernel on first use
-    stages.done("quantised-linear kernel checked" if loaded.quantized else "weights checked")
+    stages.done(f"blocks for decode rows: {len(blocks)} linears" if blocks else "weights checked")
     model = LlamaModel(config, loaded.weights,
                        batch_invariant=args.batch_invariant and device.type == "cpu",
                        weight_format=pick_weight_format(args, device, dtype),
@@ -301,7 +308,7 @@ def build_stack(args: ServerArgs) -> ServingStack:
     log.info("model %s (%s): %d layers, %d/%d heads, %s on %s, linears %s%s", loaded.name,
              loaded.source, config.num_layers, config.num_heads, config.num_kv_heads, dtype,
              device, model.weight_format.value,
-             ", decode rows from the GGUF's blocks" if model.has_blocks else "")
+             ", decode rows from blocks" if model.has_blocks else "")
     log.info("KV pool: %d pages x %d tokens = %d tokens, %.1f MiB; %d slots", pool.num_pages,
              pool.page_size, pool.capacity_tokens, pool.page_bytes * pool.num_pages / 2**20,
              args.parallel)

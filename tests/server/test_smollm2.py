@@ -2,9 +2,16 @@
 
 import concurrent.futures as cf
 import json
+import sys
+from pathlib import Path
 
 import httpx
 import openai
+from serverproc import ServerProcess
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from reference_llama import builtin_model  # noqa: E402
+from smollm2_hf_dir import write_smollm2_hf_dir  # noqa: E402
 
 QUESTION = "What is the capital of France? Answer in one sentence."
 
@@ -59,7 +66,7 @@ def complete(server, prompt: str, n_predict: int) -> dict:
 
 
 def test_decode_reads_the_gguf_blocks_and_stays_batch_invariant(smollm2_server):
-    assert "decode rows from the GGUF's blocks" in smollm2_server.log()
+    assert "decode rows from blocks" in smollm2_server.log()
     alone = complete(smollm2_server, PROMPTS[0], 48)
     with cf.ThreadPoolExecutor(4) as pool:
         together = list(pool.map(lambda p: complete(smollm2_server, p, 48), PROMPTS))
@@ -69,8 +76,6 @@ def test_decode_reads_the_gguf_blocks_and_stays_batch_invariant(smollm2_server):
 
 def test_forced_recompute_parks_are_byte_identical_on_the_cpu(smollm2_server):
     """A recompute replay feeds generated tokens through the same kernels as their decode."""
-    from serverproc import ServerProcess
-
     expected = [complete(smollm2_server, p, 64) for p in PROMPTS[:2]]
     with ServerProcess(["-np", "2", "-c", "4096", "--preempt-ram", "0", "--weights", "gguf"],
                        model="builtin://smollm2-135m",
@@ -100,3 +105,20 @@ def test_stop_type_is_eos_when_a_stop_string_was_given_but_eos_ended_it(smollm2_
     assert json.loads(last[6:])["stop_type"] == "eos"
     word = smollm2_server.post("/completion", {**body, "stop": ["Paris"]}).json()
     assert word["stop_type"] == "word" and "Paris" not in word["content"]
+
+
+def test_a_hugging_face_directory_decodes_from_q8_0_blocks_made_at_load(tmp_path_factory):
+    """A bf16 safetensors checkpoint (what a GPU pod loads) gets the GGUF path's decode too:
+    Q8_0 blocks for its 211 linears at load, the same bytes for a request alone or in a batch."""
+    root = write_smollm2_hf_dir(builtin_model(), tmp_path_factory.mktemp("smollm2-hf"))
+    with ServerProcess(["-np", "4", "-c", "4096", "--weights", "gguf"], model=str(root)) as server:
+        log = server.log()
+        assert "made Q8_0 blocks at load for 211 linears" in log
+        assert "decode rows from blocks" in log
+        answer = server.chat(QUESTION, temperature=0, max_tokens=40).json()
+        alone = complete(server, PROMPTS[0], 48)
+        with cf.ThreadPoolExecutor(4) as pool:
+            together = list(pool.map(lambda p: complete(server, p, 48), PROMPTS))
+    assert "Paris" in answer["choices"][0]["message"]["content"]
+    assert together[0]["tokens"] == alone["tokens"]
+    assert together[0]["content"].encode() == alone["content"].encode()

@@ -1,4 +1,5 @@
-"""Decode rows from a GGUF's own Q4_1 / Q8_0 blocks (kernels/quant_linear.py + csrc/)."""
+"""Decode rows from blocks (kernels/quant_linear.py + csrc/): a GGUF's own Q4_1 / Q8_0, and
+Q8_0 made at load for a checkpoint stored without them (pod/model/blocks_at_load.py)."""
 
 import concurrent.futures as cf
 import logging
@@ -17,8 +18,10 @@ from kvpark.kernels.cpu_paged import CpuPagedAttention
 from kvpark.pod import autotune
 from kvpark.pod.args import parse_args
 from kvpark.pod.kv_pool import KVPool
+from kvpark.pod.model.blocks_at_load import decode_linear_names, q8_0_blocks
 from kvpark.pod.model.llama import BlockRows, LlamaModel
-from kvpark.pod.model.loader import load_model_files
+from kvpark.pod.model.loader import LoadedModel, load_model_files
+from kvpark.pod.server import pick_blocks
 
 pytestmark = pytest.mark.skipif(not ql.is_available(), reason="no working C compiler")
 PAGE = 16
@@ -218,14 +221,14 @@ def test_auto_measures_then_logs_and_keeps_the_faster(smollm2, caplog, monkeypat
     with caplog.at_level(logging.INFO, logger="kvpark.autotune"):
         autotune.choose_decode_weights(auto, model)
     [line] = [r.getMessage() for r in caplog.records if "--weights auto" in r.getMessage()]
-    found = re.search(r"GGUF blocks (\d+\.\d+) ms at 1 thread, (\d+\.\d+) ms at 2 threads, "
+    found = re.search(r"blocks (\d+\.\d+) ms at 1 thread, (\d+\.\d+) ms at 2 threads, "
                       r"float32 oneDNN (\d+\.\d+) ms", line)
     assert found, line
     one, two, dense = map(float, found.groups())
     threads = 2 if two < 0.95 * one else 1
     assert worker_pool.get_num_threads() == threads and f"kernel threads {threads}" in line
     assert model.has_blocks == ((two if threads == 2 else one) <= dense), line
-    assert model.has_blocks == ("decode rows from the GGUF's blocks" in line), line
+    assert model.has_blocks == ("decode rows from blocks" in line), line
 
     caplog.clear()  # float32 measured faster: every row dense from then on
     model = LlamaModel(smollm2.config, smollm2.weights, quantized=smollm2.quantized)
@@ -242,6 +245,89 @@ def test_auto_measures_then_logs_and_keeps_the_faster(smollm2, caplog, monkeypat
     autotune.choose_decode_weights(parse_args(["--weights", "gguf", "--kernel-threads", "1"],
                                             env={}), model)
     assert model.has_blocks  # gguf insists: no measurement overrules it
+
+
+
+# ---- Q8_0 blocks made at load (a safetensors checkpoint) ---------------------------------------
+
+
+def llama_cpp_q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ggml-quants.c's quantize_row_q8_0_ref, written out: per 32 inputs d = max|w| / 127 in
+    float32, q = roundf(w * (1 / d)) (halves away from zero), d stored as fp16."""
+    blocks = w.double().reshape(w.shape[0], -1, 32).float()
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    scaled = blocks * inv
+    q = torch.sign(scaled) * torch.floor(scaled.abs() + 0.5)
+    return d[..., 0].half().float(), q.to(torch.int8)
+
+
+def test_blocks_made_at_load_are_llama_cpps_q8_0():
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(40, 96, generator=gen)
+    w[1, :32] = 0.0  # an all-zero block: scale 0, no division by zero
+    w[2, :32] = torch.arange(32) - 15.5  # halves: w / d lands on x.5
+    w[3] *= 1e-6
+    blocks = q8_0_blocks(w.bfloat16().float())
+    scale, quants = llama_cpp_q8_0(w.bfloat16().float())
+    assert blocks.kind == "Q8_0" and blocks.mins is None
+    assert torch.equal(blocks.scale, scale) and torch.equal(blocks.quants, quants)
+
+
+def test_q8_0_made_from_the_ggufs_own_q8_0_weights_gives_back_its_bytes(smollm2):
+    """The builtin GGUF stores the embedding as Q8_0: quantising its dequantised values again
+    must give the checkpoint's own blocks, byte for byte."""
+    name = "model.embed_tokens.weight"
+    made, own = q8_0_blocks(smollm2.weights[name]), smollm2.quantized[name]
+    assert torch.equal(made.scale, own.scale) and torch.equal(made.quants, own.quants)
+
+
+@pytest.fixture(scope="module")
+def safetensors_like(smollm2):
+    """SmolLM2 as a bf16 safetensors directory loads: bf16 values in float32, no blocks."""
+    weights = {n: w.bfloat16().float() for n, w in smollm2.weights.items()}
+    return LoadedModel(smollm2.config, weights, smollm2.tokenizer, "hf", "hf", quantized={})
+
+
+def test_a_checkpoint_without_blocks_gets_q8_0_for_every_decode_linear(safetensors_like,
+                                                                       smollm2):
+    cpu = torch.device("cpu")
+    made = pick_blocks(parse_args([], env={}), safetensors_like, cpu, torch.float32)
+    names = decode_linear_names(smollm2.config, safetensors_like.weights)
+    assert len(names) == 7 * smollm2.config.num_layers + 1
+    assert sorted(made) == sorted(names) and {b.kind for b in made.values()} == {"Q8_0"}
+    for name in (names[0], names[-1]):
+        assert torch.equal(dequantize(made[name]),
+                           dequantize(q8_0_blocks(safetensors_like.weights[name])))
+    # a GGUF whose linears are all blocks keeps its own, and nothing is made
+    own = pick_blocks(parse_args([], env={}), smollm2, cpu, torch.float32)
+    assert own.keys() == smollm2.quantized.keys()
+    assert all(own[n] is smollm2.quantized[n] for n in own)
+    # blocks are a float32 CPU path: other weights or dtypes make none
+    assert pick_blocks(parse_args(["--weights", "fp32"], env={}), safetensors_like, cpu,
+                       torch.float32) is None
+    assert pick_blocks(parse_args([], env={}), safetensors_like, cpu, torch.bfloat16) is None
+
+
+def test_decode_from_blocks_made_at_load_is_row_invariant_and_close_to_float32(safetensors_like):
+    cpu = torch.device("cpu")
+    blocks = pick_blocks(parse_args([], env={}), safetensors_like, cpu, torch.float32)
+    model = LlamaModel(safetensors_like.config, safetensors_like.weights, quantized=blocks)
+    dense = LlamaModel(safetensors_like.config, safetensors_like.weights)
+    alone = run_steps(model, [[(0, PROMPT)], *[[(0, t)] for t in GENERATED]], [8])
+    neighbours = run_steps(model, [
+        [(1, list(range(40, 90))), (0, PROMPT)],
+        [(0, GENERATED[0]), (2, [3])],
+        [(2, [6, 7]), (0, GENERATED[1]), (1, [7])],
+        [(1, [8]), (0, GENERATED[2])],
+    ], [8, 50, 2])
+    for step, (a, b) in enumerate(zip(alone, neighbours)):
+        assert torch.equal(a[0], b[0]), f"step {step}: logits changed with batch neighbours"
+    reference = run_steps(dense, [[(0, PROMPT)], *[[(0, t)] for t in GENERATED]], [8])
+    for a, r in zip(alone, reference):  # 8-bit weights and activations: close, the same token
+        p, q = r[0].log_softmax(-1), a[0].log_softmax(-1)
+        assert (p.exp() * (p - q)).sum().item() < 0.02  # KL (nats); measured 0.004-0.013
+        assert a[0].argmax() == r[0].argmax()
 
 
 IDLE = autotune.Conditions(load_average=0.1, cores=2, spread=0.02, rounds=8)
