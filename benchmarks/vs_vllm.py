@@ -42,6 +42,9 @@ from throughput import measure_prefill, run_round
 from workload import long_prompt, median, parse_metrics, print_table, stream_chat, write_json
 
 START_TIMEOUT = 900  # vLLM's first start compiles its CPU kernels' graphs
+QUIET_BUSY = 0.10  # a round starts once the machine's cores are this busy at most ...
+QUIET_WINDOW_S = 0.5  # ... over this window
+QUIET_MAX_WAIT_S = 30.0
 
 
 @dataclass
@@ -112,6 +115,31 @@ def start_all(servers: list[Launched]) -> None:
         print(f"{server.name} ready at {server.url} (log {server.log_path})", flush=True)
 
 
+def cpu_busy_share(window: float) -> float:
+    """The share of all cores' time spent busy over `window` seconds (/proc/stat)."""
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as stat:
+            fields = [int(v) for v in stat.readline().split()[1:]]
+        idle = fields[3] + fields[4]  # idle + iowait
+        return sum(fields) - idle, sum(fields)
+
+    busy0, total0 = sample()
+    time.sleep(window)
+    busy1, total1 = sample()
+    return (busy1 - busy0) / max(1, total1 - total0)
+
+
+def wait_until_quiet() -> float:
+    """Seconds waited for the machine to go quiet before a round: a server that just finished
+    may keep its threads spinning a while, and the next server's round must not share the
+    cores with that."""
+    started = time.monotonic()
+    while time.monotonic() - started < QUIET_MAX_WAIT_S:
+        if cpu_busy_share(QUIET_WINDOW_S) <= QUIET_BUSY:
+            break
+    return time.monotonic() - started
+
+
 def preemptions(server: Launched) -> dict[str, float]:
     m = server.metrics()
     return {"swap": m.get("kvpark:n_preempt_swap_total", 0.0),
@@ -174,16 +202,18 @@ def streams_phase(args: argparse.Namespace, ports: Iterator[int]) -> dict:
         for round_no in range(args.rounds):
             for concurrency in args.concurrency:
                 for server in servers:
+                    quiet_after = wait_until_quiet()
                     salt = f"{round_no}.{concurrency}"
                     prefill = measure_prefill(server.url, args.prompt_tokens,
                                               f"{server.name} {salt}")
                     result = run_round(server.url, concurrency, args.prompt_tokens,
                                        args.max_tokens, salt=salt)
-                    result["prefill"] = prefill
+                    result["prefill"], result["quiet_after_s"] = prefill, quiet_after
                     measured.setdefault((server.name, concurrency), []).append(result)
                     print(f"{server.name} x{concurrency}: {result['tok_s']:.1f} tok/s "
                           f"({result['completed']}/{concurrency}); prefill "
-                          f"{prefill['tok_s']:.0f} tok/s", flush=True)
+                          f"{prefill['tok_s']:.0f} tok/s; {quiet_after:.1f} s to quiet before",
+                          flush=True)
     finally:
         for server in servers:
             server.stop()
@@ -195,9 +225,10 @@ def pressure_phase(args: argparse.Namespace, ports: Iterator[int]) -> dict:
     pool = ["-np", "4", "-c", "4096"]
     servers = [kvpark("kvpark", args.model, next(ports), pool),
                kvpark("kvpark-hf", args.hf_dir, next(ports), pool)]
-    # vLLM's CPU KV blocks hold 128 tokens: 32 of them are the same ~4096-token pool
+    # vLLM's CPU KV blocks hold 128 tokens: 32 of them are the same ~4096-token pool (it keeps
+    # one back, and refuses to start unless one request of --max-model-len fits in the rest)
     servers += [vllm(f"vllm r{n}", args.vllm_python, args.hf_dir, next(ports), n,
-                     ["--max-num-seqs", "4", "--max-model-len", "4096",
+                     ["--max-num-seqs", "4", "--max-model-len", "2048",
                       "--num-gpu-blocks-override", "32"])
                 for n in args.vllm_reserved]
     measured: dict[tuple[str, int], list[dict]] = {}
@@ -205,10 +236,13 @@ def pressure_phase(args: argparse.Namespace, ports: Iterator[int]) -> dict:
         start_all(servers)
         for round_no in range(args.pressure_rounds):
             for server in servers:
+                quiet_after = wait_until_quiet()
                 result = pressure_round(server, 4, 1000, 600, salt=f"pressure {round_no}")
+                result["quiet_after_s"] = quiet_after
                 measured.setdefault((server.name, 4), []).append(result)
                 print(f"{server.name} pressure: {result['tok_s']:.1f} tok/s "
-                      f"({result['completed']}/4), parks {result['parks']}", flush=True)
+                      f"({result['completed']}/4), parks {result['parks']}; {quiet_after:.1f} s "
+                      "to quiet before", flush=True)
     finally:
         for server in servers:
             server.stop()
@@ -239,9 +273,10 @@ def main() -> None:
     results = {"args": vars(args), "load_at_start": os.getloadavg()}
     if args.concurrency and args.rounds:
         results["streams"] = streams_phase(args, ports)
+        write_json(args.out, results)  # kept should the next phase fail
     if args.pressure_rounds:
         results["pressure"] = pressure_phase(args, ports)
-    write_json(args.out, results)
+        write_json(args.out, results)
 
 
 if __name__ == "__main__":
