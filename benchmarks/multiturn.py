@@ -120,7 +120,8 @@ def main() -> None:
     p.add_argument("--out", default="benchmarks/results/multiturn.json")
     args = p.parse_args()
 
-    flags = shlex.split(args.launch) + (["--threads", str(args.threads)] if args.threads else [])
+    # always passed (0: auto): ServerProcess, the tests' launcher, pins one torch thread
+    flags = shlex.split(args.launch) + ["--threads", str(args.threads)]
     on, off, off_flag = COMPARED[args.compare]
     servers = {on: ServerProcess(flags, model=args.model),
                off: ServerProcess([*flags, off_flag], model=args.model)}

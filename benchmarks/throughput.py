@@ -78,7 +78,8 @@ def main() -> None:
     p.add_argument("--launch", default="-np 4 -c 8192",
                    help="flags for a kvpark server this script starts when --url is absent")
     p.add_argument("--model", default="builtin://smollm2-135m")
-    p.add_argument("--threads", type=int, default=0, help="kvpark --threads when launching")
+    p.add_argument("--threads", type=int, default=0,
+                   help="kvpark --threads when launching (0: auto)")
     p.add_argument("--peer", help="another OpenAI-compatible server to compare against")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     p.add_argument("--prompt-tokens", type=int, default=1000)
@@ -91,8 +92,8 @@ def main() -> None:
     url = args.url
     if url is None:
         flags = shlex.split(args.launch)
-        if args.threads:
-            flags += ["--threads", str(args.threads)]
+        # always passed (0: auto): ServerProcess, the tests' launcher, pins one torch thread
+        flags += ["--threads", str(args.threads)]
         server = ServerProcess(flags, model=args.model).start()
         server_threads = args.threads or "auto"
         url = server.url

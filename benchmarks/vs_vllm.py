@@ -140,11 +140,16 @@ def wait_until_quiet() -> float:
     return time.monotonic() - started
 
 
+def metric_sum(metrics: dict[str, float], name: str) -> float:
+    """A metric's samples added up over their labels (vLLM labels each with engine and model)."""
+    return sum(v for key, v in metrics.items() if key.partition("{")[0] == name)
+
+
 def preemptions(server: Launched) -> dict[str, float]:
     m = server.metrics()
-    return {"swap": m.get("kvpark:n_preempt_swap_total", 0.0),
-            "recompute": m.get("kvpark:n_preempt_recompute_total", 0.0),
-            "vllm": m.get("vllm:num_preemptions_total", 0.0)}
+    return {"swap": metric_sum(m, "kvpark:n_preempt_swap_total"),
+            "recompute": metric_sum(m, "kvpark:n_preempt_recompute_total"),
+            "vllm": metric_sum(m, "vllm:num_preemptions_total")}
 
 
 def pressure_round(server: Launched, chats: int, prompt_tokens: int, max_tokens: int,

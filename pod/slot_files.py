@@ -54,7 +54,7 @@ class ModelIdentity:
     weights_sha256: str
     dtype: str
     weight_format: str
-    blocks: bool  # decode rows read a GGUF's quantised blocks (their K/V differ from prompt rows)
+    blocks: bool  # decode rows read quantised blocks (their K/V differ from prompt rows)
     num_layers: int
     num_kv_heads: int
     head_dim: int
