@@ -28,18 +28,21 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
-import httpx
 from plotting import LATENCY_HEADERS, latency_cells, latency_summary
 from throughput import measure_prefill, run_round
-from workload import long_prompt, median, parse_metrics, print_table, stream_chat, write_json
+from workload import (
+    ServerProcess,
+    long_prompt,
+    median,
+    print_table,
+    stream_chat,
+    write_json,
+)
 
 START_TIMEOUT = 900  # vLLM's first start compiles its CPU kernels' graphs
 QUIET_BUSY = 0.10  # a round starts once the machine's cores are this busy at most ...
@@ -48,70 +51,40 @@ QUIET_MAX_WAIT_S = 30.0
 
 
 @dataclass
-class Launched:
-    """A server started from a command line; the log goes to a file."""
+class Launched(ServerProcess):
+    """A server from its own command line, in this process's environment plus `env`: none of
+    the tests' pins (one torch thread), so each server runs with its own defaults."""
 
-    name: str
-    cmd: list[str]
-    env: dict[str, str]
-    port: int
-    proc: subprocess.Popen | None = None
-    log_path: Path = field(default_factory=lambda: Path(tempfile.mkstemp(suffix=".log")[1]))
+    name: str = ""
+    cmd: list[str] = field(default_factory=list)
+    start_timeout: float = START_TIMEOUT
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+    def command(self) -> list[str]:
+        return self.cmd
 
-    def start(self) -> Launched:
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **self.env})
-        return self
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited {self.proc.returncode}: "
-                                   f"{self.log_path.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)  # polling a readiness endpoint, bounded by the deadline
-        raise TimeoutError(f"{self.name} not ready after {START_TIMEOUT} s ({self.log_path})")
-
-    def metrics(self) -> dict[str, float]:
-        return parse_metrics(httpx.get(f"{self.url}/metrics", timeout=30).text)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+    def environment(self) -> dict[str, str]:
+        return {**os.environ, **self.env}
 
 
 def kvpark(name: str, model: str, port: int, flags: list[str]) -> Launched:
-    return Launched(name, [sys.executable, "-m", "kvpark.pod", "--host", "127.0.0.1", "--port",
-                           str(port), "-m", model, *flags], {}, port)
+    return Launched([], port=port, name=name, cmd=[
+        sys.executable, "-m", "kvpark.pod", "--host", "127.0.0.1", "--port", str(port),
+        "-m", model, *flags])
 
 
 def vllm(name: str, python: str, hf_dir: str, port: int, reserved: int,
          flags: list[str]) -> Launched:
     env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": str(reserved)}
-    return Launched(name, [python, "-m", "vllm.entrypoints.openai.api_server", "--model", hf_dir,
-                           "--served-model-name", "default", "--host", "127.0.0.1", "--port",
-                           str(port), "--dtype", "bfloat16", *flags], env, port)
+    return Launched([], env=env, port=port, name=name, cmd=[
+        python, "-m", "vllm.entrypoints.openai.api_server", "--model", hf_dir,
+        "--served-model-name", "default", "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", "bfloat16", *flags])
 
 
 def start_all(servers: list[Launched]) -> None:
     """One at a time: two starts at once would measure each other's start-up."""
     for server in servers:
-        server.start().wait_ready()
+        server.start()
         print(f"{server.name} ready at {server.url} (log {server.log_path})", flush=True)
 
 

@@ -42,22 +42,29 @@ class ServerProcess:
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen | None = None
     log_path: Path = field(default_factory=lambda: Path(tempfile.mkstemp(suffix=".log")[1]))
+    start_timeout: float = START_TIMEOUT
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def command(self) -> list[str]:
+        """kvpark with one torch thread unless `flags` say otherwise: tests share the cores."""
+        return [sys.executable, "-m", "kvpark.pod", "--host", "127.0.0.1", "--port",
+                str(self.port), "--model", self.model, "--threads", "1", *self.flags]
+
+    def environment(self) -> dict[str, str]:
+        return {**os.environ, "OMP_NUM_THREADS": "1", **self.env}
+
     def start(self) -> ServerProcess:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", **self.env}
-        cmd = [sys.executable, "-m", "kvpark.pod", "--host", "127.0.0.1", "--port",
-               str(self.port), "--model", self.model, "--threads", "1", *self.flags]
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=self.environment())
         self.wait_healthy()
         return self
 
     def wait_healthy(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT
+        deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.log()}")
@@ -67,7 +74,7 @@ class ServerProcess:
             except httpx.TransportError:
                 pass
             time.sleep(0.1)  # polling a readiness endpoint, bounded by the deadline
-        raise TimeoutError(f"server not healthy after {START_TIMEOUT}s:\n{self.log()}")
+        raise TimeoutError(f"server not healthy after {self.start_timeout}s:\n{self.log()}")
 
     def log(self) -> str:
         return self.log_path.read_text()
