@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import NoReturn
 
 from kvpark.kernels.worker_pool import MAX_THREADS as MAX_KERNEL_THREADS
@@ -23,6 +23,7 @@ ALIASES = {
     "preempt": ("LLAMA_ARG_PREEMPT",),
     "preempt_every": ("LLAMA_SERVER_PREEMPT_EVERY",),
     "spec_type": ("LLAMA_ARG_SPEC_TYPE",),
+    "model_draft": ("LLAMA_ARG_MODEL_DRAFT",),
     "spec_draft_n_max": ("LLAMA_ARG_SPEC_DRAFT_N_MAX",),
     "spec_draft_n_min": ("LLAMA_ARG_SPEC_DRAFT_N_MIN",),
 }
@@ -75,7 +76,10 @@ class ServerArgs:
     chat_template: str | None = None  # a jinja file replacing the model's chat template
     slot_save_path: str | None = None  # POST /slots/{id}?action=save|restore: files live here
     preempt_async: bool = True  # CUDA: swap copies on their own stream (off: synchronous)
-    spec_type: str = "none"  # speculative decoding: none or ngram-simple (prompt lookup)
+    # speculative decoding: none, ngram-simple (prompt lookup) or draft-simple (a draft model;
+    # the default once --model-draft is given)
+    spec_type: str = "none"
+    model_draft: str | None = None  # the draft model (same tokenizer, same K/V head shape)
     spec_draft_n_max: int = 3  # draft tokens per step at most (benchmarks/README.md)
     spec_draft_n_min: int = 0  # shorter drafts are not verified
     # sampling defaults for requests that leave a field out (None: not set; see
@@ -386,10 +390,15 @@ def add_preemption_flags(g: argparse._ArgumentGroup) -> None:
 
 
 def add_speculation_flags(g: argparse._ArgumentGroup) -> None:
-    _add(g, "--spec-type", dest="spec_type", choices=["none", "ngram-simple"],
+    _add(g, "--spec-type", dest="spec_type", choices=["none", "ngram-simple", "draft-simple"],
          text="ngram-simple: draft the tokens that followed the latest earlier occurrence of "
-         "the sequence's last 3..1 tokens (prompt lookup, no second model) and verify them in "
-         "one step; the output is byte-identical to none")
+         "the sequence's last 3..1 tokens (prompt lookup, no second model); draft-simple: the "
+         "draft model's greedy tokens (--model-draft). Drafts are verified in one step; the "
+         "output is byte-identical to none", default="none, or draft-simple with --model-draft")
+    _add(g, "--model-draft", "-md", dest="model_draft", metavar="PATH",
+         text="draft model for speculative decoding, as --model takes one: the target's "
+         "tokenizer and K/V head count and size (checked at start); its K/V live in the same "
+         "pages, so parks, the prefix cache and --preempt-ram carry both")
     _add(g, "--spec-draft-n-max", dest="spec_draft_n_max", type=_non_negative, metavar="N",
          text="draft tokens verified per step at most")
     _add(g, "--spec-draft-n-min", dest="spec_draft_n_min", type=_non_negative, metavar="N",
@@ -491,25 +500,37 @@ def check(args: ServerArgs) -> str | None:
     if args.preempt_low > args.preempt_high:
         return (f"--preempt-low {args.preempt_low} must not exceed --preempt-high "
                 f"{args.preempt_high}")
+    if args.spec_type == "draft-simple" and args.model_draft is None:
+        return "--spec-type draft-simple needs a draft model (--model-draft PATH)"
+    if args.model_draft is not None and args.spec_type not in ("none", "draft-simple"):
+        return (f"--model-draft drafts with --spec-type draft-simple, not {args.spec_type} "
+                "(leave --spec-type out, or drop --model-draft)")
     return None
 
 
-def model_problem(spec: str | None) -> str | None:
+def with_draft_default(args: ServerArgs) -> ServerArgs:
+    """--model-draft alone turns drafting by the draft model on (as in llama-server)."""
+    if args.model_draft is not None and args.spec_type == "none":
+        return replace(args, spec_type="draft-simple")
+    return args
+
+
+def model_problem(spec: str | None, flag: str = "--model") -> str | None:
     """A model path that cannot be loaded, said before anything starts (the loader would fail
     only after the slow part of the start, with a traceback)."""
     if spec is None or spec.startswith(("builtin://", "synthetic:")):
         return None
     path = os.path.expanduser(spec)
     if not os.path.exists(path):
-        return f"--model {spec}: no such file or directory"
+        return f"{flag} {spec}: no such file or directory"
     if not os.access(path, os.R_OK):
-        return f"--model {spec}: not readable (permission denied)"
+        return f"{flag} {spec}: not readable (permission denied)"
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "config.json")):
-            return f"--model {spec}: a directory without config.json (not a Hugging Face model)"
+            return f"{flag} {spec}: a directory without config.json (not a Hugging Face model)"
         return None
     if not path.endswith(".gguf"):
-        return f"--model {spec}: expected a .gguf file or a Hugging Face model directory"
+        return f"{flag} {spec}: expected a .gguf file or a Hugging Face model directory"
     return None
 
 
@@ -534,7 +555,8 @@ def parse_args(argv: Sequence[str] | None = None,
     args = ServerArgs(**{f.name: parsed[f.name] for f in fields(ServerArgs)
                          if parsed.get(f.name) is not None})
     problem = (check(args) or model_problem(args.model)
+               or model_problem(args.model_draft, "--model-draft")
                or slot_path_problem(args.slot_save_path))
     if problem:
         parser.error(problem)
-    return args
+    return with_draft_default(args)

@@ -299,6 +299,7 @@ class Engine:
         sampled = output.sampled
         echo_only = sampled is not None and seq.params.max_tokens == 0  # nothing generated
         token = None if sampled is None or echo_only else sampled.token
+        seq.spec.draft_lag = 0  # a draft model's pass fed every row of the step
         self.scheduler.advance(item, token)
         if in_prompt:  # before the first token's event
             seq.on_event(SeqEvent.PROGRESS)
@@ -309,9 +310,13 @@ class Engine:
             return
         if seq.output.first_token_at is None:
             seq.output.first_token_at = time.monotonic()
-        if item.draft:
-            self.scheduler.speculator.settle(seq, len(item.draft), len(output.verified))
-        if self._emit(seq, sampled) and item.draft:
+        drafted = item.num_rows - item.num_tokens
+        if drafted:
+            self.scheduler.speculator.settle(seq, drafted, len(output.verified))
+            # a draft model never fed its last draft token: its next pass does, first
+            seq.spec.draft_lag = int(self.scheduler.config.spec.uses_model
+                                     and len(output.verified) == drafted)
+        if self._emit(seq, sampled) and drafted:
             self._accept_verified(seq, output.verified)
 
     def _accept_verified(self, seq: Sequence, verified: tuple[Sampled, ...]) -> None:

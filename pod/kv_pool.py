@@ -153,10 +153,12 @@ class KVPool:
         return pages
 
     def register_filled(self, seq: Sequence, num_fed: int) -> None:
-        """Pages the last `num_fed` tokens filled become findable in the prefix cache."""
+        """Pages the last `num_fed` tokens filled become findable in the prefix cache: full of
+        K/V of every layer, a draft model's too (a page its lag held back is taken now)."""
         ps = self.page_size
-        first, full = (seq.num_computed - num_fed) // ps, seq.num_computed // ps
-        if self.cache is None or full == first:
+        first = max(0, seq.num_computed - num_fed - 1) // ps
+        full = (seq.num_computed - seq.spec.draft_lag) // ps
+        if self.cache is None or full <= first:
             return
         for i, h in enumerate(self.cache.extend_hashes(seq, full)[first:full], start=first):
             self.cache.register(seq.page_table[i], h)

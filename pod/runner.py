@@ -7,6 +7,7 @@ import torch
 from kvpark.kernels.attention import AttentionBackend, StepLayout
 
 from .cuda_graphs import DecodeGraphRunner
+from .draft_model import Drafter
 from .kv_pool import KVPool
 from .model.llama import BlockRows, LlamaModel
 from .sampling import (
@@ -37,12 +38,13 @@ def get_chunk_output(emitted: tuple[Sampled, ...],
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, pool: KVPool, backend: AttentionBackend,
-                 graphs: DecodeGraphRunner | None = None, fault_token: int | None = None
-                 ) -> None:
+                 graphs: DecodeGraphRunner | None = None, fault_token: int | None = None,
+                 drafter: Drafter | None = None) -> None:
         self.model = model
         self.pool = pool
         self.backend = backend
         self.graphs = graphs  # CUDA graphs for decode-only steps
+        self.drafter = drafter  # a draft model (--model-draft): its K/V and drafts
         # --inject-fault-token (tests of fault isolation): a step fails while a sequence whose
         # prompt holds this token id is in it
         self.fault_token = fault_token
@@ -61,6 +63,8 @@ class ModelRunner:
         rows add, and the prompt rows' logprobs where asked for.
         Changes no sequence: a failed step is rerun."""
         self.check_fault(plan)
+        if self.drafter is not None:  # first: the draft model's pass and its drafts
+            plan = self.drafter.fill(plan)
         from_blocks = self.get_block_mask(plan)
         rows = None if from_blocks is None else BlockRows.from_mask(from_blocks)
         hidden = self.forward(plan, rows)

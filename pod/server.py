@@ -29,6 +29,7 @@ from .autotune import (
 from .batch_invariance import cap_onednn, check_gemm_kernels
 from .budget import MIB, Budget, resolve_budget
 from .cuda_graphs import DecodeGraphRunner
+from .draft_model import Drafter, check_draft
 from .engine import Engine
 from .generation_defaults import GenerationDefaults, defaults_for
 from .host_store import HostStore
@@ -167,10 +168,11 @@ def pick_cpu_backend(args: ServerArgs, dtype: torch.dtype) -> AttentionBackend:
         return TorchPagedAttention("cpu")
 
 
-def pick_num_pages(args: ServerArgs, config: ModelConfig, dtype: torch.dtype,
+def pick_num_pages(args: ServerArgs, config: ModelConfig, num_layers: int, dtype: torch.dtype,
                    device: torch.device) -> int:
-    """-c in pages; on CUDA without -c, what the free memory allows."""
-    page_bytes = (config.num_layers * 2 * args.page_size * config.num_kv_heads * config.head_dim
+    """-c in pages; on CUDA without -c, what the free memory allows (a page holds `num_layers`
+    layers: the target's and a draft model's)."""
+    page_bytes = (num_layers * 2 * args.page_size * config.num_kv_heads * config.head_dim
                   * torch.empty((), dtype=dtype).element_size())
     if args.ctx_size is not None:
         return max(1, args.ctx_size // args.page_size)
@@ -198,14 +200,49 @@ class Stages:
         return time.perf_counter() - self.started
 
 
+@dataclass(frozen=True)
+class DraftStack:
+    """The draft model (--model-draft), built like the target."""
+
+    loaded: LoadedModel
+    model: LlamaModel
+    identity: str  # its weights and linears: part of the prefix cache's and slot files' keys
+
+
+def build_draft(args: ServerArgs, target: LoadedModel, device: torch.device,
+                dtype: torch.dtype) -> DraftStack | None:
+    """Load and check the draft model; its linears as the target's (blocks for decode rows)."""
+    if args.model_draft is None:
+        return None
+    if args.spec_draft_n_max == 0:
+        log.info("--model-draft %s: not loaded, --spec-draft-n-max is 0", args.model_draft)
+        return None
+    loaded = load_model_files(args.model_draft, device=device, dtype=dtype)
+    problem = check_draft(target.config, loaded.config, target.tokenizer, loaded.tokenizer)
+    if problem is not None:
+        raise ValueError(f"--model-draft {args.model_draft}: {problem}")
+    digest = get_weights_digest(loaded.weights)
+    model = LlamaModel(loaded.config, loaded.weights,
+                       batch_invariant=args.batch_invariant and device.type == "cpu",
+                       weight_format=pick_weight_format(args, device, dtype),
+                       quantized=pick_blocks(args, loaded, device, dtype))
+    identity = (f"{loaded.name}|{digest}|{model.weight_format.value}"
+                f"|blocks={model.has_blocks}")
+    log.info("draft model %s (%s): %d layers, linears %s%s", loaded.name, loaded.source,
+             loaded.config.num_layers, model.weight_format.value,
+             ", decode rows from blocks" if model.has_blocks else "")
+    return DraftStack(loaded, model, identity)
+
+
 def make_prefix_cache(args: ServerArgs, loaded: LoadedModel, model: LlamaModel,
-                      dtype: torch.dtype) -> PrefixCache | None:
-    """Pages are reusable only by the same weights at the same precision; where decode rows read
-    other weights than prompt rows their K/V differ, and the hash tells them apart."""
+                      dtype: torch.dtype, draft: DraftStack | None) -> PrefixCache | None:
+    """Pages are reusable only by the same weights at the same precision (a draft model's
+    included: its K/V share the pages); where decode rows read other weights than prompt rows
+    their K/V differ, and the hash tells them apart."""
     if not args.prefix_cache:
         return None
     identity = (f"{loaded.name}|{loaded.source}|{dtype}|{model.weight_format.value}"
-                f"|blocks={model.has_blocks}")
+                f"|blocks={model.has_blocks}|draft={draft.identity if draft else ''}")
     return PrefixCache(identity, args.page_size, split_kinds=model.has_blocks)
 
 
@@ -271,10 +308,18 @@ def build_stack(args: ServerArgs) -> ServingStack:
     warn_if_oversubscribed(torch.get_num_threads(), worker_pool.get_num_threads())
     check_gemm_kernels(model, args.batch_size)  # at the threads the steps will run with
     stages.done(f"model built ({model.weight_format.value} linears)")
-    cache = make_prefix_cache(args, loaded, model, dtype)
-    pool = KVPool(config.num_layers, pick_num_pages(args, config, dtype, device), args.page_size,
-                  config.num_kv_heads, config.head_dim, dtype=dtype, device=device, cache=cache)
+    draft = build_draft(args, loaded, device, dtype)
+    if draft is not None:
+        stages.done(f"draft model built ({draft.loaded.config.num_layers} layers)")
+    cache = make_prefix_cache(args, loaded, model, dtype, draft)
+    num_layers = config.num_layers + (draft.loaded.config.num_layers if draft else 0)
+    pool = KVPool(num_layers, pick_num_pages(args, config, num_layers, dtype, device),
+                  args.page_size, config.num_kv_heads, config.head_dim, dtype=dtype,
+                  device=device, cache=cache)
     backend = pick_backend(args, device, config, dtype)
+    drafter = None if draft is None else Drafter(
+        draft.model, pick_backend(args, device, draft.loaded.config, dtype),
+        pool.caches[config.num_layers:], args.page_size)
     stages.done(f"attention kernel ready ({backend.name}; a C kernel is compiled on first use)")
     graphs = None
     if args.cuda_graph and device.type == "cuda" and backend.can_capture_graphs:
@@ -302,7 +347,7 @@ def build_stack(args: ServerArgs) -> ServingStack:
 
     scheduler.on_finish = on_finish
     runner = ModelRunner(model, pool, backend, graphs=graphs,
-                         fault_token=args.inject_fault_token)
+                         fault_token=args.inject_fault_token, drafter=drafter)
     engine = Engine(scheduler, runner, loaded.tokenizer.eos_token_ids, on_step=metrics.on_step,
                     lock=lock, memory=memory, tokenizer=loaded.tokenizer)
     log.info("model %s (%s): %d layers, %d/%d heads, %s on %s, linears %s%s", loaded.name,
@@ -321,12 +366,14 @@ def build_stack(args: ServerArgs) -> ServingStack:
     log.info("prefix cache %s", "on" if cache else "off (--no-prefix-cache)")
     log.info("speculative decoding %s", f"{args.spec_type}, drafts of "
              f"{args.spec_draft_n_min}..{args.spec_draft_n_max} tokens"
+             + (f" by {draft.loaded.name}" if draft else "")
              if scheduler_config.spec.enabled else "off")
     log.info("sampling defaults: %s", defaults.describe())
     identity = ModelIdentity(loaded.name, get_source_bytes(loaded.source), weights_digest,
                              str(dtype).removeprefix("torch."), model.weight_format.value,
-                             model.has_blocks, config.num_layers, config.num_kv_heads,
-                             config.head_dim, args.page_size)
+                             model.has_blocks, len(pool.caches), config.num_kv_heads,
+                             config.head_dim, args.page_size,
+                             draft=draft.identity if draft else "")
     if args.slot_save_path:
         os.makedirs(args.slot_save_path, exist_ok=True)
         log.info("slot files in %s", os.path.realpath(args.slot_save_path))

@@ -23,7 +23,7 @@ import json
 import os
 import struct
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -55,15 +55,19 @@ class ModelIdentity:
     dtype: str
     weight_format: str
     blocks: bool  # decode rows read quantised blocks (their K/V differ from prompt rows)
-    num_layers: int
+    num_layers: int  # the pool's: the target's layers, then a draft model's
     num_kv_heads: int
     head_dim: int
     page_size: int
+    draft: str = ""  # the draft model's weights and linears (--model-draft), "" without one
 
     def differences(self, saved: dict[str, object]) -> list[str]:
-        """`field: file X, this server Y` for each field that differs (or is missing)."""
-        return [f"{name}: file {saved.get(name)!r}, this server {value!r}"
-                for name, value in asdict(self).items() if saved.get(name) != value]
+        """`field: file X, this server Y` for each field that differs (or is missing; a field
+        with a default, such as `draft`, reads as its default in older files)."""
+        defaults = {f.name: f.default for f in fields(self) if f.default is not MISSING}
+        return [f"{name}: file {saved.get(name, defaults.get(name))!r}, this server {value!r}"
+                for name, value in asdict(self).items()
+                if saved.get(name, defaults.get(name)) != value]
 
 
 def get_weights_digest(weights: dict[str, torch.Tensor]) -> str:

@@ -1,9 +1,12 @@
-"""Speculative decoding without a second model (`--spec-type ngram-simple`): prompt lookup.
+"""Speculative decoding: drafts by prompt lookup (`--spec-type ngram-simple`) or by a draft
+model (`--model-draft`, `--spec-type draft-simple`), verified by the target model.
 
-Drafting: the last n tokens of a sequence (prompt and generated; n from `NGRAM_MAX` down to 1)
-are looked up at their most recent earlier occurrence, and the tokens that followed it there
-are proposed (llama.cpp's ngram-simple, vLLM's `ngram`). The step feeds [last sampled token,
-d1..dk] as k + 1 rows of the same sequence.
+Drafting by lookup: the last n tokens of a sequence (prompt and generated; n from `NGRAM_MAX`
+down to 1) are looked up at their most recent earlier occurrence, and the tokens that followed
+it there are proposed (llama.cpp's ngram-simple, vLLM's `ngram`). A draft model proposes its
+greedy continuation instead (`draft_model.py`); the scheduler grants it only a draft length and
+its pages. Either way the step feeds [last sampled token, d1..dk] as k + 1 rows of the same
+sequence.
 
 Verification is exact-match acceptance, not rejection sampling: the rows' logits are sampled in
 order with the sequence's own generator, stopping at the first row whose sample differs from
@@ -50,7 +53,7 @@ PAUSE_MAX = 256  # the longest pause (a copy that starts late in free text is st
 class SpecConfig:
     """`--spec-type`, `--spec-draft-n-max`, `--spec-draft-n-min`."""
 
-    kind: str = "none"  # "none" or "ngram-simple"
+    kind: str = "none"  # "none", "ngram-simple" or "draft-simple" (a draft model)
     draft_max: int = 3  # tokens drafted per step at most
     draft_min: int = 0  # a shorter proposal is not verified (llama.cpp's n-min)
     # a step's rows at most with drafts in it (0: no cap). On the CPU the C kernels stream the
@@ -61,6 +64,11 @@ class SpecConfig:
     @property
     def enabled(self) -> bool:
         return self.kind != "none" and self.draft_max > 0
+
+    @property
+    def uses_model(self) -> bool:
+        """Drafts come from a draft model when the step runs, not from the plan."""
+        return self.enabled and self.kind == "draft-simple"
 
     @property
     def n_spec(self) -> int:
@@ -79,6 +87,9 @@ class SpecState:
     draft_len: int = 0  # the next draft's length at most (0: --spec-draft-n-max)
     pause: int = 0  # the latest pause's length (0: never paused)
     paused_until: int = 0  # no drafting until num_generated reaches this
+    # a draft model: computed tokens at the end whose K/V it has not written yet (0 or 1: after
+    # a fully accepted draft, the last draft token's; its next pass feeds it first)
+    draft_lag: int = 0
 
 
 @dataclass
@@ -150,17 +161,23 @@ class Speculator:
                 and not seq.in_prompt and seq.params.is_plain and seq.constraint is None
                 and seq.num_generated >= seq.spec.paused_until)
 
-    def propose(self, seq: Sequence, room: int) -> tuple[int, ...]:
-        """A draft of at most `room` tokens, and no more than the sequence may still emit
-        (max_tokens, the context) minus the one token the last row adds."""
+    def draft_length(self, seq: Sequence, room: int) -> int:
+        """How many tokens the sequence may have drafted this step: at most `room`, the
+        adaptive length, and no more than it may still emit (max_tokens, the context) minus the
+        one token the last row adds; 0 below n-min."""
         if not self.can_draft(seq):
-            return ()
+            return 0
         left = self.max_context - len(seq.tokens)
         if seq.params.max_tokens is not None:
             left = min(left, seq.params.max_tokens - seq.num_generated)
         # never below n-min: a shorter draft would be refused and the length never grow back
         longest = max(seq.spec.draft_len or self.config.draft_max, self.config.draft_min)
-        draft = find_draft(seq.tokens, min(longest, self.config.draft_max, room, left - 1))
+        length = min(longest, self.config.draft_max, room, left - 1)
+        return length if length > 0 and length >= self.config.draft_min else 0
+
+    def propose(self, seq: Sequence, room: int) -> tuple[int, ...]:
+        """A draft by prompt lookup of at most `draft_length` tokens (none under n-min)."""
+        draft = find_draft(seq.tokens, self.draft_length(seq, room))
         return tuple(draft) if draft and len(draft) >= self.config.draft_min else ()
 
     def settle(self, seq: Sequence, drafted: int, accepted: int) -> None:

@@ -16,10 +16,12 @@ class ScheduledSeq:
     num_tokens: int  # fed this step: tokens[num_computed : num_computed + num_tokens]
     # speculation: guessed next tokens fed after them as rows of their own, to be verified
     draft: tuple[int, ...] = ()
+    # a draft model's: the draft length granted (pages included), filled when the step runs
+    draft_room: int = 0
 
     @property
     def num_rows(self) -> int:
-        return self.num_tokens + len(self.draft)
+        return self.num_tokens + max(len(self.draft), self.draft_room)
 
     @property
     def samples(self) -> bool:
@@ -82,10 +84,18 @@ def add_drafts(plan: list[ScheduledSeq], speculator: Speculator, batch_size: int
         seq, own = item.seq, item.new_pages(page_size)
         room = min(budget, draft_room(seq.num_computed, item.num_rows,
                                       len(seq.page_table) + own, free, page_size))
-        draft = speculator.propose(seq, room) if item.samples and room > 0 else ()
-        if draft:
-            item = ScheduledSeq(seq, item.num_tokens, draft)
+        if item.samples and room > 0:
+            item = with_draft(item, speculator, room)
             free -= item.new_pages(page_size) - own
-            budget -= len(draft)
+            budget -= item.num_rows - item.num_tokens
         drafted.append(item)
     return drafted
+
+
+def with_draft(item: ScheduledSeq, speculator: Speculator, room: int) -> ScheduledSeq:
+    """The item with its draft by lookup, or the draft model's length, within `room`."""
+    if speculator.config.uses_model:
+        length = speculator.draft_length(item.seq, room)
+        return ScheduledSeq(item.seq, item.num_tokens, draft_room=length) if length else item
+    draft = speculator.propose(item.seq, room)
+    return ScheduledSeq(item.seq, item.num_tokens, draft) if draft else item

@@ -141,8 +141,9 @@ class Swapper:
         started = time.perf_counter()
         ticket = self._start_park_copy(seq, plan) if mode is PreemptMode.SWAP else None
         pages = seq.page_table
-        if ticket is None:
+        if ticket is None:  # a draft model's K/V is replayed with the target's
             seq.parking.replay_until, seq.num_computed = seq.num_computed, 0
+            seq.spec.draft_lag = 0
         else:
             seq.parking.resident_pages = plan.resident
         if ticket is not None and wait:
@@ -241,6 +242,7 @@ class Swapper:
         if seq.parking.host_kv is None:  # parked by recompute: replay what neither tier holds
             found += self._load_any_from_tier(seq, len(found))
             seq.page_table, seq.num_computed = found, len(found) * self.pool.page_size
+            seq.spec.draft_lag = 0  # registered pages hold every layer's K/V
             if seq.parking.replay_until <= seq.num_computed:
                 seq.parking.replay_until = 0
             return True

@@ -22,6 +22,11 @@ SYNTHETIC_CONFIGS: dict[str, ModelConfig] = {
         vocab_size=49152, hidden_size=72, intermediate_size=192, num_layers=2,
         num_heads=9, num_kv_heads=3, head_dim=8, rope_theta=10000.0,
     ),
+    # A draft for "tiny": its first layer, embedding, norm and head (weights are seeded by name)
+    "tiny-draft": ModelConfig(
+        vocab_size=49152, hidden_size=72, intermediate_size=192, num_layers=1,
+        num_heads=9, num_kv_heads=3, head_dim=8, rope_theta=10000.0,
+    ),
     "smollm2-135m": ModelConfig(
         vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
         num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0,
