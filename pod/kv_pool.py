@@ -157,7 +157,7 @@ class KVPool:
         K/V of every layer, a draft model's too (a page its lag held back is taken now)."""
         ps = self.page_size
         first = max(0, seq.num_computed - num_fed - 1) // ps
-        full = (seq.num_computed - seq.spec.draft_lag) // ps
+        full = seq.num_complete // ps
         if self.cache is None or full <= first:
             return
         for i, h in enumerate(self.cache.extend_hashes(seq, full)[first:full], start=first):

@@ -207,6 +207,12 @@ class Sequence:
         return self.tokens[len(self.prompt_ids) :]
 
     @property
+    def num_complete(self) -> int:
+        """Computed tokens whose K/V every layer of the pool holds: a draft model's lag (its
+        last draft token, not fed yet) excluded. Only pages full of these may be cached."""
+        return self.num_computed - self.spec.draft_lag
+
+    @property
     def num_pending(self) -> int:
         """Tokens still to feed before the next sample."""
         return len(self.tokens) - self.num_computed

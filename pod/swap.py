@@ -180,7 +180,7 @@ class Swapper:
         cache = self.pool.cache
         if cache is None:
             return
-        kept = seq.num_computed // self.pool.page_size
+        kept = seq.num_complete // self.pool.page_size
         for page, h in zip(seq.page_table[:kept], cache.extend_hashes(seq, kept)):
             cache.register(page, h)
         seq.parking.cached_pages = seq.page_table[:kept]

@@ -371,7 +371,9 @@ class RecordingRunner(ModelRunner):
         self.eos_mid_draft = False
 
     def run(self, plan):
-        self.last_drafts = [item.draft for item in plan if item.draft]
+        # a draft model's drafts are made inside the run: their length stands for them here
+        self.last_drafts = [item.draft or (None,) * item.draft_room for item in plan
+                            if item.num_rows > item.num_tokens]
         if self.last_drafts:
             self.on_drafted()
         outputs = super().run(plan)

@@ -1,0 +1,222 @@
+"""Speculative decoding with a draft model (`--model-draft`, `--spec-type draft-simple`): the
+draft's K/V live in the pool's last layer, beside the target's, and travel with them.
+
+The target and the draft are `TokenKV` models (test_speculation.py): a position's K/V is its
+token, written into the real pool's pages; a row's next token depends on the token its model
+finds cached at the previous position. A draft with the target's rule therefore proposes
+exactly what the target samples *only while its own K/V are right*: lost by a swap, left stale
+by a recompute, missing after a lag or wrong in a prefix-cache page, and a draft is rejected.
+So "every drafted token accepted" tests the draft's K/V across parks and the prefix cache, and
+the tokens must still be those of plain decoding whatever the draft says.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_speculation import (
+    COPY_PROMPT,
+    EOS,
+    PAGE_SIZE,
+    VOCAB,
+    FakeBackend,
+    RecordingRunner,
+    TokenKV,
+    make_seq,
+    run_to_the_end,
+)
+
+from kvpark.pod.draft_model import Drafter, check_draft
+from kvpark.pod.engine import Engine
+from kvpark.pod.host_store import HostStore
+from kvpark.pod.kv_pool import KVPool
+from kvpark.pod.model.synthetic import synthetic_config
+from kvpark.pod.paging import pages_for
+from kvpark.pod.prefix_cache import PrefixCache
+from kvpark.pod.sampling import SamplingParams
+from kvpark.pod.scheduler import Scheduler, SchedulerConfig
+from kvpark.pod.slot import FinishReason, Phase
+from kvpark.pod.speculation import SpecConfig, Speculator
+from kvpark.pod.step_plan import ScheduledSeq, add_drafts
+
+PROMPTS = [COPY_PROMPT, [3, 9, 27, 17, 19, 25, 11, 1, 3, 9], [5] * 7]
+
+
+class CheckingDrafter(Drafter):
+    """The real drafter; before each step it notes every position its rows will attend to
+    (what the draft already computed) whose K/V differ from the target's layer: the draft's
+    K/V must be the target's there after any park, resume, lag or cache hit (both models
+    write the token itself)."""
+
+    def __init__(self, pool: KVPool, model: TokenKV) -> None:
+        super().__init__(model, FakeBackend(), pool.caches[1:], PAGE_SIZE)
+        self.pool = pool
+        self.wrong: list[int] = []
+        self.checked = 0
+
+    def fill(self, plan):
+        target, draft = self.pool.caches[0], self.pool.caches[1]
+        for item in plan:
+            seq = item.seq
+            for p in range(seq.num_computed - seq.spec.draft_lag):
+                page, at = seq.page_table[p // PAGE_SIZE], p % PAGE_SIZE
+                self.checked += 1
+                if not torch.equal(target[page, :, at], draft[page, :, at]):
+                    self.wrong.append(p)
+        return super().fill(plan)
+
+
+class Disagreeing(TokenKV):
+    """A draft that follows the target's rule except where the current token is a multiple of
+    3: there it proposes the token after its peak."""
+
+    def logits(self, hidden, rows=None):
+        out = super().logits(hidden, rows)
+        for r, (cur, _) in enumerate(hidden.long().tolist()):
+            if cur % 3 == 0:
+                out[r] = torch.roll(out[r], 1)
+        return out
+
+
+def make_engine(spec: SpecConfig, num_pages: int = 64, draft=TokenKV, preempt_every: int = 0,
+                budget: int = -1, cache: PrefixCache | None = None) -> Engine:
+    """The target's K/V in layer 0, the draft's in layer 1 (a pool of two layers either way:
+    plain decoding leaves layer 1 alone)."""
+    pool = KVPool(num_layers=2, num_pages=num_pages, page_size=PAGE_SIZE, num_kv_heads=1,
+                  head_dim=1, cache=cache)
+    config = SchedulerConfig(num_slots=3, batch_size=64, preempt_every=preempt_every,
+                             spec=spec, max_context=num_pages * PAGE_SIZE)
+    runner = RecordingRunner(pool)
+    if spec.uses_model:
+        runner.drafter = CheckingDrafter(pool, draft(pool))
+    return Engine(Scheduler(config, Swapper(pool, HostStore(budget))), runner, frozenset({EOS}))
+
+
+from kvpark.pod.swap import Swapper  # noqa: E402  (after the helpers that name it)
+
+DRAFT = SpecConfig("draft-simple", draft_max=4)
+PARKS = {"none": {}, "swap": {"preempt_every": 7}, "recompute": {"preempt_every": 7, "budget": 0}}
+
+
+def run(engine: Engine, prompts: list[list[int]], temperature: float = 0.0,
+        max_tokens: int = 40) -> list[list[int]]:
+    seqs = [make_seq(p, SamplingParams(temperature=temperature, seed=11 + i,
+                                       max_tokens=max_tokens), seed=11 + i)
+            for i, p in enumerate(prompts)]
+    for seq in seqs:
+        engine.scheduler.add(seq)
+    run_to_the_end(engine)
+    assert all(s.finish_reason in (FinishReason.LENGTH, FinishReason.STOP) for s in seqs)
+    return [s.generated_ids for s in seqs]
+
+
+@pytest.mark.parametrize("park", PARKS)
+def test_a_draft_with_the_targets_rule_has_every_token_accepted_across_parks_and_the_cache(
+        park):
+    cache = PrefixCache("test", PAGE_SIZE)
+    engine = make_engine(DRAFT, cache=cache, **PARKS[park])
+    plain = make_engine(SpecConfig(), **PARKS[park])
+    # the third prompt starts with the first's two pages: admitted after the first ended, it
+    # finds them cached, draft K/V included
+    later = [COPY_PROMPT[:9] + [30, 29]]
+    assert run(engine, PROMPTS) == run(plain, PROMPTS)
+    assert run(engine, later) == run(plain, later)
+    stats = engine.scheduler.speculator.stats
+    assert stats.num_draft_tokens > 100
+    assert stats.num_accepted_tokens == stats.num_draft_tokens
+    assert cache.stats.hits >= 2 * PAGE_SIZE
+    drafter = engine.runner.drafter
+    assert drafter.checked > 500 and drafter.wrong == []
+    if park != "none":
+        assert engine.scheduler.stats.n_preempt > 0
+        mode = engine.scheduler.stats
+        assert (mode.n_preempt_swap if park == "swap" else mode.n_preempt_recompute) > 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("park", PARKS)
+def test_tokens_are_those_of_plain_decoding_whatever_the_draft_proposes(temperature, park):
+    engine = make_engine(DRAFT, draft=Disagreeing, **PARKS[park])
+    plain = make_engine(SpecConfig(), **PARKS[park])
+    assert run(engine, PROMPTS, temperature, 60) == run(plain, PROMPTS, temperature, 60)
+    stats = engine.scheduler.speculator.stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+def test_a_page_is_registered_only_once_both_models_wrote_its_kv():
+    """After a fully accepted draft the draft model has not fed its last token yet (its next
+    pass does): the page that token completes waits until then."""
+    cache = PrefixCache("test", PAGE_SIZE)
+    engine = make_engine(DRAFT, cache=cache)
+    seq = make_seq(COPY_PROMPT, SamplingParams(temperature=0, max_tokens=41))
+    engine.scheduler.add(seq)
+    pool = engine.scheduler.pool
+    lagged = 0
+    while engine.step():
+        lagged += seq.spec.draft_lag
+        for h in seq.page_hashes:
+            page = cache.find(h)
+            if page is not None:
+                assert torch.equal(pool.caches[0][page, 0], pool.caches[1][page, 0])
+        if not seq.is_finished:
+            assert len(seq.page_table) == pages_for(seq.num_computed, PAGE_SIZE)
+    assert lagged > 0  # the lag happened, and registration waited for it
+    assert len(seq.page_hashes) == len(seq.tokens[:-1]) // PAGE_SIZE
+    assert pool.num_free_pages == pool.num_pages
+
+
+def test_draft_lengths_take_only_free_pages_and_are_cut_at_the_pools_edge():
+    speculator = Speculator(SpecConfig("draft-simple", draft_max=16), max_context=1000)
+    seq = make_seq([1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(temperature=0))
+    seq.tokens.append(3)
+    seq.page_table, seq.num_computed = [0, 1], 8
+    plan = [ScheduledSeq(seq, 1)]
+    drafted = add_drafts(plan, speculator, 64, 1, PAGE_SIZE)
+    assert drafted[0].draft_room == 3 and drafted[0].new_pages(PAGE_SIZE) == 1
+    assert add_drafts(plan, speculator, 3, 1, PAGE_SIZE)[0].draft_room == 2  # token budget
+    seq.tokens[-1:] = [3, 1, 2, 3]
+    seq.page_table, seq.num_computed = [0, 1, 2], 11
+    assert add_drafts(plan, speculator, 64, 0, PAGE_SIZE)[0].draft_room == 0  # the edge
+
+
+def test_a_cancel_during_verification_frees_every_page_of_both_models():
+    engine = make_engine(DRAFT)
+    seq = make_seq(COPY_PROMPT, SamplingParams(temperature=0, max_tokens=200))
+    engine.scheduler.add(seq)
+    engine.runner.on_drafted = lambda: engine.cancel([seq.request_id])
+    while not engine.runner.last_drafts:
+        engine.step()
+    assert seq.phase is Phase.RUNNING
+    with engine.lock, engine._cond:
+        engine._take_input()
+    assert seq.finish_reason is FinishReason.CANCELLED and not seq.page_table
+    assert engine.scheduler.pool.num_free_pages == engine.scheduler.pool.num_pages
+
+
+def test_eos_among_the_drafts_ends_the_sequence_there():
+    from test_speculation import eos_prompt
+
+    outs = []
+    for spec in (DRAFT, SpecConfig()):
+        engine = make_engine(spec)
+        seq = make_seq(eos_prompt(), SamplingParams(temperature=0, max_tokens=50))
+        engine.scheduler.add(seq)
+        run_to_the_end(engine)
+        outs.append(seq.generated_ids)
+        assert seq.finish_reason is FinishReason.STOP and seq.generated_ids[-1] == EOS
+    assert outs[0] == outs[1]
+
+
+def test_a_draft_must_share_the_targets_vocabulary_and_kv_head_shape():
+    from kvpark.pod.model.loader import builtin_tokenizer
+
+    tokens = builtin_tokenizer()
+    tiny, draft = synthetic_config("tiny"), synthetic_config("tiny-draft")
+    assert check_draft(tiny, draft, tokens, tokens) is None
+    smollm2 = synthetic_config("smollm2-135m")
+    assert "K/V heads are 3 x 8, the target's 3 x 64" in check_draft(smollm2, draft, tokens,
+                                                                    tokens)
+    llama = synthetic_config("llama-8b")
+    assert "vocabulary has 49152 tokens, the target's 128256" in check_draft(
+        llama, draft, tokens, tokens)
+    assert VOCAB < tiny.vocab_size
