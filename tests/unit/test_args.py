@@ -205,3 +205,17 @@ def test_slot_save_path_from_flag_or_environment_and_checked_before_start(tmp_pa
     with pytest.raises(SystemExit) as stopped:
         parse_args(["--slot-save-path", str(tmp_path / "file")], env={})
     assert stopped.value.code == 2 and "not a directory" in capsys.readouterr().err
+
+
+def test_a_draft_model_turns_on_drafting_by_it_and_refuses_other_drafting(capsys, tmp_path):
+    args = parse_args(["-md", "synthetic:tiny-draft"], env={})
+    assert (args.model_draft, args.spec_type) == ("synthetic:tiny-draft", "draft-simple")
+    env = {"LLAMA_ARG_MODEL_DRAFT": "builtin://smollm2-135m"}
+    assert parse_args([], env=env).spec_type == "draft-simple"
+    assert parse_args(["--spec-type", "draft-simple"], env=env).spec_type == "draft-simple"
+    assert "needs a draft model (--model-draft PATH)" in refused(
+        capsys, ["--spec-type", "draft-simple"], {})
+    assert "not ngram-simple" in refused(capsys, ["--spec-type", "ngram-simple"], env)
+    missing = tmp_path / "draft.gguf"
+    assert f"--model-draft {missing}: no such file or directory" in refused(
+        capsys, ["--model-draft", str(missing)], {})

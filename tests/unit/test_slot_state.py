@@ -133,3 +133,14 @@ def test_erase_keeps_the_pages_another_slot_remembers():
     assert memory.erase(0) == 8
     assert pool.num_cached_pages == 2 and memory.export(1).num_pages == 2
     assert "nothing to save" in memory.export(0)
+
+
+def test_a_file_from_before_draft_models_matches_a_server_without_one():
+    from dataclasses import asdict, replace
+
+    saved = asdict(IDENTITY)
+    del saved["draft"]  # written before the field existed
+    assert IDENTITY.differences(saved) == []
+    with_draft = replace(IDENTITY, draft="tiny-draft|ab|fp32|blocks=False")
+    assert with_draft.differences(saved) == [
+        "draft: file '', this server 'tiny-draft|ab|fp32|blocks=False'"]
