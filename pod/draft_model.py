@@ -6,16 +6,20 @@ the draft's for the same positions: allocation, the prefix cache, swap and recom
 `--preempt-ram` budget and slot files carry both without knowing there are two models. (Hence a
 draft must have the target's K/V head count and head size: `check_draft`.)
 
-Each step, before the target runs, one pass of the draft model feeds every planned row of every
-sequence (prompt chunks, replays, decode rows), after the token its lag left
-(`SpecState.draft_lag`): its K/V stays level with the target's. For a sequence granted a draft of
-k tokens that pass's last row gives d1 (argmax), and k - 1 one-row passes give d2..dk. A draft
-is a guess: verification (`speculation.verify`) samples target logits only, so the draft model,
-its precision and its K/V never change the output, only how much of a draft is accepted.
+Each step, before the target runs, one pass of the draft model feeds the planned rows of every
+sequence (prompt chunks, replays, decode rows), after the tokens it lags behind
+(`SpecState.draft_lag`): its K/V stay level with the target's. A sequence whose drafting is
+paused (its drafts kept failing) is left out, so free text costs little: the draft catches up
+in one pass when it drafts again, those rows through dense GEMMs (many rows) rather than the
+decode rows' blocks. For a sequence granted a draft of k tokens that pass's last row gives d1
+(argmax), and k - 1 one-row passes give d2..dk. A draft is a guess: verification
+(`speculation.verify`) samples target logits only, so the draft model, its precision and its
+K/V never change the output, only how much of a draft is accepted.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -27,6 +31,10 @@ from .model.config import ModelConfig
 from .model.llama import BlockRows
 from .model.tokenizer import Tokenizer
 from .step_plan import ScheduledSeq
+
+# a sequence's rows in one pass that still read the blocks: the C kernel streams the weights
+# once per tile of 4 rows; more rows (a catch-up after a pause) go through one dense GEMM
+BLOCK_ROWS_MAX = 4
 
 
 class DraftModel(Protocol):
@@ -58,10 +66,13 @@ class Rows:
         return cls([], [], [], [], [], [])
 
     def add(self, ids: list[int], start: int, num_prompt: int, page_table: list[int]) -> None:
+        """One sequence's rows from position `start`: generated tokens' rows read blocks (as
+        the target's do) unless there are more than `BLOCK_ROWS_MAX` of them (a catch-up)."""
         end = start + len(ids)
         self.ids.extend(ids)
         self.positions.extend(range(start, end))
-        self.from_blocks.extend(p >= num_prompt for p in range(start, end))
+        few = len(ids) <= BLOCK_ROWS_MAX
+        self.from_blocks.extend(few and p >= num_prompt for p in range(start, end))
         self.page_tables.append(page_table)
         self.kv_lens.append(end)
         self.q_lens.append(len(ids))
@@ -83,8 +94,11 @@ class Drafter:
         draft's K/V written for every fed row (and the drafts but the last)."""
         if not plan:
             return plan
+        fed = [item for item in plan if item.feeds_draft_model]
+        if not fed:
+            return plan
         first = Rows.empty()
-        for item in plan:
+        for item in fed:
             seq = item.seq
             start = seq.num_computed - seq.spec.draft_lag
             first.add(seq.tokens[start:seq.num_computed + item.num_tokens], start,
@@ -93,7 +107,9 @@ class Drafter:
         if not drafting:
             self.run(first, [])
             return plan
-        ends = [sum(first.q_lens[:i + 1]) - 1 for i in drafting]
+        last_row = {id(item): end - 1
+                    for item, end in zip(fed, itertools.accumulate(first.q_lens))}
+        ends = [last_row[id(plan[i])] for i in drafting]
         drafts = [[token] for token in self.run(first, ends)]
         for step in range(1, max(plan[i].draft_room for i in drafting)):
             going = [n for n, i in enumerate(drafting) if plan[i].draft_room > step]

@@ -299,8 +299,11 @@ class Engine:
         sampled = output.sampled
         echo_only = sampled is not None and seq.params.max_tokens == 0  # nothing generated
         token = None if sampled is None or echo_only else sampled.token
-        seq.spec.draft_lag = 0  # a draft model's pass fed every row of the step
-        self.scheduler.advance(item, token)
+        since = seq.num_complete
+        if self.scheduler.config.spec.uses_model:  # did the draft model see this step's rows?
+            seq.spec.draft_lag = 0 if item.feeds_draft_model \
+                else seq.spec.draft_lag + item.num_tokens
+        self.scheduler.advance(item, token, since)
         if in_prompt:  # before the first token's event
             seq.on_event(SeqEvent.PROGRESS)
         if echo_only:

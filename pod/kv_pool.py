@@ -152,12 +152,12 @@ class KVPool:
         self.tier.let_go(run)
         return pages
 
-    def register_filled(self, seq: Sequence, num_fed: int) -> None:
-        """Pages the last `num_fed` tokens filled become findable in the prefix cache: full of
-        K/V of every layer, a draft model's too (a page its lag held back is taken now)."""
+    def register_complete(self, seq: Sequence, since: int) -> None:
+        """Pages full of K/V of every layer (a draft model's too: `seq.num_complete`) become
+        findable in the prefix cache, from the page holding token `since` (what was complete
+        before) on."""
         ps = self.page_size
-        first = max(0, seq.num_computed - num_fed - 1) // ps
-        full = seq.num_complete // ps
+        first, full = since // ps, seq.num_complete // ps
         if self.cache is None or full <= first:
             return
         for i, h in enumerate(self.cache.extend_hashes(seq, full)[first:full], start=first):

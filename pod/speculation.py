@@ -87,8 +87,9 @@ class SpecState:
     draft_len: int = 0  # the next draft's length at most (0: --spec-draft-n-max)
     pause: int = 0  # the latest pause's length (0: never paused)
     paused_until: int = 0  # no drafting until num_generated reaches this
-    # a draft model: computed tokens at the end whose K/V it has not written yet (0 or 1: after
-    # a fully accepted draft, the last draft token's; its next pass feeds it first)
+    # a draft model: computed tokens at the end whose K/V it has not written yet (after a fully
+    # accepted draft, the last draft token; during a pause, the pause's tokens); its next pass
+    # over the sequence feeds them first
     draft_lag: int = 0
 
 
@@ -157,9 +158,22 @@ class Speculator:
         self.stats = SpecStats()
 
     def can_draft(self, seq: Sequence) -> bool:
+        return self.drafts_when_not_paused(seq) and not self.is_paused(seq)
+
+    def drafts_when_not_paused(self, seq: Sequence) -> bool:
         return (self.config.enabled and seq.num_pending == 1 and not seq.is_replaying
-                and not seq.in_prompt and seq.params.is_plain and seq.constraint is None
-                and seq.num_generated >= seq.spec.paused_until)
+                and not seq.in_prompt and seq.params.is_plain and seq.constraint is None)
+
+    @staticmethod
+    def is_paused(seq: Sequence) -> bool:
+        return seq.num_generated < seq.spec.paused_until
+
+    def skips_draft_model(self, seq: Sequence) -> bool:
+        """A draft model need not see a paused sequence's decode rows: it falls behind by them
+        (`SpecState.draft_lag`, at most a pause) and takes them in one pass when the sequence
+        drafts again. Everything else it feeds as the target does (prompts and replays too)."""
+        return self.config.uses_model and self.drafts_when_not_paused(seq) \
+            and self.is_paused(seq)
 
     def draft_length(self, seq: Sequence, room: int) -> int:
         """How many tokens the sequence may have drafted this step: at most `room`, the

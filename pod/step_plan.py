@@ -18,6 +18,9 @@ class ScheduledSeq:
     draft: tuple[int, ...] = ()
     # a draft model's: the draft length granted (pages included), filled when the step runs
     draft_room: int = 0
+    # whether the draft model feeds this step's rows (and what it lags behind): not while the
+    # sequence's drafting is paused (`Speculator.skips_draft_model`)
+    feeds_draft_model: bool = True
 
     @property
     def num_rows(self) -> int:
@@ -96,6 +99,8 @@ def with_draft(item: ScheduledSeq, speculator: Speculator, room: int) -> Schedul
     """The item with its draft by lookup, or the draft model's length, within `room`."""
     if speculator.config.uses_model:
         length = speculator.draft_length(item.seq, room)
-        return ScheduledSeq(item.seq, item.num_tokens, draft_room=length) if length else item
+        return ScheduledSeq(item.seq, item.num_tokens, draft_room=length,
+                            feeds_draft_model=bool(length)
+                            or not speculator.skips_draft_model(item.seq))
     draft = speculator.propose(item.seq, room)
     return ScheduledSeq(item.seq, item.num_tokens, draft) if draft else item

@@ -31,6 +31,11 @@ SYNTHETIC_CONFIGS: dict[str, ModelConfig] = {
         vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
         num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0,
     ),
+    # A draft for "smollm2-135m": its first 6 of 30 layers (benchmarks of a draft model)
+    "smollm2-135m-draft": ModelConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=6,
+        num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0,
+    ),
     "llama-8b": ModelConfig(
         vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
         num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0,

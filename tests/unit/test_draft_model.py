@@ -143,25 +143,27 @@ def test_tokens_are_those_of_plain_decoding_whatever_the_draft_proposes(temperat
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
 
 
-def test_a_page_is_registered_only_once_both_models_wrote_its_kv():
+@pytest.mark.parametrize("draft", ["TokenKV", "AlwaysWrong"])
+def test_a_page_is_registered_only_once_both_models_wrote_its_kv(draft):
     """After a fully accepted draft the draft model has not fed its last token yet (its next
-    pass does): the page that token completes waits until then."""
+    pass does), and during a pause it feeds nothing: the pages those tokens complete wait."""
     cache = PrefixCache("test", PAGE_SIZE)
-    engine = make_engine(DRAFT, cache=cache)
+    engine = make_engine(DRAFT, draft=globals()[draft], cache=cache)
     seq = make_seq(COPY_PROMPT, SamplingParams(temperature=0, max_tokens=41))
     engine.scheduler.add(seq)
     pool = engine.scheduler.pool
     lagged = 0
     while engine.step():
-        lagged += seq.spec.draft_lag
+        lagged = max(lagged, seq.spec.draft_lag)
         for h in seq.page_hashes:
             page = cache.find(h)
             if page is not None:
                 assert torch.equal(pool.caches[0][page, 0], pool.caches[1][page, 0])
         if not seq.is_finished:
             assert len(seq.page_table) == pages_for(seq.num_computed, PAGE_SIZE)
-    assert lagged > 0  # the lag happened, and registration waited for it
-    assert len(seq.page_hashes) == len(seq.tokens[:-1]) // PAGE_SIZE
+    assert lagged >= (1 if draft == "TokenKV" else PAGE_SIZE)  # registration waited for it
+    if draft == "TokenKV":  # caught up at every step
+        assert len(seq.page_hashes) == len(seq.tokens[:-1]) // PAGE_SIZE
     assert pool.num_free_pages == pool.num_pages
 
 
@@ -220,3 +222,44 @@ def test_a_draft_must_share_the_targets_vocabulary_and_kv_head_shape():
     assert "vocabulary has 49152 tokens, the target's 128256" in check_draft(
         llama, draft, tokens, tokens)
     assert VOCAB < tiny.vocab_size
+
+
+class AlwaysWrong(TokenKV):
+    """A draft whose every guess is one past the target's: drafting soon pauses."""
+
+    def logits(self, hidden, rows=None):
+        return torch.roll(super().logits(hidden, rows), 1, dims=1)
+
+
+class CountingDrafter(CheckingDrafter):
+    """Counts the draft model's passes (each streams its weights once), and the largest
+    one-sequence catch-up."""
+
+    def __init__(self, pool: KVPool, model: TokenKV) -> None:
+        super().__init__(pool, model)
+        self.passes = 0
+        self.largest_catch_up = 0
+
+    def run(self, rows, argmax_rows):
+        self.passes += 1
+        self.largest_catch_up = max(self.largest_catch_up, *rows.q_lens)
+        return super().run(rows, argmax_rows)
+
+
+@pytest.mark.parametrize("park", PARKS)
+def test_a_paused_sequence_is_not_fed_to_the_draft_model_which_catches_up_when_it_drafts(park):
+    cache = PrefixCache("test", PAGE_SIZE)
+    engine = make_engine(DRAFT, cache=cache, **PARKS[park])
+    pool = engine.scheduler.pool
+    drafter = engine.runner.drafter = CountingDrafter(pool, AlwaysWrong(pool))
+    plain = make_engine(SpecConfig(), **PARKS[park])
+    seqs = [make_seq(p, SamplingParams(temperature=0, max_tokens=120)) for p in PROMPTS]
+    for seq in seqs:
+        engine.scheduler.add(seq)
+    steps = run_to_the_end(engine)
+    assert [s.generated_ids for s in seqs] == run(plain, PROMPTS, max_tokens=120)
+    stats = engine.scheduler.speculator.stats
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == 0
+    assert drafter.passes < steps // 2  # the pauses' decode rows made no pass of their own
+    assert drafter.largest_catch_up > 8  # a pause's tokens, in one pass
+    assert drafter.checked > 200 and drafter.wrong == []  # and its K/V were right when read

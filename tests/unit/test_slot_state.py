@@ -38,7 +38,7 @@ def finished_seq(pool: KVPool, tokens: list[int], num_prompt: int, slot_id: int 
         for cache in pool.caches:
             cache[seq.page_table[pos // PS], :, pos % PS] = token * 1000 + pos
     seq.num_computed = len(tokens)
-    pool.register_filled(seq, len(tokens))
+    pool.register_complete(seq, 0)
     pool.free(seq.page_table)
     return seq
 
