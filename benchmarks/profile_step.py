@@ -136,7 +136,8 @@ class Setup:
         sampled = CLOCK.wrap("runner", self.runner.run)(plan)
         started = now()
         for item, out in zip(plan, sampled):
-            self.scheduler.advance(item, None if out.sampled is None else out.sampled.token)
+            self.scheduler.advance(item, None if out.sampled is None else out.sampled.token,
+                                   item.seq.num_complete)
         CLOCK.seconds["postprocess"] += now() - started
 
 

@@ -52,6 +52,9 @@ def load_kernels(isa: Isa | None = None) -> ctypes.CDLL:
     lib.kvpark_layer_pre.argtypes = [ptr, ptr, i64, i32, ptr, ptr, i64, ptr, i64, ptr, i64, i32]
     lib.kvpark_layer_post.argtypes = [ptr, ptr, i64, i32, ptr, i64, ptr, i64, i32]
     lib.kvpark_layer_pre.restype = lib.kvpark_layer_post.restype = i32
+    lib.kvpark_decode_layers.argtypes = [ptr, ptr, i32, ptr, i64, i32, ptr, ptr, i64, ptr, ptr,
+                                         ptr, i64, ptr, i32]
+    lib.kvpark_decode_layers.restype = i32
     return lib
 
 
@@ -172,4 +175,54 @@ class FusedLayer:
             scratch.data_ptr(), scratch.numel(), num_threads or worker_pool.get_num_threads())
         if status != 0:
             raise RuntimeError(f"layer post-attention kernel failed (status {status})")
+        return x
+
+
+class AttentionPlan(ctypes.Structure):  # AttentionPlan in csrc/layer_ops.c
+    """A step's attention as the C backend planned it (`CpuPagedAttention.c_plan`); holds the
+    tensors it points into."""
+
+    _fields_ = [("num_seqs", ctypes.c_int32), ("page_size", ctypes.c_int32),
+                ("scale", ctypes.c_float), ("qo_indptr", ptr), ("kv_lens", ptr),
+                ("kv_indptr", ptr), ("kv_indices", ptr), ("rows_k", ptr), ("rows_v", ptr)]
+
+
+class FusedStack:
+    """Every layer of a model as one C call for a step whose rows all read blocks
+    (`kvpark_decode_layers`): the calls the Python layer loop makes, in its order, on its
+    buffers (so the same bits), without the Python between them: a batch-1 decode step of a
+    small model paid a share of its time there (benchmarks/README.md)."""
+
+    def __init__(self, layers: list[FusedLayer]) -> None:
+        first = layers[0]
+        self._layers = layers  # the structs the pointer array points to
+        self._refs = (ctypes.c_void_p * len(layers))(*(layer._ref for layer in layers))
+        self.num_layers = len(layers)
+        self.q_features = first.num_heads * first.head_dim
+        self.qkv_features = first.qkv_features
+        self._scratch_per_row = max(layer._scratch_per_row for layer in layers)
+        self._lib = first._lib
+
+    def decode(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+               caches: list[torch.Tensor], plan: AttentionPlan,
+               num_threads: int | None = None) -> torch.Tensor:
+        """x [rows, hidden] through every layer, in place (returned); `caches` one per layer
+        (float32, contiguous), appended to as the loop appends."""
+        rows = x.shape[0]
+        assert x.dtype == torch.float32 and x.stride(-1) == 1, "float32 rows"
+        assert cos.stride(-1) == 1 and cos.stride() == signed_sin.stride(), "dense cos/sin rows"
+        assert len(caches) >= self.num_layers
+        cache_ptrs = (ctypes.c_void_p * self.num_layers)(
+            *(cache.data_ptr() for cache in caches[:self.num_layers]))
+        scratch = get_scratch(rows * (self._scratch_per_row + self.qkv_features
+                                      + self.q_features))
+        qkv = scratch[rows * self._scratch_per_row:]
+        attn = qkv[rows * self.qkv_features:]
+        status = self._lib.kvpark_decode_layers(
+            self._refs, cache_ptrs, self.num_layers, x.data_ptr(), x.stride(0), rows,
+            cos.data_ptr(), signed_sin.data_ptr(), cos.stride(0), qkv.data_ptr(),
+            attn.data_ptr(), scratch.data_ptr(), rows * self._scratch_per_row,
+            ctypes.addressof(plan), num_threads or worker_pool.get_num_threads())
+        if status != 0:
+            raise RuntimeError(f"decode layers kernel failed (status {status})")
         return x

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -29,8 +29,10 @@ from kvpark.kernels.attention import AttentionBackend, StepLayout
 
 from .model.config import ModelConfig
 from .model.llama import BlockRows
-from .model.tokenizer import Tokenizer
 from .step_plan import ScheduledSeq
+
+if TYPE_CHECKING:  # the runner imports this file on a GPU machine without the tokenizer's deps
+    from .model.tokenizer import Tokenizer
 
 # a sequence's rows in one pass that still read the blocks: the C kernel streams the weights
 # once per tile of 4 rows; more rows (a catch-up after a pause) go through one dense GEMM

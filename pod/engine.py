@@ -328,7 +328,7 @@ class Engine:
         sequence ends the rest are dropped. Then the pages only rejected drafts reached go back:
         between steps a page table holds its computed tokens' pages only, as without drafts."""
         for sampled in verified:
-            self.scheduler.advance(ScheduledSeq(seq, 1), sampled.token)
+            self.scheduler.advance(ScheduledSeq(seq, 1), sampled.token, seq.num_complete)
             if not self._emit(seq, sampled):
                 return  # finished: every page went back
         drafts_only = pages_past(seq.num_computed, seq.page_table, self.capacity.page_size)

@@ -237,13 +237,9 @@ class Scheduler:
         self.notify(seq, SeqEvent.RESUMED)
 
     # ---- after the step ----------------------------------------------------------------------
-    def advance(self, item: ScheduledSeq, sampled: int | None, since: int | None = None
-                ) -> None:
-        """Account the fed tokens; append the sampled one (the caller checks stop conditions).
-        `since`: the sequence's complete tokens before the step, where a draft model's lag
-        changed meanwhile (`Sequence.num_complete`)."""
+    def advance(self, item: ScheduledSeq, sampled: int | None, since: int) -> None:
+        """Count the fed tokens (cache pages complete from token `since` on); add the sample."""
         seq = item.seq
-        since = seq.num_complete if since is None else since
         seq.num_computed += item.num_tokens
         self.pool.register_complete(seq, since)
         if seq.parking.replay_until and seq.num_computed >= seq.parking.replay_until:

@@ -361,6 +361,9 @@ class LlamaModel(nn.Module):
         # generated-token rows read quantised blocks where the runner says so (`BlockRows`)
         self.has_blocks = self.head.blocks is not None or any(
             layer.qkv.blocks is not None for layer in self.layers)
+        fused = [layer.fused for layer in self.layers]
+        # a step whose rows all read blocks: every layer in one C call (same bits as the loop)
+        self.stack = layer_ops.FusedStack(fused) if fused and all(fused) else None
 
     def drop_blocks(self) -> None:
         """Every row dense from now on (`--weights auto` measured float32 faster here)."""
@@ -368,6 +371,7 @@ class LlamaModel(nn.Module):
             for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
                 lin.blocks = None
             layer.fused = None
+        self.stack = None
         self.head.blocks = None
         self.has_blocks = False
 
@@ -398,9 +402,21 @@ class LlamaModel(nn.Module):
         x = pad_rows(self.embed[input_ids], min_rows)
         cos, sin = rope_cos_sin(pad_rows(positions[:, None], min_rows)[:, 0],
                                 self.config.head_dim, self.config.rope_theta, x.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, backend, kv_cache, num_tokens, rows)
+        if self.can_stack(rows, backend, kv_caches):
+            plan = backend.c_plan(self.config.head_dim)
+            x = self.stack.decode(x, cos, sin, kv_caches, plan)
+        else:
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                x = layer(x, cos, sin, backend, kv_cache, num_tokens, rows)
         return rms_norm(x[:num_tokens], self.final_norm, self.config.rms_norm_eps)
+
+    def can_stack(self, rows: BlockRows | None, backend: AttentionBackend,
+                  kv_caches: list[torch.Tensor]) -> bool:
+        """All rows read blocks and the C attention runs: `FusedStack` takes the step."""
+        return (self.stack is not None and rows is not None and rows.num_dense == 0
+                and hasattr(backend, "c_plan")
+                and all(c.dtype == torch.float32 and c.is_contiguous()
+                        for c in kv_caches[:len(self.layers)]))
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor, rows: BlockRows | None = None) -> torch.Tensor:

@@ -167,3 +167,45 @@ def test_a_wrong_scratch_or_shape_is_refused(layer):
     status = fused._lib.kvpark_layer_post(fused._ref, x.data_ptr(), x.stride(0), 2,
                                           x.data_ptr(), x.stride(0), x.data_ptr(), 8, 1)
     assert status == 3  # scratch too small: refused before anything is written
+
+
+def decode_step(model: LlamaModel, contexts: list[int], use_stack: bool):
+    """One decode row per context over a pool of random K/V (scattered pages): the hidden
+    states and the caches after the step, through `FusedStack` or the Python layer loop."""
+    from kvpark.kernels.attention import StepLayout
+    from kvpark.kernels.cpu_paged import CpuPagedAttention
+    from kvpark.pod.kv_pool import KVPool
+    from kvpark.pod.model.llama import BlockRows
+
+    c, ps = model.config, 16
+    pool = KVPool(c.num_layers, 64, ps, c.num_kv_heads, c.head_dim)
+    generator = torch.Generator().manual_seed(7)
+    for cache in pool.caches:
+        cache.normal_(generator=generator)
+    free = torch.randperm(64, generator=generator).tolist()
+    tables = [[free.pop() for _ in range(n // ps + 1)] for n in contexts]
+    backend = CpuPagedAttention()
+    backend.plan(StepLayout(tables, [n + 1 for n in contexts], [1] * len(contexts), ps))
+    ids = torch.randint(0, c.vocab_size, (len(contexts),), generator=generator)
+    stack, model.stack = model.stack, (model.stack if use_stack else None)
+    try:
+        hidden = model(ids, torch.tensor(contexts), backend, pool.caches,
+                       BlockRows.from_mask([True] * len(contexts)))
+    finally:
+        model.stack = stack
+    return hidden, pool.caches
+
+
+def test_all_layers_in_one_call_give_the_layer_loops_bits(smollm2):
+    """`FusedStack` makes the loop's C calls in its order: the same hidden states and K/V, bit
+    for bit, one row or several, short and long contexts."""
+    model = LlamaModel(smollm2.config, smollm2.weights, quantized=smollm2.quantized)
+    assert model.stack is not None
+    for contexts in ([40], [5, 77, 130], [300, 0]):
+        stacked, stacked_kv = decode_step(model, contexts, use_stack=True)
+        looped, looped_kv = decode_step(model, contexts, use_stack=False)
+        assert same_bits(stacked, looped)
+        assert all(same_bits(a, b) for a, b in zip(stacked_kv, looped_kv, strict=True))
+    assert LlamaModel(smollm2.config, smollm2.weights).stack is None  # no blocks, no stack
+    model.drop_blocks()
+    assert model.stack is None

@@ -40,7 +40,7 @@ def run_to(scheduler: Scheduler, seq: Sequence, num_tokens: int) -> None:
             for pos in range(s.num_computed, s.num_computed + item.num_tokens):
                 for cache in scheduler.pool.caches:
                     cache[s.page_table[pos // PS], :, pos % PS] = s.tokens[pos] * 1000 + pos
-            scheduler.advance(item, 7 if item.samples else None)
+            scheduler.advance(item, 7 if item.samples else None, item.seq.num_complete)
 
 
 def kv_bytes(pool: KVPool, seq: Sequence, num_tokens: int) -> bytes:
