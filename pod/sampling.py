@@ -134,6 +134,11 @@ def process_logits(row: torch.Tensor, params: SamplingParams, tokens: list[int],
 
 # ---- the draw ----------------------------------------------------------------------------------
 
+# top-p's candidates before a full sort: the prefix it keeps ends among them when they hold
+# top_p of the mass (top-k of 256 of a 49k vocabulary is ~30x cheaper than its sort)
+TOP_P_CANDIDATES = 256
+
+
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits: [vocab] float32 -> probabilities after temperature, top-k, top-p, min-p."""
     logits = logits / params.temperature
@@ -144,7 +149,7 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.min_p > 0.0:
         probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
     if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
+        sorted_probs, order = most_likely_first(probs, params.top_p)
         cumulative = sorted_probs.cumsum(-1)
         # keep the smallest prefix whose mass reaches top_p (always at least the first token)
         drop = (cumulative - sorted_probs) >= params.top_p
@@ -152,6 +157,31 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
     return probs / probs.sum()
+
+
+def most_likely_first(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The probabilities in descending order and their token ids, as far as top-p can reach:
+    the `TOP_P_CANDIDATES` largest when they hold `top_p` of the mass or every non-zero one
+    (the prefix top-p keeps ends among them, and their running sum is the full sort's), else
+    all of them (a full sort of a vocabulary costs milliseconds on the CPU)."""
+    if probs.shape[-1] > TOP_P_CANDIDATES:
+        values, order = torch.topk(probs, TOP_P_CANDIDATES)
+        if float(values.sum()) >= top_p or float(values[-1]) == 0.0:
+            return values, order
+    return torch.sort(probs, descending=True)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token from `probs` [vocab] (non-negative weights) by inverse CDF: a uniform u in
+    [0, 1) from the sequence's generator, the first token whose running sum (float64) passes
+    u * the total. A token of weight 0 is never drawn (its running sum equals the one before).
+    torch.multinomial drew the same way in about 20x the time on a 49k vocabulary."""
+    cdf = probs.double().cumsum(0)
+    u = torch.rand((), dtype=torch.float64, generator=generator)
+    token = int(torch.searchsorted(cdf, u * cdf[-1], right=True))
+    if token >= probs.shape[0]:  # u * total rounded up to the total: the last token with weight
+        token = int(probs.nonzero()[-1])
+    return token
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
@@ -164,8 +194,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     tokens = logits.argmax(dim=-1).tolist()
     for row, (p, gen) in enumerate(zip(params, generators)):
         if not p.is_greedy:
-            probs = filter_logits(logits[row], p)
-            tokens[row] = int(torch.multinomial(probs, 1, generator=gen).item())
+            tokens[row] = draw(filter_logits(logits[row], p), gen)
     return tokens
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvpark.pod.sampling import SamplingParams, filter_logits, make_generator, sample
+from kvpark.pod.sampling import SamplingParams, draw, filter_logits, make_generator, sample
 from kvpark.pod.sampling_fields import sampling_params
 
 
@@ -51,3 +51,46 @@ def test_seeded_sampling_repeats():
     first = sample(logits, params, [make_generator(s) for s in (1, 2, 3)])
     again = sample(logits, params, [make_generator(s) for s in (1, 2, 3)])
     assert first == again
+
+
+def full_sort_filter(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """top-k, softmax, min-p and top-p with a full sort of the vocabulary: what
+    `filter_logits` computes with its top-p candidates."""
+    logits = logits / params.temperature
+    if 0 < params.top_k < logits.shape[-1]:
+        logits = logits.masked_fill(logits < torch.topk(logits, params.top_k).values[-1],
+                                    float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.min_p > 0.0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+    if params.top_p < 1.0:
+        values, order = torch.sort(probs, descending=True)
+        drop = (values.cumsum(-1) - values) >= params.top_p
+        drop[0] = False
+        probs = torch.zeros_like(probs).scatter(-1, order, values.masked_fill(drop, 0.0))
+    return probs / probs.sum()
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.8, top_p=0.95),  # peaked: the prefix ends among candidates
+    SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05),  # non-zeros < 256
+    SamplingParams(temperature=50.0, top_p=0.9),  # nearly flat: the full sort
+    SamplingParams(temperature=1.0, min_p=0.2, top_p=0.99),  # min-p leaves < top_p of mass
+])
+def test_top_p_from_candidates_keeps_what_a_full_sort_keeps(params):
+    for seed in range(5):
+        logits = torch.randn(49152, generator=torch.Generator().manual_seed(seed)) * 4
+        assert torch.equal(filter_logits(logits, params), full_sort_filter(logits, params))
+
+
+def test_a_draw_follows_the_weights_never_takes_a_zero_and_repeats_per_seed():
+    weights = torch.tensor([0.0, 0.5, 0.0, 0.25, 0.25, 0.0])
+    generator = make_generator(5)
+    counts = torch.zeros(6)
+    for _ in range(4000):
+        counts[draw(weights, generator)] += 1
+    assert counts[[0, 2, 5]].sum() == 0
+    assert torch.allclose(counts / 4000, weights, atol=0.03)
+    first, second = make_generator(9), make_generator(9)
+    assert [draw(weights, first) for _ in range(50)] == [draw(weights, second) for _ in range(50)]
+    assert draw(torch.tensor([0.0, 1.0, 0.0]), make_generator(1)) == 1
