@@ -33,7 +33,7 @@ import kvpark.pod.runner as runner_module
 from kvpark.kernels import cpu_paged, worker_pool
 from kvpark.kernels.attention import AttentionBackend
 from kvpark.kernels.cpu_paged import CpuPagedAttention
-from kvpark.kernels.layer_ops import FusedLayer
+from kvpark.kernels.layer_ops import FusedLayer, FusedStack
 from kvpark.kernels.torch_paged import TorchPagedAttention
 from kvpark.pod.host_store import HostStore
 from kvpark.pod.kv_pool import KVPool
@@ -48,7 +48,7 @@ from kvpark.pod.swap import Swapper
 
 PAGE_SIZE = 16
 STAGES = ("scheduler", "runner", "forward", "lm_head", "sampling", "postprocess")
-PARTS = ("matmul", "fused", "attention", "kv_append")  # timed inside the forward
+PARTS = ("matmul", "fused", "stack", "attention", "kv_append")  # timed inside the forward
 
 
 def now() -> float:
@@ -185,6 +185,8 @@ def patch_globals() -> None:
     llama_module.linear = CLOCK.wrap("matmul", llama_module.linear)
     for half in ("attention_inputs", "mlp_residual"):  # linears, norms, RoPE, silu, adds in C
         setattr(FusedLayer, half, CLOCK.wrap("fused", getattr(FusedLayer, half)))
+    # a decode step whose rows all read blocks: every layer (attention too) in one C call
+    FusedStack.decode = CLOCK.wrap("stack", FusedStack.decode)
     runner_module.sample = CLOCK.wrap("sampling", runner_module.sample)
 
 
@@ -250,6 +252,7 @@ def breakdown(wall: dict[str, float], num_ops: float, op_ms: float,
         "runner: tensors, plan": wall["runner rest"],
         "forward": wall["forward"],
         "  linears": wall["matmul"],
+        "  all layers in one C call (block rows)": wall["stack"],
         "  fused C layer halves (block rows)": wall["fused"],
         "  attention": wall["attention"],
         "  KV append": wall["kv_append"],
