@@ -98,10 +98,12 @@ def test_a_sequence_whose_drafts_keep_failing_pauses_then_drafts_again():
     assert seq.spec.pause == 2 * PAUSE_MIN  # a second pause in a row lasts twice as long
     speculator.settle(seq, drafted=4, accepted=2)
     assert seq.spec.pause == 2 * PAUSE_MIN and seq.spec.misses == 0  # a partial match
+    speculator.settle(seq, drafted=1, accepted=1)
+    assert seq.spec.pause == 2 * PAUSE_MIN  # one lucky token (free text) keeps the pausing
     speculator.settle(seq, drafted=3, accepted=3)
     assert seq.spec.pause == 0  # a full match: the next failures pause from the start again
-    assert (seq.spec.num_drafted, seq.spec.num_accepted) == (23, 5)
-    assert speculator.stats.num_accepted_tokens == 5
+    assert (seq.spec.num_drafted, seq.spec.num_accepted) == (24, 6)
+    assert speculator.stats.num_accepted_tokens == 6
 
 
 def test_the_next_draft_is_one_past_the_accepted_run_and_full_after_a_full_match():
