@@ -34,8 +34,8 @@ from .step_plan import ScheduledSeq
 if TYPE_CHECKING:  # the runner imports this file on a GPU machine without the tokenizer's deps
     from .model.tokenizer import Tokenizer
 
-# a sequence's rows in one pass that still read the blocks: the C kernel streams the weights
-# once per tile of 4 rows; more rows (a catch-up after a pause) go through one dense GEMM
+# a catch-up (the tokens a paused sequence's draft skipped) longer than this goes through one
+# dense GEMM: the block kernel streams the weights once per tile of a few rows
 BLOCK_ROWS_MAX = 4
 
 
@@ -67,14 +67,15 @@ class Rows:
     def empty(cls) -> Rows:
         return cls([], [], [], [], [], [])
 
-    def add(self, ids: list[int], start: int, num_prompt: int, page_table: list[int]) -> None:
-        """One sequence's rows from position `start`: generated tokens' rows read blocks (as
-        the target's do) unless there are more than `BLOCK_ROWS_MAX` of them (a catch-up)."""
+    def add(self, ids: list[int], start: int, num_prompt: int, page_table: list[int],
+            dense_before: int = 0) -> None:
+        """One sequence's rows from position `start`: generated tokens' rows read blocks, as
+        the target's do (a draft that is the target writes the target's K/V bits), except a
+        catch-up's rows before `dense_before`."""
         end = start + len(ids)
         self.ids.extend(ids)
         self.positions.extend(range(start, end))
-        few = len(ids) <= BLOCK_ROWS_MAX
-        self.from_blocks.extend(few and p >= num_prompt for p in range(start, end))
+        self.from_blocks.extend(dense_before <= p and p >= num_prompt for p in range(start, end))
         self.page_tables.append(page_table)
         self.kv_lens.append(end)
         self.q_lens.append(len(ids))
@@ -103,8 +104,9 @@ class Drafter:
         for item in fed:
             seq = item.seq
             start = seq.num_computed - seq.spec.draft_lag
+            catch_up = seq.num_computed if seq.spec.draft_lag > BLOCK_ROWS_MAX else 0
             first.add(seq.tokens[start:seq.num_computed + item.num_tokens], start,
-                      seq.num_prompt, seq.page_table)
+                      seq.num_prompt, seq.page_table, catch_up)
         drafting = [i for i, item in enumerate(plan) if item.draft_room]
         if not drafting:
             self.run(first, [])

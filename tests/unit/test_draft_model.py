@@ -263,3 +263,50 @@ def test_a_paused_sequence_is_not_fed_to_the_draft_model_which_catches_up_when_i
     assert drafter.passes < steps // 2  # the pauses' decode rows made no pass of their own
     assert drafter.largest_catch_up > 8  # a pause's tokens, in one pass
     assert drafter.checked > 200 and drafter.wrong == []  # and its K/V were right when read
+
+
+def test_the_target_as_its_own_draft_writes_the_targets_kv_bits_through_replays():
+    """Real weights, real kernels: SmolLM2 drafting for itself, parked by recompute every 5
+    tokens (replays mix prompt rows and generated rows in one chunk). The draft's K/V are the
+    target's, bit for bit, at every complete position after every step, so its greedy drafts
+    are all accepted: its rows take the kernels the target's take (generated rows the blocks)."""
+    from kvpark.kernels.cpu_paged import CpuPagedAttention
+    from kvpark.pod.args import parse_args
+    from kvpark.pod.model.llama import LlamaModel
+    from kvpark.pod.model.loader import load_model_files
+    from kvpark.pod.runner import ModelRunner
+    from kvpark.pod.server import pick_blocks
+
+    loaded = load_model_files("builtin://smollm2-135m")
+    c = loaded.config
+    model = LlamaModel(c, loaded.weights, quantized=pick_blocks(
+        parse_args([], env={}), loaded, torch.device("cpu"), torch.float32))
+    pool = KVPool(2 * c.num_layers, 32, 16, c.num_kv_heads, c.head_dim)
+    spec = SpecConfig("draft-simple", draft_max=3)
+    config = SchedulerConfig(num_slots=2, batch_size=64, preempt_every=5, spec=spec,
+                             max_context=32 * 16)
+    runner = ModelRunner(model, pool, CpuPagedAttention(),
+                         drafter=Drafter(model, CpuPagedAttention(), pool.caches[c.num_layers:],
+                                         16))
+    engine = Engine(Scheduler(config, Swapper(pool, HostStore(0))), runner,
+                    loaded.tokenizer.eos_token_ids)
+    prompt = loaded.tokenizer.encode("<|im_start|>user\nRepeat: one two three four five six "
+                                     "seven eight nine ten<|im_end|>\n<|im_start|>assistant\n")
+    seq = make_seq(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    engine.scheduler.add(seq)
+    compared = 0
+    for _ in range(1000):  # a step may run nothing while the one sequence is parked
+        if not engine.scheduler.has_work:
+            break
+        engine.step()
+        if seq.is_finished or not seq.page_table:
+            continue
+        for p in range(seq.num_complete):
+            page, at = seq.page_table[p // 16], p % 16
+            for layer in range(c.num_layers):
+                assert torch.equal(pool.caches[layer][page, :, at],
+                                   pool.caches[c.num_layers + layer][page, :, at]), (p, layer)
+            compared += 1
+    stats = engine.scheduler.speculator.stats
+    assert engine.scheduler.stats.n_preempt_recompute >= 4 and compared > 500
+    assert stats.num_draft_tokens > 10 and stats.num_accepted_tokens == stats.num_draft_tokens
