@@ -81,18 +81,16 @@ class CpuPagedAttention(TorchPagedAttention):
         self._page_size = layout.page_size
         self._plan_append(self._arrays, layout.page_size)  # the reference's KV append
         self._layout, self._views = layout, None  # the reference's views: only if it attends
-        self._c_plans: dict[int, AttentionPlan] = {}
 
     def c_plan(self, head_dim: int) -> AttentionPlan:
         """This step's plan as `layer_ops.FusedStack` hands it to C: what `append_kv` and
-        `attend` pass their kernels, scaled for `head_dim` as `attend` scales."""
-        if head_dim not in self._c_plans:
-            a = self._arrays
-            self._c_plans[head_dim] = AttentionPlan(
-                len(self._kv_lens), self._page_size, head_dim ** -0.5, a.qo_indptr.data_ptr(),
-                self._kv_lens.data_ptr(), a.kv_indptr.data_ptr(), a.kv_indices.data_ptr(),
-                self._append_rows.data_ptr(), self._append_rows_v.data_ptr())
-        return self._c_plans[head_dim]
+        `attend` pass their kernels, scaled for `head_dim` as `attend` scales. It points into
+        this plan's tensors: valid until the next `plan`."""
+        a = self._arrays
+        return AttentionPlan(
+            len(self._kv_lens), self._page_size, head_dim ** -0.5, a.qo_indptr.data_ptr(),
+            self._kv_lens.data_ptr(), a.kv_indptr.data_ptr(), a.kv_indices.data_ptr(),
+            self._append_rows.data_ptr(), self._append_rows_v.data_ptr())
 
     def append_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """One C call (a memcpy a row) where k and v are float32 rows of whole heads."""

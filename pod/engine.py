@@ -300,9 +300,7 @@ class Engine:
         echo_only = sampled is not None and seq.params.max_tokens == 0  # nothing generated
         token = None if sampled is None or echo_only else sampled.token
         since = seq.num_complete
-        if self.scheduler.config.spec.uses_model:  # did the draft model see this step's rows?
-            seq.spec.draft_lag = 0 if item.feeds_draft_model \
-                else seq.spec.draft_lag + item.num_tokens
+        self.scheduler.speculator.draft_model_fed(seq, item.feeds_draft_model, item.num_tokens)
         self.scheduler.advance(item, token, since)
         if in_prompt:  # before the first token's event
             seq.on_event(SeqEvent.PROGRESS)
@@ -316,9 +314,6 @@ class Engine:
         drafted = item.num_rows - item.num_tokens
         if drafted:
             self.scheduler.speculator.settle(seq, drafted, len(output.verified))
-            # a draft model never fed its last draft token: its next pass does, first
-            seq.spec.draft_lag = int(self.scheduler.config.spec.uses_model
-                                     and len(output.verified) == drafted)
         if self._emit(seq, sampled) and drafted:
             self._accept_verified(seq, output.verified)
 

@@ -200,6 +200,14 @@ class Stages:
         return time.perf_counter() - self.started
 
 
+def make_model(args: ServerArgs, loaded: LoadedModel, device: torch.device, dtype: torch.dtype,
+               blocks: dict[str, QuantizedWeight] | None) -> LlamaModel:
+    """The model over loaded weights, its linears as the flags say (the target and a draft)."""
+    return LlamaModel(loaded.config, loaded.weights,
+                      batch_invariant=args.batch_invariant and device.type == "cpu",
+                      weight_format=pick_weight_format(args, device, dtype), quantized=blocks)
+
+
 @dataclass(frozen=True)
 class DraftStack:
     """The draft model (--model-draft), built like the target."""
@@ -222,10 +230,7 @@ def build_draft(args: ServerArgs, target: LoadedModel, device: torch.device,
     if problem is not None:
         raise ValueError(f"--model-draft {args.model_draft}: {problem}")
     digest = get_weights_digest(loaded.weights)
-    model = LlamaModel(loaded.config, loaded.weights,
-                       batch_invariant=args.batch_invariant and device.type == "cpu",
-                       weight_format=pick_weight_format(args, device, dtype),
-                       quantized=pick_blocks(args, loaded, device, dtype))
+    model = make_model(args, loaded, device, dtype, pick_blocks(args, loaded, device, dtype))
     identity = (f"{loaded.name}|{digest}|{model.weight_format.value}"
                 f"|blocks={model.has_blocks}")
     log.info("draft model %s (%s): %d layers, linears %s%s", loaded.name, loaded.source,
@@ -297,10 +302,7 @@ def build_stack(args: ServerArgs) -> ServingStack:
     weights_digest = get_weights_digest(loaded.weights)  # before the model takes the weights
     blocks = pick_blocks(args, loaded, device, dtype)  # builds the C kernel on first use
     stages.done(f"blocks for decode rows: {len(blocks)} linears" if blocks else "weights checked")
-    model = LlamaModel(config, loaded.weights,
-                       batch_invariant=args.batch_invariant and device.type == "cpu",
-                       weight_format=pick_weight_format(args, device, dtype),
-                       quantized=blocks)
+    model = make_model(args, loaded, device, dtype, blocks)
     choose_decode_weights(args, model)  # may lower the kernel threads
     choose_torch_threads(args, model)  # may raise the torch threads (prompt GEMMs)
     log.info("threads: %d torch (prompt GEMMs), %d C kernel (decode linears, attention)",

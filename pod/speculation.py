@@ -199,9 +199,18 @@ class Speculator:
         draft = find_draft(seq.tokens, self.draft_length(seq, room))
         return tuple(draft) if draft and len(draft) >= self.config.draft_min else ()
 
+    def draft_model_fed(self, seq: Sequence, fed: bool, num_tokens: int) -> None:
+        """A step's `num_tokens` rows are computed: a draft model's pass fed them (and its lag),
+        or it falls behind by them."""
+        if self.config.uses_model:
+            seq.spec.draft_lag = 0 if fed else seq.spec.draft_lag + num_tokens
+
     def settle(self, seq: Sequence, drafted: int, accepted: int) -> None:
-        """Count a verification of `drafted` tokens, `accepted` of them matched."""
+        """Count a verification of `drafted` tokens, `accepted` of them matched. A draft model
+        never fed its last draft token: when all were accepted its next pass does, first."""
         state = seq.spec
+        if self.config.uses_model:
+            state.draft_lag = int(accepted == drafted)
         state.num_drafts += 1
         state.num_drafted += drafted
         state.num_accepted += accepted

@@ -100,7 +100,6 @@ def with_draft(item: ScheduledSeq, speculator: Speculator, room: int) -> Schedul
     if speculator.config.uses_model:
         length = speculator.draft_length(item.seq, room)
         return ScheduledSeq(item.seq, item.num_tokens, draft_room=length,
-                            feeds_draft_model=bool(length)
-                            or not speculator.skips_draft_model(item.seq))
+                            feeds_draft_model=not speculator.skips_draft_model(item.seq))
     draft = speculator.propose(item.seq, room)
     return ScheduledSeq(item.seq, item.num_tokens, draft) if draft else item
