@@ -24,7 +24,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from .args import ServerArgs
-from .error_handlers import EXCEPTION_HANDLERS
+from .error_handlers import EXCEPTION_HANDLERS, AnswerCrashes
 from .generation_routes import GenerationRoutes
 from .lifecycle import Server
 from .model_routes import ModelRoutes
@@ -121,7 +121,7 @@ def create_app(args: ServerArgs, stack: ServingStack | None = None) -> Starlette
         routes=get_routes(server),
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=lifespan,
-        middleware=cors(args.cors_origin),
+        middleware=[*cors(args.cors_origin), Middleware(AnswerCrashes)],
     )
     app.router.redirect_slashes = False  # its redirect names the client's Host: a JSON 404
     app.state.server = server

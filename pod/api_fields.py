@@ -29,10 +29,17 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "prediction": (None,),
     "web_search_options": (None,),
 }
-# Accepted and without effect on the output: clients send them by default.
-HARMLESS = frozenset({"user", "safety_identifier", "metadata", "store", "service_tier",
-                      "parallel_tool_calls", "prompt_cache_key", "prompt_cache_retention",
-                      "prompt_cache_options", "cache_prompt"})
+# Accepted and without effect on the output: clients send them by default. Each is still held to
+# the type OpenAI (or llama.cpp, for `cache_prompt`) gives it, so a client's mistake is a 400
+# there and here alike.
+HARMLESS: dict[str, str] = {
+    "user": "string", "safety_identifier": "string", "metadata": "metadata",
+    "store": "boolean", "service_tier": "string", "parallel_tool_calls": "boolean",
+    "prompt_cache_key": "string", "prompt_cache_retention": "string",
+    "prompt_cache_options": "object", "cache_prompt": "boolean"}
+# OpenAI's `metadata`: up to 16 pairs of a key of at most 64 characters and a string value of at
+# most 512
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 SAMPLING = frozenset({"model", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
                       "ignore_eos", "n", "stream", "stream_options", "priority", "return_progress",
                       "presence_penalty", "frequency_penalty", "repetition_penalty",
@@ -61,7 +68,7 @@ class ApiFields:
     @property
     def known(self) -> frozenset[str]:
         """Every field this API reads; the rest are ignored (and logged)."""
-        return SAMPLING | HARMLESS | STRUCTURED | self.own | frozenset(self.max_tokens)
+        return SAMPLING | frozenset(HARMLESS) | STRUCTURED | self.own | frozenset(self.max_tokens)
 
 
 API_FIELDS: dict[str, ApiFields] = {

@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 from .input_limits import InputLimits, check_chars
+from .json_body import decode_field_text
 from .request_errors import ApiError, shown
 from .request_errors import bad_field as _bad
 
@@ -53,12 +54,11 @@ def _tool_calls(message: dict, index: int, role: str) -> list[dict[str, Any]]:
             raise _bad(f"{where}[{i}]", "expected {'id', 'type': 'function', 'function': "
                        "{'name', 'arguments'}}")
         arguments = function.get("arguments", "{}")
-        try:  # some clients send the object itself
-            parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
-        except ValueError:
-            parsed = None
+        field = f"{where}[{i}].function.arguments"
+        # some clients send the object itself
+        parsed = decode_field_text(arguments, field) if isinstance(arguments, str) else arguments
         if not isinstance(parsed, dict):
-            raise _bad(f"{where}[{i}].function.arguments", "expected a JSON object's text")
+            raise _bad(field, "expected a JSON object's text")
         call_id = call.get("id")
         cleaned.append({"id": call_id if isinstance(call_id, str) else f"call_{index}_{i}",
                         "type": "function", "function": {"name": function["name"],

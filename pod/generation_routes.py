@@ -93,8 +93,9 @@ class GenerationRoutes:
         failed = [result for result in stream.results if result.failed]
         if failed:
             return error_response(failure(failed[0]))
-        return JSONResponse(get_format(self.server.model_name(stack), stream,
-                                       fingerprint(stack.numerics)).body())
+        answer = get_format(self.server.model_name(stack), stream, fingerprint(stack.numerics))
+        # encoded off the event loop: logprobs of a long output make a large body
+        return await run_in_threadpool(lambda: JSONResponse(answer.body()))
 
     def sse_events(self, stack: ServingStack, stream: RequestStream) -> AsyncIterator[str]:
         return stream_events(stream, stack.engine, self.server.model_name(stack),

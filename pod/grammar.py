@@ -21,6 +21,14 @@ import numpy as np
 import torch
 from llguidance.gbnf_to_lark import any_to_lark
 
+from .grammar_check import (
+    COMPILE_STACK_BYTES,
+    GrammarChecker,
+    GrammarError,
+    TokenizerView,
+    compile_matcher,
+    run_with_stack,
+)
 from .model.tokenizer import Tokenizer
 
 log = logging.getLogger("kvpark.grammar")
@@ -30,21 +38,6 @@ ANY_JSON_OBJECT = {"type": "object"}  # response_format json_object, as llama.cp
 # llama.cpp's JSON whitespace: a space, or a newline and up to 20 blanks. Unbounded whitespace
 # lets a weak model loop on it until max_tokens, with the JSON left unfinished.
 JSON_OPTIONS = {"whitespace_pattern": r"(?: |\n[ \t]{0,20})"}
-
-
-# what a grammar that no output can match is told, by source
-NOTHING_MATCHES = {
-    "json_schema": "Unsatisfiable schema: no JSON value can even begin (a $ref that only "
-                   "leads back to itself?)",
-    "gbnf": "no text can match it: no first token fits (rules that only lead back to "
-            "themselves?)",
-    "regex": "no text can match this regex: no first token fits (an empty character class?)",
-    "choice": "no text can match any of the choices: no first token fits",
-}
-
-
-class GrammarError(ValueError):
-    """The grammar or schema does not compile; the message says where."""
 
 
 @dataclass(frozen=True)
@@ -135,32 +128,29 @@ class Grammars:
         self._lltok: llguidance.LLTokenizer | None = None
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()  # requests are parsed on several worker threads
+        self.view = TokenizerView(tokenizer.backend.to_str(), tokenizer.vocab_size,
+                                  tuple(sorted(tokenizer.eos_token_ids)))
+        self.checker = GrammarChecker(self.view)
 
     @property
     def lltok(self) -> llguidance.LLTokenizer:
         with self._lock:
             if self._lltok is None:
-                tok = self.tokenizer
-                self._lltok = llguidance.LLTokenizer(
-                    tok.backend.to_str(), n_vocab=tok.vocab_size,
-                    eos_token=sorted(tok.eos_token_ids))
+                self._lltok = self.view.build()
             return self._lltok
 
     def compile(self, grammar: Grammar) -> llguidance.LLMatcher:
-        """The compiled grammar (a matcher at its start), or GrammarError."""
+        """The compiled grammar (a matcher at its start), or GrammarError. A grammar not seen
+        before is compiled by the checking child first (`grammar_check`), then here on a
+        thread with a larger stack."""
         with self._lock:
             if grammar.text in self._compiled:
                 self._compiled.move_to_end(grammar.text)
                 return self._compiled[grammar.text]
+        self.checker.check(grammar.text, grammar.source)
         lltok = self.lltok
-        problem = llguidance.LLMatcher.validate_grammar(grammar.text, lltok)
-        if problem:
-            raise GrammarError(problem.strip().splitlines()[0][:300])
-        matcher = llguidance.LLMatcher(lltok, grammar.text, log_level=0)
-        if matcher.is_error():
-            raise GrammarError(matcher.get_error().strip().splitlines()[0][:300])
-        if not can_start(matcher):
-            raise GrammarError(NOTHING_MATCHES[grammar.source])
+        matcher = run_with_stack(lambda: compile_matcher(lltok, grammar.text, grammar.source),
+                                 COMPILE_STACK_BYTES)
         with self._lock:
             self._compiled[grammar.text] = matcher
             while len(self._compiled) > self.cache_size:
@@ -172,17 +162,6 @@ class Grammars:
         matcher = self.compile(grammar).deep_copy()
         return GrammarConstraint(matcher, self.tokenizer.vocab_size,
                                  self.tokenizer.eos_token_ids)
-
-
-def can_start(matcher: llguidance.LLMatcher) -> bool:
-    """Whether some output can begin: a token fits, or the empty output is complete. llguidance
-    compiles a grammar whose rules only lead back to themselves (`{"$ref": "#"}`, a `$defs`
-    cycle) without complaint, and only its first mask finds that nothing fits; a sequence would
-    then end at once with EOS and an empty "answer" that is not JSON. Probed on a copy: the
-    cached matcher must stay at its start."""
-    probe = matcher.deep_copy()
-    probe.compute_bitmask()
-    return not probe.is_error()
 
 
 _by_tokenizer: dict[int, Grammars] = {}

@@ -58,23 +58,25 @@ class ModelRoutes:
         return JSONResponse(self.model_card(stack, name))
 
     async def tokenize(self, request: Request) -> Response:
-        return await self.text_endpoint(request, text_endpoints.tokenize, with_limits=True)
+        return await self.text_endpoint(request, text_endpoints.tokenize)
 
     async def detokenize(self, request: Request) -> Response:
         return await self.text_endpoint(request, text_endpoints.detokenize)
 
     async def apply_template(self, request: Request) -> Response:
-        return await self.text_endpoint(request, text_endpoints.apply_template,
-                                        with_limits=True)
+        return await self.text_endpoint(request, text_endpoints.apply_template)
 
-    async def text_endpoint(self, request: Request, answer: Callable[..., Any],
-                            with_limits: bool = False) -> Response:
-        """A tokenizer endpoint: body -> answer off the event loop (templating and
-        tokenising a long text is CPU-bound)."""
+    async def text_endpoint(self, request: Request, answer: Callable[..., Any]) -> Response:
+        """A tokenizer endpoint: body -> answer off the event loop (templating, tokenising and
+        encoding a long answer are CPU-bound)."""
         stack = self.ready_stack(request)
         body = await read_json(request, self.server)
-        extra = (self.server.limits(stack),) if with_limits else ()
-        return JSONResponse(await run_in_threadpool(answer, body, stack.tokenizer, *extra))
+        limits = self.server.limits(stack)
+
+        def respond() -> JSONResponse:
+            return JSONResponse(answer(body, stack.tokenizer, limits))
+
+        return await run_in_threadpool(respond)
 
     async def version(self, request: Request) -> Response:
         """vLLM's /version."""

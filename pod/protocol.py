@@ -17,7 +17,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import tools
-from .api_fields import API_FIELDS, COMMON_MAX_TOKENS, UNSUPPORTED
+from .api_fields import (
+    API_FIELDS,
+    COMMON_MAX_TOKENS,
+    HARMLESS,
+    MAX_METADATA_KEY,
+    MAX_METADATA_PAIRS,
+    MAX_METADATA_VALUE,
+    UNSUPPORTED,
+)
 from .chat_messages import chat_messages
 from .field_values import boolean_field, ranged_field
 from .generation_defaults import GenerationDefaults
@@ -60,13 +68,16 @@ _logged_lock = threading.Lock()
 
 
 def check_fields(body: dict, kind: str) -> None:
-    """400 for a field this server does not implement; unknown fields are ignored, and each
-    name is logged once (as vLLM does)."""
+    """400 for a field this server does not implement or a harmless one of the wrong type;
+    unknown fields are ignored, and each name is logged once (as vLLM does)."""
     for name, off in UNSUPPORTED.items():
         value = body.get(name)
         if not any(value == o and type(value) is type(o) for o in off):
             raise ApiError(400, f"'{name}' is not supported by this server (got "
                            f"{shown(value)}); leave it out", param=name)
+    for name, expected in HARMLESS.items():
+        if body.get(name) is not None:
+            check_harmless(name, body[name], expected)
     unknown = body.keys() - API_FIELDS[kind].known - UNSUPPORTED.keys()
     if not unknown:
         return
@@ -77,6 +88,29 @@ def check_fields(body: dict, kind: str) -> None:
     if new:
         log.warning("The following fields were present in the request but ignored: {%s}",
                     ", ".join(ascii(name) for name in sorted(new)))
+
+
+def check_harmless(name: str, value: Any, expected: str) -> None:
+    """A field without effect here, held to its type elsewhere (`api_fields.HARMLESS`)."""
+    if expected == "metadata":
+        check_metadata(value)
+    elif expected == "object" and not isinstance(value, dict):
+        raise _bad(name, f"expected an object, got {shown(value)}")
+    elif expected == "boolean":
+        boolean_field({name: value}, name, False)
+    elif expected == "string" and not isinstance(value, str):
+        raise _bad(name, f"expected a string, got {shown(value)}")
+
+
+def check_metadata(value: Any) -> None:
+    """OpenAI's `metadata`: a small object of string values."""
+    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+        raise _bad("metadata", "expected an object of string values")
+    if len(value) > MAX_METADATA_PAIRS:
+        raise _bad("metadata", f"at most {MAX_METADATA_PAIRS} pairs")
+    if any(len(k) > MAX_METADATA_KEY or len(v) > MAX_METADATA_VALUE for k, v in value.items()):
+        raise _bad("metadata", f"keys of at most {MAX_METADATA_KEY} characters and values of "
+                   f"at most {MAX_METADATA_VALUE}")
 
 
 def _echo_max_tokens(body: dict) -> dict:
@@ -101,12 +135,17 @@ def _priority(body: dict) -> int:
     return int(ranged_field(body, "priority", 0))
 
 
-def _include_usage(body: dict) -> bool:
+def _stream_options(body: dict) -> dict | None:
     options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise _bad("stream_options", "expected an object")
+    return options
+
+
+def _include_usage(body: dict) -> bool:
+    options = _stream_options(body)
     if options is None:
         return False
-    if not isinstance(options, dict):
-        raise _bad("stream_options", "expected an object")
     # OpenAI and vLLM refuse it, so a client that thinks it asked for a streamed usage chunk
     # learns it gets none; null or {} asks for nothing (vLLM's rule)
     if options and body.get("stream") is not True:
@@ -199,6 +238,7 @@ def parse_llama_completion(body: dict, tokenizer: Tokenizer, limits: InputLimits
                              tokenizer, "llama")
     if params.n != 1:
         raise _bad("n", "/completion generates one sequence; use /v1/completions for n > 1")
+    _stream_options(body)  # read by no llama.cpp route, typed as the OpenAI routes read it
     return GenerationRequest(
         kind="llama",
         params=params,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.types import Message
 
@@ -19,7 +20,9 @@ from .request_errors import ApiError
 
 
 async def read_json(request: Request, server: Server) -> dict[str, Any]:
-    return decode_body(await read_body(request, server))
+    """The body as a JSON object, decoded off the event loop (a large body takes a while)."""
+    raw = await read_body(request, server)
+    return await run_in_threadpool(decode_body, raw)
 
 
 async def read_body(request: Request, server: Server) -> bytes:

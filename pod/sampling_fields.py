@@ -40,7 +40,11 @@ def _stops(body: dict) -> tuple[str, ...]:
 
 
 def _max_tokens(body: dict, names: tuple[str, ...], max_context: int) -> int | None:
-    for name in names:
+    """The first limit name sent wins; a later one is not read, but held to its type."""
+    given = [name for name in names if body.get(name) is not None]
+    for name in given[1:]:
+        integer_field(body, name, None, -(1 << 62), 1 << 62)
+    for name in given:
         if body.get(name) is not None:
             value = body[name]
             if name in UNLIMITED_AT_NO_LIMIT and type(value) is int and value == NO_LIMIT:
@@ -93,18 +97,23 @@ def _logit_bias(body: dict, tokenizer: Tokenizer | None) -> tuple[tuple[int, flo
     value = body.get("logit_bias")
     if value is None:
         return ()
+    if not isinstance(value, (dict, list)):
+        raise _bad("logit_bias", "expected an object of token id -> bias, or a list of "
+                   "[token id, bias] pairs")
+    if len(value) > MAX_LOGIT_BIAS:  # before any work per entry
+        raise _bad("logit_bias", f"at most {MAX_LOGIT_BIAS} entries")
     if isinstance(value, dict):
         pairs = list(value.items())
-    elif isinstance(value, list) and all(isinstance(p, list) and len(p) == 2 for p in value):
+    elif all(isinstance(p, list) and len(p) == 2 for p in value):
         pairs = [(p[0], p[1]) for p in value]
     else:
         raise _bad("logit_bias", "expected an object of token id -> bias, or a list of "
                    "[token id, bias] pairs")
-    if len(pairs) > MAX_LOGIT_BIAS:
-        raise _bad("logit_bias", f"at most {MAX_LOGIT_BIAS} entries")
-    entries = [(token, bias) for key, bias in pairs for token in _bias_tokens(key, tokenizer)]
-    if len(entries) > MAX_LOGIT_BIAS:
-        raise _bad("logit_bias", f"the texts make more than {MAX_LOGIT_BIAS} tokens")
+    entries: list[tuple[Any, Any]] = []
+    for key, bias in pairs:  # text keys tokenised until the bound is passed, not beyond
+        entries.extend((token, bias) for token in _bias_tokens(key, tokenizer))
+        if len(entries) > MAX_LOGIT_BIAS:
+            raise _bad("logit_bias", f"the texts make more than {MAX_LOGIT_BIAS} tokens")
     vocab_size = tokenizer.vocab_size if tokenizer is not None else 1 << 31
     return tuple(_bias_entry(token, bias, vocab_size) for token, bias in entries)
 

@@ -47,7 +47,7 @@ from .protocol import check_defaults
 from .runner import ModelRunner
 from .scheduler import Scheduler, SchedulerConfig
 from .slot import Sequence
-from .slot_files import ModelIdentity, get_source_bytes, get_weights_digest
+from .slot_files import ModelIdentity, get_source_bytes, get_weights_digest, remove_stale_temp_files
 from .slot_memory import SlotMemory
 from .speculation import SpecConfig
 from .swap import Swapper
@@ -378,7 +378,10 @@ def build_stack(args: ServerArgs) -> ServingStack:
                              draft=draft.identity if draft else "")
     if args.slot_save_path:
         os.makedirs(args.slot_save_path, exist_ok=True)
-        log.info("slot files in %s", os.path.realpath(args.slot_save_path))
+        stale = remove_stale_temp_files(args.slot_save_path)
+        log.info("slot files in %s%s", os.path.realpath(args.slot_save_path),
+                 f"; removed {len(stale)} temporary files of saves that never finished"
+                 if stale else "")
     log.info("model loaded in %.1f s", stages.total)
     numerics = (f"{loaded.name}|{loaded.source}|{device}|{dtype}|{model.weight_format.value}"
                 f"|blocks={model.has_blocks}|{backend.name}|invariant={model.batch_invariant}")

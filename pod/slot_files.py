@@ -18,11 +18,15 @@ never sees half a file. Everything here runs off the event loop and off the engi
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import re
+import socket
 import struct
 import tempfile
+import time
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
@@ -134,9 +138,12 @@ def encode(identity: ModelIdentity, state: SlotState) -> list[bytes]:
 
 
 def write(path: Path, identity: ModelIdentity, state: SlotState) -> int:
-    """Write the file atomically (a temporary file renamed over the target); its size."""
+    """Write the file atomically (a temporary file renamed over the target); its size. A full
+    disk is a 507, a name taken by a directory a 409; no partial file is left either way."""
+    if path.is_dir():
+        raise SlotFileError(f"'filename': {path.name!r} is a directory in --slot-save-path", 409)
     parts = encode(identity, state)
-    fd, tmp = tempfile.mkstemp(prefix=".", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(), suffix=TEMP_SUFFIX, dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as file:
             for part in parts:
@@ -144,10 +151,65 @@ def write(path: Path, identity: ModelIdentity, state: SlotState) -> int:
             file.flush()
             os.fsync(file.fileno())
         os.replace(tmp, path)
+    except OSError as exc:
+        Path(tmp).unlink(missing_ok=True)
+        raise _write_error(path, exc) from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return sum(len(part) for part in parts)
+
+
+def _write_error(path: Path, exc: OSError) -> SlotFileError:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return SlotFileError(f"no space left in --slot-save-path for {path.name!r}", 507)
+    if exc.errno in (errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST):
+        return SlotFileError(f"'filename': {path.name!r} is a directory in --slot-save-path",
+                             409)
+    return SlotFileError(f"the slot file could not be written: {exc.strerror or exc}", 500)
+
+
+# ---- temporary files left by a writer that died ----------------------------------------
+TEMP_SUFFIX = ".tmp"
+STALE_SECONDS = 3600  # another host's temporary file untouched this long: its writer is gone
+
+
+def temp_prefix() -> str:
+    """`.kvpark-HOST-PID-`: which process a temporary file is from, so a restart can tell its
+    own dead predecessors' files from a live writer's (a directory may be shared by pods)."""
+    return f".kvpark-{socket.gethostname()}-{os.getpid()}-"
+
+
+def remove_stale_temp_files(directory: str) -> list[str]:
+    """At start: delete the temporary files of saves that never finished (a writer killed
+    mid-save); the names removed. Another live process's files are left alone."""
+    removed, now, host = [], time.time(), socket.gethostname()
+    for path in Path(directory).glob(f".*{TEMP_SUFFIX}"):
+        try:
+            if _is_stale(path.name, path.stat().st_mtime, now, host):
+                path.unlink()
+                removed.append(path.name)
+        except OSError:  # gone meanwhile, or not ours to delete
+            continue
+    return removed
+
+
+def _is_stale(name: str, mtime: float, now: float, host: str) -> bool:
+    match = re.fullmatch(r"\.kvpark-(.+)-(\d+)-[^-]*" + re.escape(TEMP_SUFFIX), name)
+    if match and match[1] == host:
+        pid = int(match[2])
+        return pid == os.getpid() or not _is_alive(pid)  # the same pid: an earlier life's
+    return now - mtime > STALE_SECONDS
+
+
+def _is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, someone else's
+        return True
+    return True
 
 
 # ---- reading ------------------------------------------------------------------------------
@@ -157,11 +219,19 @@ def read(path: Path, identity: ModelIdentity, dtype: torch.dtype) -> tuple[SlotS
     read, so a wrong file costs no more than its header."""
     if not path.is_file():
         raise SlotFileError(f"'filename': no slot file {path.name!r} in --slot-save-path", 404)
+    try:
+        return _read(path, identity, dtype)
+    except OSError as exc:
+        raise SlotFileError(f"the slot file could not be read: {exc.strerror or exc}",
+                            500) from None
+
+
+def _read(path: Path, identity: ModelIdentity, dtype: torch.dtype) -> tuple[SlotState, int]:
     with path.open("rb") as file:
         size = os.fstat(file.fileno()).st_size
         data = bytearray(file.read(_PREFIX.size + MAX_HEADER_BYTES))
         header, body_at = _read_header(data)
-        different = identity.differences(header.get("identity") or {})
+        different = identity.differences(saved_identity(header))
         if different:
             raise SlotFileError("the slot file was saved by a different model or KV layout: "
                                 + "; ".join(different))
@@ -177,7 +247,9 @@ def read(path: Path, identity: ModelIdentity, dtype: torch.dtype) -> tuple[SlotS
         raise SlotFileError("the slot file is corrupted (its SHA-256 does not match)")
     tokens = torch.frombuffer(data, dtype=torch.int64, count=num_tokens, offset=body_at)
     kv = torch.frombuffer(data, dtype=torch.uint8, count=kv_bytes, offset=body_at + 8 * num_tokens)
-    return SlotState(tuple(tokens.tolist()), num_prompt, kv.view(dtype).reshape(shape)), size
+    kv = kv.view(dtype).reshape(shape)
+    check_finite(kv)
+    return SlotState(tuple(tokens.tolist()), num_prompt, kv), size
 
 
 def _read_header(data: bytes) -> tuple[dict, int]:
@@ -191,23 +263,50 @@ def _read_header(data: bytes) -> tuple[dict, int]:
         raise SlotFileError("the slot file is truncated (its header is cut short)")
     try:
         header = json.loads(data[_PREFIX.size:_PREFIX.size + header_len])
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than any header
         header = None
     if not isinstance(header, dict):
         raise SlotFileError("the slot file is corrupted (its header is not a JSON object)")
     return header, _PREFIX.size + header_len
 
 
+def saved_identity(header: dict) -> dict[str, object]:
+    """The header's model identity: an object of names to plain values, as `encode` writes."""
+    saved = header.get("identity")
+    if not isinstance(saved, dict) or not all(
+            isinstance(v, (str, int, float, bool)) for v in saved.values()):
+        raise SlotFileError("the slot file is corrupted (its model identity is not an object of "
+                            "plain values)")
+    return saved
+
+
+def _count(header: dict, name: str) -> int:
+    value = header.get(name)
+    if type(value) is not int or value < 0:
+        raise SlotFileError(f"the slot file is corrupted (its header's {name!r} is not a count)")
+    return value
+
+
 def _sizes(header: dict, identity: ModelIdentity) -> tuple[int, int, tuple[int, ...]]:
     """Tokens, prompt rows and the pages' shape, checked against each other and the layout."""
-    try:
-        num_tokens, num_prompt = int(header["num_tokens"]), int(header["num_prompt"])
-        shape = tuple(int(n) for n in header["kv_shape"])
-    except (KeyError, TypeError, ValueError):
-        raise SlotFileError("the slot file is corrupted (its header lacks sizes)") from None
+    num_tokens, num_prompt = _count(header, "num_tokens"), _count(header, "num_prompt")
+    shape = header.get("kv_shape")
+    if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
+        raise SlotFileError("the slot file is corrupted (its header's 'kv_shape' is not a list "
+                            "of sizes)")
     ps = identity.page_size
     layout = (identity.num_layers, 2, ps, identity.num_kv_heads, identity.head_dim)
     if (len(shape) != 6 or (shape[0], *shape[2:]) != layout or shape[1] * ps != num_tokens
-            or not 0 <= num_prompt <= num_tokens):
+            or not num_prompt <= num_tokens):
         raise SlotFileError("the slot file is corrupted (its sizes do not fit together)")
-    return num_tokens, num_prompt, shape
+    if shape[1] == 0:
+        raise SlotFileError("the slot file holds no pages")
+    return num_tokens, num_prompt, tuple(shape)
+
+
+def check_finite(kv: torch.Tensor) -> None:
+    """K/V a model can have written: a NaN or an infinity there would poison every request that
+    shares these tokens. A file with a valid digest can still hold them (written by hand)."""
+    if kv.is_floating_point() and not bool(torch.isfinite(kv).all()):
+        raise SlotFileError("the slot file holds K/V values that are not finite (NaN or "
+                            "infinite): not what a model writes")

@@ -6,11 +6,12 @@ tool plan; each compiled here, so a schema or grammar that cannot work is the cl
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any
 
 from . import tools
 from .grammar import ANY_JSON_OBJECT, Grammar, GrammarError, get_grammars
+from .grammar_check import GrammarCheckUnavailable
+from .json_body import decode_field_text
 from .model.tokenizer import Tokenizer
 from .request_errors import MAX_SHOWN, ApiError, clip
 from .request_errors import bad_field as _bad
@@ -77,7 +78,7 @@ GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choi
 def _vllm_constraint(kind: str, value: Any, where: str) -> Grammar:
     try:
         if kind == "json":
-            schema = json.loads(value) if isinstance(value, str) else value
+            schema = decode_field_text(value, where) if isinstance(value, str) else value
             if not isinstance(schema, (dict, bool)):
                 raise _bad(where, "expected a JSON schema (an object, or its JSON text)")
             return Grammar.from_json_schema(schema)
@@ -92,7 +93,7 @@ def _vllm_constraint(kind: str, value: Any, where: str) -> Grammar:
         if not isinstance(value, str) or not value:
             raise _bad(where, "expected a non-empty string")
         return Grammar.from_regex(value) if kind == "regex" else Grammar.from_gbnf(value)
-    except (GrammarError, ValueError) as exc:  # ValueError: `json` text that is not JSON
+    except GrammarError as exc:
         raise _bad(where, f"does not compile: {clip(str(exc), 2 * MAX_SHOWN)}") from None
 
 
@@ -133,6 +134,8 @@ def compiled(field_name: str, grammar: Grammar, tokenizer: Tokenizer) -> Grammar
         get_grammars(tokenizer).compile(grammar)
     except GrammarError as exc:
         raise _bad(field_name, f"does not compile: {clip(str(exc), 2 * MAX_SHOWN)}") from None
+    except GrammarCheckUnavailable as exc:
+        raise ApiError(503, str(exc), param=field_name, error_type="unavailable") from None
     return grammar
 
 

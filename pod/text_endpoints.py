@@ -50,10 +50,15 @@ def tokenize(body: dict[str, Any], tokenizer: Tokenizer, limits: InputLimits) ->
     return answer
 
 
-def detokenize(body: dict[str, Any], tokenizer: Tokenizer) -> dict[str, Any]:
-    """{"tokens"} -> llama.cpp's {"content"} and vLLM's {"prompt"}: the same text."""
+def detokenize(body: dict[str, Any], tokenizer: Tokenizer, limits: InputLimits
+               ) -> dict[str, Any]:
+    """{"tokens"} -> llama.cpp's {"content"} and vLLM's {"prompt"}: the same text. No more
+    tokens than one request's context holds: no sequence of this server is longer."""
     tokens = body.get("tokens")
     vocab = tokenizer.vocab_size
+    if isinstance(tokens, list) and len(tokens) > limits.max_context:
+        raise ApiError(400, f"'tokens': {len(tokens)} tokens; at most {limits.max_context} "
+                       "(the context)", param="tokens")
     if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < vocab for t in tokens):
         raise ApiError(400, f"'tokens': expected a list of token ids in [0, {vocab})",
                        param="tokens")

@@ -214,7 +214,15 @@ class ParsedOutput:
 
 def parse_output(text: str) -> ParsedOutput:
     """The model's generic-format JSON -> OpenAI's message parts; cut short by max_tokens, as
-    far as it got (`parse_cut_short`)."""
+    far as it got (`parse_cut_short`). Output nested deeper than the decoders follow is
+    returned as the text it is."""
+    try:
+        return _parse_output(text)
+    except RecursionError:
+        return ParsedOutput(text)
+
+
+def _parse_output(text: str) -> ParsedOutput:
     try:
         value = json.loads(text)
     except ValueError:

@@ -3,6 +3,15 @@
 server that never saved, on the same server and on a restarted one; a file from another layout,
 a damaged file and a name that leads out of DIR are refused; the admin key guards it all."""
 
+import hashlib
+import json
+import os
+import shutil
+import socket
+import struct
+import subprocess
+import time
+
 import httpx
 import pytest
 from serverproc import ServerProcess
@@ -190,3 +199,118 @@ def test_a_busy_slot_is_refused_while_its_sequence_runs_or_is_parked(saver, save
             problem = error(slot_action(saver, action, "conv.bin"), 409)
             assert problem["message"] == "slot 0 is busy" and problem["type"] == "conflict"
         ok(slot_action(saver, "unpark"))
+
+
+def recrafted(data: bytes, header_change=None, kv_change=None) -> bytes:
+    """`data` with its header or its pages changed and a digest that matches again: a file
+    someone with access to the directory wrote by hand."""
+    magic, version, header_len = struct.unpack_from("<8sII", data)
+    start = struct.calcsize("<8sII")
+    header = json.loads(data[start:start + header_len])
+    if header_change is not None:
+        header = header_change(header)
+    text = json.dumps(header).encode() if not isinstance(header, bytes) else header
+    body = bytearray(data[start + header_len:-32])
+    if kv_change is not None:
+        kv_change(body, 8 * header["num_tokens"])
+    prefix = struct.pack("<8sII", magic, version, len(text)) + text + bytes(body)
+    return prefix + hashlib.sha256(prefix).digest()
+
+
+def no_pages(header: dict) -> dict:
+    return {**header, "num_tokens": 0, "num_prompt": 0, "num_pages": 0,
+            "kv_shape": [header["kv_shape"][0], 0, *header["kv_shape"][2:]]}
+
+
+def nested(header: dict) -> bytes:
+    return b'{"identity": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+
+
+def float_at_kv(value: float):
+    def change(body: bytearray, kv_at: int) -> None:
+        body[kv_at:kv_at + 4] = struct.pack("<f", value)  # the pool is float32 here
+    return change
+
+
+CRAFTED = {
+    "no-pages.bin": (no_pages, None, "holds no pages"),
+    "nested.bin": (nested, None, "header is not a JSON object"),
+    "identity-list.bin": (lambda h: {**h, "identity": [1, 2]}, None, "model identity"),
+    "identity-deep.bin": (lambda h: {**h, "identity": {**h["identity"], "model": {"a": 1}}},
+                          None, "model identity"),
+    "sizes-text.bin": (lambda h: {**h, "num_tokens": "128"}, None, "'num_tokens'"),
+    "shape-text.bin": (lambda h: {**h, "kv_shape": "x"}, None, "'kv_shape'"),
+    "nan.bin": (None, float_at_kv(float("nan")), "not finite"),
+    "inf.bin": (None, float_at_kv(float("-inf")), "not finite"),
+}
+
+
+def test_crafted_files_with_a_valid_digest_are_refused_by_what_is_wrong(saver, saved, slot_dir):
+    """Each file's SHA-256 matches, so only the checks of what it holds can refuse it; none
+    may answer 500 or leave a page behind."""
+    _, data = saved
+    cached = saver.metric("kvpark:kv_cache_pages_cached")
+    for name, (header_change, kv_change, why) in CRAFTED.items():
+        (slot_dir / name).write_bytes(recrafted(data, header_change, kv_change))
+        problem = error(slot_action(saver, "restore", name), 400)
+        assert why in problem["message"], (name, problem)
+        assert problem["param"] == "filename"
+        assert saver.metric("kvpark:kv_cache_pages_cached") == cached, name
+    complete(saver, PROMPT, 4)  # still serving
+    (slot_dir / "same.bin").write_bytes(recrafted(data))  # the checks pass a file as written
+    assert ok(slot_action(saver, "restore", "same.bin"))["n_read"] == len(data)
+
+
+def test_saving_onto_a_directory_is_a_conflict_and_leaves_no_file(saver, saved, slot_dir):
+    (slot_dir / "taken").mkdir()
+    problem = error(slot_action(saver, "save", "taken"), 409)
+    assert "is a directory" in problem["message"] and problem["param"] == "filename"
+    assert not any(p.name.endswith(".tmp") for p in slot_dir.iterdir())
+    assert (slot_dir / "taken").is_dir()
+
+
+def test_a_restart_removes_temporary_files_of_saves_that_never_finished(slot_dir, saved):
+    """A writer killed mid-save leaves its temporary file; the next start removes those of
+    dead writers on this host and stale ones of any host, never a live writer's."""
+    host = socket.gethostname()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    old = time.time() - 2 * 3600
+    files = {f".kvpark-{host}-{dead.pid}-abc123.tmp": False,  # its writer is gone: removed
+             f".kvpark-{host}-{os.getpid()}-abc123.tmp": True,  # a live writer's: kept
+             ".kvpark-other-host-7-abc123.tmp": True,  # another pod's, fresh: kept
+             ".kvpark-other-host-7-old123.tmp": False,  # another pod's, long untouched
+             ".k2j4h5g6.tmp": False}  # an older server's name, long untouched
+    for name in files:
+        (slot_dir / name).write_bytes(b"x" * 1000)
+    for name in (".kvpark-other-host-7-old123.tmp", ".k2j4h5g6.tmp"):
+        os.utime(slot_dir / name, (old, old))
+    with ServerProcess(saver_flags(slot_dir)) as server:
+        assert server.count_in_log("removed 3 temporary files of saves that never finished")
+        for name, kept in files.items():
+            assert (slot_dir / name).exists() == kept, name
+    for name in files:
+        (slot_dir / name).unlink(missing_ok=True)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 16 KiB tmpfs (a slot file here is ~50 KB), where the system lets this test mount one
+    (root in a sandbox)."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if shutil.which("mount") is None or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(mount)],
+            capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_saving_to_a_full_disk_is_a_507_and_leaves_no_partial_file(small_disk, reference):
+    with ServerProcess(saver_flags(small_disk)) as server:
+        complete(server, PROMPT, 40)
+        problem = error(slot_action(server, "save", "conv.bin"), 507)
+        assert "no space left" in problem["message"] and problem["param"] == "filename"
+        assert list(small_disk.iterdir()) == []
+        complete(server, PROMPT, 4)

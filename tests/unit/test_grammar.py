@@ -255,3 +255,23 @@ def test_chat_template_flag_reads_and_checks_a_jinja_file(tmp_path, tok):
     ids = custom.encode_chat([{"role": "user", "content": "hi"}], tools=[WEATHER])
     assert custom.decode(ids) == "[user] hi\nTOOLS ['get_weather']"
     assert "[user]" not in tok.decode(tok.encode_chat([{"role": "user", "content": "hi"}]))
+
+
+def test_a_grammar_the_checker_cannot_finish_in_time_is_refused_and_the_next_one_compiles(tok):
+    """The child is killed past its time limit and a new one checks the next grammar."""
+    grammars = Grammars(tok)
+    grammars.checker.timeout = 1e-6
+    with pytest.raises(GrammarError, match="took longer than"):
+        grammars.compile(Grammar.from_regex("[a-z]{1,40}@[a-z]{1,40}"))
+    grammars.checker.timeout = 60
+    assert grammars.compile(Grammar.from_regex("[0-9]+")) is not None
+    grammars.checker.close()
+
+
+def test_a_grammar_that_kills_the_checker_is_refused_and_the_next_one_compiles(tok):
+    chain = "start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(4000)) + 'r4000: "a"'
+    grammars = Grammars(tok)
+    with pytest.raises(GrammarError, match="crashed compiling it"):
+        grammars.compile(Grammar.from_gbnf(chain))
+    assert grammars.compile(Grammar.from_regex("[0-9]+")) is not None
+    grammars.checker.close()
