@@ -1,5 +1,5 @@
 """Streaming detokenizers compared: kvpark's hand-written IncrementalDetokenizer against
-`tokenizers.decoders.DecodeStream` (what pod/text_output.py uses), per token, with the default
+`tokenizers.decoders.DecodeStream` (what pod/core/text_output.py uses), per token, with the default
 model's tokenizer.
 
     python benchmarks/detok.py --tokens 30000 --out benchmarks/results/detok.json
@@ -18,9 +18,9 @@ import time
 
 from workload import print_table, write_json
 
+from kvpark.pod.core.text_output import StreamDetokenizer
 from kvpark.pod.model.loader import builtin_tokenizer
 from kvpark.pod.model.tokenizer import IncrementalDetokenizer
-from kvpark.pod.text_output import StreamDetokenizer
 
 SAMPLES = [
     "The quick brown fox jumps over the lazy dog. It was the best of times, it was the worst "

@@ -54,19 +54,19 @@ from kvpark.kernels.kv_copy import (  # noqa: E402
     make_copy_engine,
 )
 from kvpark.kernels.torch_paged import TorchPagedAttention  # noqa: E402
-from kvpark.pod.cuda_graphs import DecodeGraphRunner  # noqa: E402
-from kvpark.pod.engine import Engine  # noqa: E402
-from kvpark.pod.host_store import HostStore  # noqa: E402
-from kvpark.pod.kv_pool import KVPool  # noqa: E402
+from kvpark.pod.core.engine import Engine  # noqa: E402
+from kvpark.pod.core.messages import Submission  # noqa: E402
+from kvpark.pod.core.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from kvpark.pod.core.sequence import Sequence  # noqa: E402
+from kvpark.pod.core.swap import Swapper  # noqa: E402
+from kvpark.pod.memory.host_store import HostStore  # noqa: E402
+from kvpark.pod.memory.kv_pool import KVPool  # noqa: E402
+from kvpark.pod.memory.prefix_cache import PrefixCache  # noqa: E402
 from kvpark.pod.model.llama import LlamaModel  # noqa: E402
 from kvpark.pod.model.synthetic import synthetic_config, synthetic_weights  # noqa: E402
-from kvpark.pod.prefix_cache import PrefixCache  # noqa: E402
-from kvpark.pod.runner import ModelRunner  # noqa: E402
-from kvpark.pod.sampling import SamplingParams  # noqa: E402
-from kvpark.pod.scheduler import Scheduler, SchedulerConfig  # noqa: E402
-from kvpark.pod.slot import Sequence  # noqa: E402
-from kvpark.pod.submission import Submission  # noqa: E402
-from kvpark.pod.swap import Swapper  # noqa: E402
+from kvpark.pod.sampling.sampler import SamplingParams  # noqa: E402
+from kvpark.pod.worker.cuda_graphs import DecodeGraphRunner  # noqa: E402
+from kvpark.pod.worker.runner import ModelRunner  # noqa: E402
 
 PAGE_SIZE = 16
 
@@ -379,7 +379,8 @@ class ChatRecorder:
         self.pages_from_cache = 0  # full pages resumes found still cached
         self.pages_released = 0  # of the full pages their parks left in the cache
 
-    def on_event(self, seq: Sequence, kind: str, text: str) -> None:
+    def on_event(self, seq: Sequence, kind: str) -> None:
+        """The scheduler's engine-thread hook (`Scheduler.on_event`)."""
         now = time.perf_counter()
         if kind == "resumed":
             self.resumed_at[seq.seq_id] = (seq.parking.mode.value, now)
@@ -400,14 +401,14 @@ def chat_budgets(pool: KVPool, cfg: BenchConfig) -> list[tuple[str, int]]:
     return [("ample", -1), ("inside park range", one_park * 3 // 2), ("0", 0)]
 
 
-def chat_sequences(cfg: BenchConfig, recorder: ChatRecorder, vocab: int) -> list[Sequence]:
+def chat_sequences(cfg: BenchConfig, vocab: int) -> list[Sequence]:
     seqs = []
     for i in range(NUM_CHATS):
         gen = torch.Generator().manual_seed(i)
         prompt = torch.randint(0, vocab, (cfg.chats.prompt + 16 * i,), generator=gen).tolist()
         params = SamplingParams(temperature=0, max_tokens=cfg.chats.output, ignore_eos=True)
         seqs.append(Sequence(Submission(f"chat{i}", tuple(prompt), params, None,
-                                        recorder.on_event), torch.Generator()))
+                                        lambda event: None), torch.Generator()))
     return seqs
 
 
@@ -415,10 +416,11 @@ def run_chats(model: LlamaModel, runner: ModelRunner, cfg: BenchConfig, pool: KV
               budget: int) -> tuple[list[Sequence], Scheduler, ChatRecorder, float]:
     host = HostStore(budget, pin_memory=cfg.device.type == "cuda")
     config = SchedulerConfig(num_slots=NUM_CHATS, max_context=pool.capacity_tokens)
-    scheduler = Scheduler(config, Swapper(pool, host, make_copy_engine(pool)))
-    engine = Engine(scheduler, runner, frozenset())
+    scheduler = Scheduler(config, pool, Swapper(pool, host, make_copy_engine(pool)))
+    engine = Engine(scheduler, runner)
     recorder = ChatRecorder(NUM_CHATS)
-    seqs = chat_sequences(cfg, recorder, model.config.vocab_size)
+    scheduler.on_event = recorder.on_event
+    seqs = chat_sequences(cfg, model.config.vocab_size)
     engine.start()
     started = time.perf_counter()
     # the harness keeps its sequences to read them after (the HTTP side submits values)

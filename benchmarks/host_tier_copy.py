@@ -17,10 +17,10 @@ import time
 from workload import print_table, write_json
 
 from kvpark.kernels.kv_copy import SyncCopyEngine
-from kvpark.pod.host_store import HostStore
-from kvpark.pod.host_tier import HostTier
-from kvpark.pod.kv_pool import KVPool
-from kvpark.pod.prefix_cache import PrefixCache
+from kvpark.pod.memory.host_store import HostStore
+from kvpark.pod.memory.host_tier import HostTier
+from kvpark.pod.memory.kv_pool import KVPool
+from kvpark.pod.memory.prefix_cache import PrefixCache
 
 LAYERS, KV_HEADS, HEAD_DIM, PAGE_SIZE, NUM_PAGES = 30, 3, 64, 16, 512
 

@@ -26,7 +26,8 @@ from kvpark.kernels.attention import StepLayout
 from kvpark.kernels.cpu_features import detect
 from kvpark.kernels.cpu_paged import CpuPagedAttention
 from kvpark.kernels.quant_linear import quant_linear
-from kvpark.pod.model.llama import MIN_INVARIANT_ROWS, LlamaModel, pad_rows
+from kvpark.pod.model.linear import MIN_INVARIANT_ROWS, pad_rows
+from kvpark.pod.model.llama import LlamaModel
 from kvpark.pod.model.loader import load_model_files
 
 Case = tuple[str, Callable[[], object], int, int]  # name, run, torch threads, kernel threads

@@ -29,22 +29,23 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import kvpark.pod.model.llama as llama_module
-import kvpark.pod.runner as runner_module
+import kvpark.pod.worker.runner as runner_module
 from kvpark.kernels import cpu_paged, worker_pool
 from kvpark.kernels.attention import AttentionBackend
 from kvpark.kernels.cpu_paged import CpuPagedAttention
 from kvpark.kernels.layer_ops import FusedLayer, FusedStack
 from kvpark.kernels.torch_paged import TorchPagedAttention
-from kvpark.pod.host_store import HostStore
-from kvpark.pod.kv_pool import KVPool
-from kvpark.pod.model.llama import LlamaModel, WeightFormat
+from kvpark.pod.core.messages import Submission
+from kvpark.pod.core.scheduler import Scheduler, SchedulerConfig
+from kvpark.pod.core.sequence import Sequence
+from kvpark.pod.core.swap import Swapper
+from kvpark.pod.memory.host_store import HostStore
+from kvpark.pod.memory.kv_pool import KVPool
+from kvpark.pod.model.linear import WeightFormat
+from kvpark.pod.model.llama import LlamaModel
 from kvpark.pod.model.loader import LoadedModel, load_model_files
-from kvpark.pod.runner import ModelRunner
-from kvpark.pod.sampling import SamplingParams, make_generator
-from kvpark.pod.scheduler import Scheduler, SchedulerConfig
-from kvpark.pod.slot import Sequence
-from kvpark.pod.submission import Submission
-from kvpark.pod.swap import Swapper
+from kvpark.pod.sampling.sampler import SamplingParams, make_generator
+from kvpark.pod.worker.runner import ModelRunner
 
 PAGE_SIZE = 16
 STAGES = ("scheduler", "runner", "forward", "lm_head", "sampling", "postprocess")
@@ -150,7 +151,7 @@ def build_setup(variant: Variant, loaded: LoadedModel, batch: int, context: int,
     num_pages = 2 * batch * -(-(context + max_new + 1) // PAGE_SIZE)
     pool = KVPool(config.num_layers, num_pages, PAGE_SIZE, config.num_kv_heads, config.head_dim,
                   dtype=variant.kv_dtype)
-    scheduler = Scheduler(SchedulerConfig(num_slots=batch), Swapper(pool, HostStore(-1)))
+    scheduler = Scheduler(SchedulerConfig(num_slots=batch), pool, Swapper(pool, HostStore(-1)))
     runner = ModelRunner(model, pool, backend)
     model.forward = CLOCK.wrap("forward", model.forward)
     model.logits = CLOCK.wrap("lm_head", without_matmul(model.logits))

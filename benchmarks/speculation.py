@@ -167,11 +167,11 @@ def launch(flags: str, model: str, threads: int) -> ServerProcess:
 def step_rows(threads: int, rounds: int = 7, max_rows: int = 8) -> None:
     """ms per step for `batch` sequences of `rows` rows each, median over alternating rounds."""
     from kvpark.pod.args import parse_args
-    from kvpark.pod.sampling import SamplingParams, make_generator
-    from kvpark.pod.server import build_stack
-    from kvpark.pod.slot import Sequence
-    from kvpark.pod.step_plan import ScheduledSeq
-    from kvpark.pod.submission import Submission
+    from kvpark.pod.core.messages import Submission
+    from kvpark.pod.core.sequence import Sequence
+    from kvpark.pod.core.step_plan import ScheduledSeq
+    from kvpark.pod.sampling.sampler import SamplingParams, make_generator
+    from kvpark.pod.serving.stack import build_stack
 
     stack = build_stack(parse_args(["--model", "builtin://smollm2-135m", "-np", "4", "-c", "8192",
                                     "--weights", "gguf", "--threads", str(threads)], env={}))

@@ -5,7 +5,7 @@ and hands back a `Ticket`; `poll` says whether the bytes have landed, `wait` blo
 have. `SyncCopyEngine` finishes before it returns; `CudaAsyncCopyEngine` runs the copies on a
 separate CUDA stream into pinned buffers, so decoding of other slots goes on meanwhile. Both
 move bytes with the one `copy_out` / `copy_in`. Which sequence a copy belongs to, and what to
-give back when it lands, is the serving side's business (`kvpark.pod.swap`).
+give back when it lands, is the serving side's business (`kvpark.pod.core.swap`).
 
 The host tier of the prefix cache keeps pages one by one (each `[layers, 2, ps, Hkv, D]`, so one
 can be dropped alone): `save` and `load` move such pages and are *ordered*, not waited on: work
@@ -29,7 +29,7 @@ _ticket_ids = itertools.count()
 
 
 class PagePool(Protocol):
-    """What the engines need of `kvpark.pod.kv_pool.KVPool` (kernels never import pod/)."""
+    """What the engines need of `kvpark.pod.memory.kv_pool.KVPool` (kernels never import pod/)."""
 
     caches: list[torch.Tensor]  # per layer: [pages, 2, page_size, Hkv, D]
     device: torch.device

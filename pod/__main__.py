@@ -7,20 +7,19 @@ import logging
 import math
 import socket
 import sys
-import threading
 
 import uvicorn
 
-from .api import create_app
 from .args import parse_args
-from .connections import (
+from .http.app import create_app
+from .http.connections import (
     AcceptErrorLog,
     get_limits,
     make_protocol,
     raise_fd_limit,
     redact_access_log,
 )
-from .lifecycle import DRAIN_GRACE_SECONDS, Server
+from .http.lifecycle import DRAIN_GRACE_SECONDS, Server
 
 log = logging.getLogger("kvpark")
 
@@ -34,6 +33,8 @@ class DrainingServer(uvicorn.Server):
         self.api = api
         self.timeout = timeout
         self.draining = False
+        self.loop: asyncio.AbstractEventLoop | None = None  # set at startup
+        self.drains: set[asyncio.Task[None]] = set()  # held: a task nobody holds may vanish
 
     def handle_exit(self, sig: int, frame: object) -> None:
         if self.draining:
@@ -41,15 +42,24 @@ class DrainingServer(uvicorn.Server):
             super().handle_exit(sig, frame)
             return
         self.draining = True
+        if self.loop is None:  # before startup: nothing was admitted
+            super().handle_exit(sig, frame)
+            return
         log.info("signal %d: draining for up to %.0f s", sig, self.timeout)
-        threading.Thread(target=self._drain_then_exit, name="kvpark-drain", daemon=True).start()
+        # a signal handler may not await: the drain is a task on the event loop
+        self.loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        assert self.loop is not None
+        self.drains.add(self.loop.create_task(self._drain_then_exit()))
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        asyncio.get_running_loop().set_exception_handler(AcceptErrorLog())
+        self.loop = asyncio.get_running_loop()
+        self.loop.set_exception_handler(AcceptErrorLog())
         await super().startup(sockets)
 
-    def _drain_then_exit(self) -> None:
-        self.api.drain(self.timeout)
+    async def _drain_then_exit(self) -> None:
+        await self.api.drain(self.timeout)
         self.should_exit = True
 
 

@@ -8,7 +8,7 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
-from kvpark.pod.batch_invariance import cap_onednn  # noqa: E402
+from kvpark.pod.worker.batch_invariance import cap_onednn  # noqa: E402
 
 # as the server does at start, before anything asks oneDNN which ISA it may use: the in-process
 # tests build batch-invariant models, which need AMX kept out of oneDNN where the CPU has it

@@ -2,8 +2,8 @@
 lists, for tests that check every page is in exactly one place (the serving code needs only
 the counts)."""
 
-from kvpark.pod.kv_pool import KVPool
-from kvpark.pod.prefix_cache import PrefixCache
+from kvpark.pod.memory.kv_pool import KVPool
+from kvpark.pod.memory.prefix_cache import PrefixCache
 
 
 def free_page_ids(pool: KVPool) -> list[int]:

@@ -17,20 +17,20 @@ from gpu_common import DEVICE, DTYPE
 from kvpark.kernels.flashinfer_paged import AttentionShape, FlashInferPagedAttention
 from kvpark.kernels.kv_copy import CopyEngine, SyncCopyEngine, Ticket, make_copy_engine
 from kvpark.kernels.torch_paged import TorchPagedAttention
-from kvpark.pod.cuda_graphs import DecodeGraphRunner
-from kvpark.pod.engine import Engine
-from kvpark.pod.host_store import HostStore
-from kvpark.pod.host_tier import HostTier
-from kvpark.pod.kv_pool import KVPool
+from kvpark.pod.core.engine import Engine
+from kvpark.pod.core.messages import Submission
+from kvpark.pod.core.scheduler import Scheduler, SchedulerConfig
+from kvpark.pod.core.sequence import Sequence
+from kvpark.pod.core.step_plan import ScheduledSeq
+from kvpark.pod.core.swap import Swapper
+from kvpark.pod.memory.host_store import HostStore
+from kvpark.pod.memory.host_tier import HostTier
+from kvpark.pod.memory.kv_pool import KVPool
+from kvpark.pod.memory.prefix_cache import PrefixCache
 from kvpark.pod.model.llama import LlamaModel
-from kvpark.pod.prefix_cache import PrefixCache
-from kvpark.pod.runner import ModelRunner
-from kvpark.pod.sampling import SamplingParams
-from kvpark.pod.scheduler import Scheduler, SchedulerConfig
-from kvpark.pod.slot import Sequence
-from kvpark.pod.step_plan import ScheduledSeq
-from kvpark.pod.submission import Submission
-from kvpark.pod.swap import Swapper
+from kvpark.pod.sampling.sampler import SamplingParams
+from kvpark.pod.worker.cuda_graphs import DecodeGraphRunner
+from kvpark.pod.worker.runner import ModelRunner
 
 PAGE_SIZE = 16
 VOCAB = 49152  # synthetic:smollm2-135m's
@@ -86,7 +86,7 @@ class RecordingCopy(CopyEngine):
 
 
 class Stack:
-    """One model's serving stack as `pod/server.py` builds it on CUDA.
+    """One model's serving stack as `pod/serving/stack.py` builds it on CUDA.
 
     graphs: "graph" (captured, the server's default), "no-graph" (the same graph-mode wrappers
     and buffers run eagerly: the same kernels without a graph) or None (the plain eager path).
@@ -121,10 +121,11 @@ class Stack:
             self.pool.tier = HostTier(self.host, self.copy, self.pool.host_page_shape, DTYPE)
         config = SchedulerConfig(num_slots=num_slots, batch_size=batch_size,
                                  preempt_high=1.0, preempt_low=1.0)
-        self.scheduler = Scheduler(config, Swapper(self.pool, self.host, self.copy))
+        self.scheduler = Scheduler(config, self.pool, Swapper(self.pool, self.host, self.copy),
+                                   eos_ids)
         self.engine = Engine(self.scheduler, ModelRunner(model, self.pool, self.backend,
                                                          graphs=self.graphs),
-                             eos_ids, on_step=self._count_step)
+                             on_step=self._count_step)
         self.decode_steps = 0  # steps whose every row fed one token (what graphs can run)
 
     @property
@@ -156,12 +157,10 @@ def random_tokens(num: int, seed: int) -> list[int]:
 
 
 def make_seq(name: str, prompt: list[int], max_tokens: int, constraint=None,
-             ignore_eos: bool = True,
-             on_event: Callable[[Sequence, str, str], object] | None = None) -> Sequence:
+             ignore_eos: bool = True) -> Sequence:
     """A greedy request (temperature 0), as the API would hand it to the engine."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos)
-    return Sequence(Submission(name, tuple(prompt), params, None,
-                               on_event or (lambda seq, kind, text: None)),
+    return Sequence(Submission(name, tuple(prompt), params, None, lambda event: None),
                     torch.Generator(), constraint=constraint)
 
 

@@ -18,7 +18,7 @@ from gpu_stack import (
 from page_sets import free_page_ids
 
 from kvpark.kernels.kv_copy import CopyKind
-from kvpark.pod.slot import Phase, PreemptMode
+from kvpark.pod.core.sequence import Phase, PreemptMode
 
 pytestmark = pytest.mark.gpu
 

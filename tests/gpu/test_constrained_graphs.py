@@ -167,8 +167,9 @@ def test_llguidance_grammars_in_cuda_graphs_equal_the_same_kernels_without_a_gra
         "llguidance", reason="llguidance is not installed here (the server's grammars use it)")
     pytest.importorskip("numpy", reason="numpy is not installed here (grammar.py needs it)")
     grammar_module = pytest.importorskip(
-        "kvpark.pod.grammar",
-        reason="kvpark.pod.grammar does not import here (it needs the tokenizer's packages)")
+        "kvpark.pod.sampling.grammar",
+        reason="kvpark.pod.sampling.grammar does not import here (it needs the tokenizer's "
+               "packages)")
     lltok = llguidance.LLTokenizer(llguidance.TokenizerWrapper(ByteTokens()))
     grammar = (grammar_module.Grammar.from_gbnf(GBNF) if kind == "gbnf"
                else grammar_module.Grammar.from_json_schema(SCHEMA))

@@ -8,8 +8,8 @@ from gpu_stack import no_graph_capture
 
 from kvpark.kernels.attention import StepLayout
 from kvpark.kernels.flashinfer_paged import AttentionShape, FlashInferPagedAttention
-from kvpark.pod.cuda_graphs import DecodeGraphRunner
-from kvpark.pod.kv_pool import KVPool
+from kvpark.pod.memory.kv_pool import KVPool
+from kvpark.pod.worker.cuda_graphs import DecodeGraphRunner
 
 pytestmark = pytest.mark.gpu
 

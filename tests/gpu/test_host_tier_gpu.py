@@ -14,7 +14,7 @@ from gpu_stack import (
     same_bytes,
 )
 
-from kvpark.pod.slot import PreemptMode
+from kvpark.pod.core.sequence import PreemptMode
 
 pytestmark = pytest.mark.gpu
 

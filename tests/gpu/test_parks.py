@@ -8,15 +8,15 @@ from gpu_common import DEVICE, DTYPE
 from kvpark.kernels.flashinfer_paged import AttentionShape, FlashInferPagedAttention
 from kvpark.kernels.kv_copy import CudaAsyncCopyEngine, SyncCopyEngine, make_copy_engine
 from kvpark.kernels.torch_paged import TorchPagedAttention
-from kvpark.pod.engine import Engine
-from kvpark.pod.host_store import HostStore
-from kvpark.pod.kv_pool import KVPool
-from kvpark.pod.runner import ModelRunner
-from kvpark.pod.sampling import SamplingParams
-from kvpark.pod.scheduler import Scheduler, SchedulerConfig
-from kvpark.pod.slot import Sequence
-from kvpark.pod.submission import Submission
-from kvpark.pod.swap import Swapper
+from kvpark.pod.core.engine import Engine
+from kvpark.pod.core.messages import Submission
+from kvpark.pod.core.scheduler import Scheduler, SchedulerConfig
+from kvpark.pod.core.sequence import Sequence
+from kvpark.pod.core.swap import Swapper
+from kvpark.pod.memory.host_store import HostStore
+from kvpark.pod.memory.kv_pool import KVPool
+from kvpark.pod.sampling.sampler import SamplingParams
+from kvpark.pod.worker.runner import ModelRunner
 
 pytestmark = pytest.mark.gpu
 
@@ -102,8 +102,8 @@ def test_forced_parks_run_to_completion(request, smollm2, backend_name, budget, 
     else:
         backend = TorchPagedAttention(DEVICE)
     config = SchedulerConfig(num_slots=3, batch_size=64, preempt=True, preempt_every=4)
-    scheduler = Scheduler(config, Swapper(pool, HostStore(budget, pin_memory=True)))
-    engine = Engine(scheduler, ModelRunner(smollm2, pool, backend), frozenset())
+    scheduler = Scheduler(config, pool, Swapper(pool, HostStore(budget, pin_memory=True)))
+    engine = Engine(scheduler, ModelRunner(smollm2, pool, backend))
     seqs = [make_seq(n, max_tokens=12) for n in (20, 37, 70)]
     for seq in seqs:
         scheduler.add(seq)

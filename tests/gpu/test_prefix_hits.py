@@ -47,13 +47,14 @@ def two_prompts() -> tuple[list[int], list[int]]:
 
 
 class FirstPageTable:
-    """on_event hook: the page table a sequence held when it sampled its first token."""
+    """The scheduler's on_event hook: the page table a sequence held when it sampled its first
+    token."""
 
     def __init__(self) -> None:
         self.table: list[int] | None = None
 
-    def __call__(self, seq, kind, text) -> None:
-        if kind == "token" and self.table is None:
+    def __call__(self, seq, event) -> None:
+        if event == "token" and self.table is None:
             self.table = list(seq.page_table)
 
 
@@ -75,8 +76,8 @@ def test_a_prefix_hit_reuses_the_pages_and_gives_the_cache_off_output_bit_for_bi
     shared_kv = kv_rows(stack.pool, shared_pages, SHARED).clone()
 
     recorder, tables = LogitsRecorder(), FirstPageTable()
-    second = make_seq("second", second_prompt, max_tokens=16, constraint=recorder,
-                      on_event=tables)
+    second = make_seq("second", second_prompt, max_tokens=16, constraint=recorder)
+    stack.scheduler.on_event = tables
     stack.run(second)
     assert second.finish_reason == "length" and second.num_generated == 16
     assert second.num_cached == SHARED

@@ -24,7 +24,7 @@ import yaml
 from crd_check import check_crd, check_resource
 from kmock_harness import REPO
 
-from kvpark.operator import crd
+from kvpark.operator import crd, defaulting
 from kvpark.operator.__main__ import main
 
 SCHEMA = crd.get_openapi_schema()
@@ -267,7 +267,7 @@ def test_every_object_default_is_written_filled() -> None:
     defaults = object_defaults(SCHEMA)
     assert {p for p, _, _ in defaults} >= {".spec", ".spec.model", ".spec.strategy"}
     for path, node, default in defaults:
-        assert default == crd.with_defaults(node, {}) or default == crd.with_defaults(
+        assert default == defaulting.with_defaults(node, {}) or default == defaulting.with_defaults(
             node, default), path
     assert SCHEMA["properties"]["spec"]["default"]["strategy"] == {
         "type": "RollingUpdate", "maxSurge": 1, "maxUnavailable": 0}
@@ -283,10 +283,10 @@ def test_the_generator_fills_a_new_default_and_refuses_a_rule_it_cannot_feed() -
                            "high": {"type": "integer"}},
             "x-kubernetes-validations": [{"rule": rule, "message": "m"}]}}}
 
-    filled = crd.get_checked_schema(node("!has(self.high) || self.low <= self.high"))
+    filled = defaulting.get_checked_schema(node("!has(self.high) || self.low <= self.high"))
     assert filled["properties"]["thing"]["default"] == {"low": 1}
     with pytest.raises(ValueError, match=r"thing: rule 'self.low <= self.high' reads high"):
-        crd.get_checked_schema(node("self.low <= self.high"))
+        defaulting.get_checked_schema(node("self.low <= self.high"))
 
 
 def mutated(change: Any) -> dict:

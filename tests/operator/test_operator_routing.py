@@ -1,5 +1,5 @@
 """Routing and dashboards: the InferencePool for a Gateway's endpoint picker, the metric names the
-picker and the Grafana dashboard read, checked against what pod/metrics.py exports.
+picker and the Grafana dashboard read, checked against what pod/metrics/prometheus.py exports.
 
 InferencePool belongs to CRDs that kubernetes-validate's official schemas lack: its fields are
 checked against a transcription of the upstream CRDs' required fields (v1alpha2 from
@@ -119,8 +119,8 @@ def test_routing_schema() -> None:
 
 
 def exported_metrics() -> set[str]:
-    """Every series name pod/metrics.py exposes, as Prometheus scrapes them."""
-    tree = ast.parse((REPO / "pod" / "metrics.py").read_text())
+    """Every series name pod/metrics/prometheus.py exposes, as Prometheus scrapes them."""
+    tree = ast.parse((REPO / "pod" / "metrics" / "prometheus.py").read_text())
     names: set[str] = set()
     for node in ast.walk(tree):
         if not (isinstance(node, ast.Call) and node.args

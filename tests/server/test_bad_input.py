@@ -224,8 +224,8 @@ def test_an_unexpected_exception_in_a_route_is_a_json_500():
     import uvicorn
     from starlette.routing import Route
 
-    from kvpark.pod.api import create_app
     from kvpark.pod.args import ServerArgs
+    from kvpark.pod.http.app import create_app
 
     async def broken(request):
         raise RuntimeError("a bug")

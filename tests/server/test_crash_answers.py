@@ -16,7 +16,7 @@ from starlette.middleware import Middleware
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from kvpark.pod.error_handlers import EXCEPTION_HANDLERS, AnswerCrashes
+from kvpark.pod.http.error_handlers import EXCEPTION_HANDLERS, AnswerCrashes
 
 
 async def crash(request):
@@ -77,8 +77,8 @@ def test_a_crash_after_the_response_began_closes_the_connection(url):
 
 
 def test_the_servers_app_answers_crashes_itself():
-    from kvpark.pod.api import create_app
     from kvpark.pod.args import parse_args
+    from kvpark.pod.http.app import create_app
 
     app = create_app(parse_args([]))
     assert [m.cls for m in app.user_middleware][-1] is AnswerCrashes  # innermost: CORS outside

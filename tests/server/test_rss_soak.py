@@ -24,7 +24,7 @@ import random
 import pytest
 from serverproc import ServerProcess
 
-from kvpark.pod.model.llama import get_gemm_rows
+from kvpark.pod.model.linear import get_gemm_rows
 
 # prompt lengths: one chunk each at the default --batch-size (512), and past EXACT_GEMM_ROWS
 # (16): the row counts that are padded

@@ -4,11 +4,11 @@ admission check, the server-wide defaults) agrees with it."""
 import jsonschema
 import pytest
 
-from kvpark.pod.api_fields import API_FIELDS, COMMON_MAX_TOKENS, UNLIMITED_AT_NO_LIMIT
-from kvpark.pod.input_limits import InputLimits
-from kvpark.pod.openapi import get_openapi
-from kvpark.pod.request_errors import ApiError
-from kvpark.pod.sampling_fields import sampling_params
+from kvpark.pod.http.openapi import get_openapi
+from kvpark.pod.requests.errors import ApiError
+from kvpark.pod.requests.fields import API_FIELDS, COMMON_MAX_TOKENS, UNLIMITED_AT_NO_LIMIT
+from kvpark.pod.requests.input_limits import InputLimits
+from kvpark.pod.requests.sampling_fields import sampling_params
 
 MAX_CONTEXT = 512
 REQUEST_SCHEMA = {"chat": "ChatRequest", "completion": "CompletionRequest",

@@ -38,8 +38,8 @@ def test_weights_flag_and_its_reach():
     import torch
 
     from kvpark.kernels.cpu_features import CpuFeatures
-    from kvpark.pod.model.llama import WeightFormat
-    from kvpark.pod.server import pick_weight_format
+    from kvpark.pod.model.linear import WeightFormat
+    from kvpark.pod.serving.choices import pick_weight_format
 
     assert parse_args([], env={}).weights == "auto"
     assert parse_args([], env={"KVPARK_WEIGHTS": "bf16"}).weights == "bf16"
@@ -111,7 +111,7 @@ def test_admin_key_never_reaches_a_log():
 
 
 def test_input_limits_from_flags_and_environment():
-    from kvpark.pod.input_limits import CHARS_PER_TOKEN, InputLimits
+    from kvpark.pod.requests.input_limits import CHARS_PER_TOKEN, InputLimits
 
     args = parse_args([], env={})
     assert (args.max_messages, args.max_prompt_chars) == (4096, 0)
@@ -168,7 +168,7 @@ def test_more_threads_than_cores_is_warned(monkeypatch, caplog):
     import logging
 
     from kvpark.kernels.cores import Cores
-    from kvpark.pod import autotune
+    from kvpark.pod.worker import autotune
 
     monkeypatch.setattr(autotune, "usable_cores", lambda: Cores(2, "CPU quota 1.5 in cpu.max"))
     with caplog.at_level(logging.WARNING, logger="kvpark.autotune"):
@@ -182,7 +182,7 @@ def test_more_threads_than_cores_is_warned(monkeypatch, caplog):
 
 def test_kernel_threads_flag_env_and_default():
     from kvpark.kernels import worker_pool
-    from kvpark.pod.autotune import pick_kernel_threads
+    from kvpark.pod.worker.autotune import pick_kernel_threads
 
     assert parse_args([], env={}).kernel_threads == 0
     assert parse_args(["--kernel-threads", "2"], env={}).kernel_threads == 2

@@ -11,20 +11,20 @@ import torch
 from fake_copy import FakeCopyEngine
 from page_sets import free_page_ids
 
-from kvpark.pod.host_store import HostStore
-from kvpark.pod.kv_pool import KVPool
-from kvpark.pod.sampling import SamplingParams
-from kvpark.pod.scheduler import Scheduler, SchedulerConfig
-from kvpark.pod.slot import Phase, PreemptMode, Sequence
-from kvpark.pod.submission import Submission
-from kvpark.pod.swap import Swapper
+from kvpark.pod.core.messages import Submission
+from kvpark.pod.core.scheduler import Scheduler, SchedulerConfig
+from kvpark.pod.core.sequence import Phase, PreemptMode, Sequence
+from kvpark.pod.core.swap import Swapper
+from kvpark.pod.memory.host_store import HostStore
+from kvpark.pod.memory.kv_pool import KVPool
+from kvpark.pod.sampling.sampler import SamplingParams
 
 
 def make(num_pages=16):
     pool = KVPool(num_layers=2, num_pages=num_pages, page_size=4, num_kv_heads=1, head_dim=2)
     copy = FakeCopyEngine(pool)
     config = SchedulerConfig(num_slots=2, batch_size=64, preempt_high=1.0, preempt_low=1.0)
-    return Scheduler(config, Swapper(pool, HostStore(-1), copy)), pool, copy
+    return Scheduler(config, pool, Swapper(pool, HostStore(-1), copy)), pool, copy
 
 
 def running_seq(scheduler, pool, n_tokens, fill):
@@ -76,8 +76,8 @@ def test_cancel_mid_copy_frees_everything_once_the_copy_lands():
     scheduler, pool, copy = make()
     seq = running_seq(scheduler, pool, 10, fill=1.0)
     finished = []
-    seq.request = dataclasses.replace(seq.request, report=lambda s, kind, token: finished.append(
-        kind) if kind == "finished" else None)
+    seq.request = dataclasses.replace(seq.request, sink=lambda event: finished.append(
+        event.kind) if event.kind == "finished" else None)
     scheduler.park(seq, wait=False)
     held = scheduler.swapper.host.held_bytes
     scheduler.finish(seq, reason="cancelled")

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvpark.pod import budget as b
+from kvpark.pod.memory import budget as b
 
 MIB = b.MIB
 

@@ -7,14 +7,14 @@ import resource
 
 from kvpark.pod.__main__ import graceful_timeout
 from kvpark.pod.args import parse_args
-from kvpark.pod.connections import (
+from kvpark.pod.http.connections import (
     AcceptErrorLog,
     RedactedQueries,
     get_limits,
     raise_fd_limit,
     redact_query,
 )
-from kvpark.pod.lifecycle import DRAIN_GRACE_SECONDS
+from kvpark.pod.http.lifecycle import DRAIN_GRACE_SECONDS
 
 
 class FakeClock:

@@ -15,19 +15,14 @@ import torch.nn.functional as F
 from kvpark.kernels import cpu_features, onednn_isa
 from kvpark.kernels.attention import StepLayout
 from kvpark.kernels.torch_paged import TorchPagedAttention
-from kvpark.pod.batch_invariance import probe_gemm_kernels
-from kvpark.pod.kv_pool import KVPool
+from kvpark.pod.memory.kv_pool import KVPool
 from kvpark.pod.model.config import ModelConfig
-from kvpark.pod.model.llama import (
-    Linear,
-    LlamaModel,
-    WeightFormat,
-    apply_rope,
-    rms_norm,
-    rope_cos_sin,
-)
+from kvpark.pod.model.layers import apply_rope, rms_norm, rope_cos_sin
+from kvpark.pod.model.linear import Linear, WeightFormat
+from kvpark.pod.model.llama import LlamaModel
 from kvpark.pod.model.loader import LoadedModel
 from kvpark.pod.model.synthetic import synthetic_config, synthetic_weights
+from kvpark.pod.worker.batch_invariance import probe_gemm_kernels
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cpu_isa import requires_bf16_gemm  # noqa: E402

@@ -9,8 +9,8 @@ import torch
 
 from kvpark.kernels.cpu_features import MAX_ISA_ENV, CpuFeatures, Isa, cap_flags, detect
 from kvpark.pod.args import parse_args
-from kvpark.pod.model.llama import WeightFormat
-from kvpark.pod.server import pick_weight_format
+from kvpark.pod.model.linear import WeightFormat
+from kvpark.pod.serving.choices import pick_weight_format
 
 AVX512_EPYC = frozenset({"sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl",
                          "avx512dq", "avx512_bf16"})

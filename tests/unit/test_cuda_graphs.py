@@ -15,17 +15,17 @@ import torch
 from kvpark.kernels.attention import StepLayout
 from kvpark.kernels.flashinfer_paged import AttentionShape, FlashInferPagedAttention
 from kvpark.kernels.torch_paged import TorchPagedAttention
-from kvpark.pod.cuda_graphs import (
+from kvpark.pod.memory.kv_pool import KVPool
+from kvpark.pod.model.config import ModelConfig
+from kvpark.pod.model.llama import LlamaModel
+from kvpark.pod.model.synthetic import synthetic_weights
+from kvpark.pod.worker.cuda_graphs import (
     DecodeGraphRunner,
     choose_bucket,
     get_buckets,
     pad_decode_inputs,
     pad_decode_layout,
 )
-from kvpark.pod.kv_pool import KVPool
-from kvpark.pod.model.config import ModelConfig
-from kvpark.pod.model.llama import LlamaModel
-from kvpark.pod.model.synthetic import synthetic_weights
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fake_flashinfer  # noqa: E402

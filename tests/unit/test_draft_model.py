@@ -25,19 +25,20 @@ from test_speculation import (
     run_to_the_end,
 )
 
-from kvpark.pod.draft_model import Drafter, check_draft
-from kvpark.pod.engine import Engine
-from kvpark.pod.host_store import HostStore
-from kvpark.pod.kv_pool import KVPool
+from kvpark.pod.core.engine import Engine
+from kvpark.pod.core.messages import FinishReason
+from kvpark.pod.core.scheduler import Scheduler, SchedulerConfig
+from kvpark.pod.core.sequence import Phase
+from kvpark.pod.core.speculation import SpecConfig, Speculator
+from kvpark.pod.core.step_plan import ScheduledSeq, add_drafts
+from kvpark.pod.core.swap import Swapper
+from kvpark.pod.memory.host_store import HostStore
+from kvpark.pod.memory.kv_pool import KVPool
+from kvpark.pod.memory.paging import pages_for
+from kvpark.pod.memory.prefix_cache import PrefixCache
 from kvpark.pod.model.synthetic import synthetic_config
-from kvpark.pod.paging import pages_for
-from kvpark.pod.prefix_cache import PrefixCache
-from kvpark.pod.sampling import SamplingParams
-from kvpark.pod.scheduler import Scheduler, SchedulerConfig
-from kvpark.pod.slot import FinishReason, Phase
-from kvpark.pod.speculation import SpecConfig, Speculator
-from kvpark.pod.step_plan import ScheduledSeq, add_drafts
-from kvpark.pod.swap import Swapper
+from kvpark.pod.sampling.sampler import SamplingParams
+from kvpark.pod.worker.draft_model import Drafter, check_draft
 
 PROMPTS = [COPY_PROMPT, [3, 9, 27, 17, 19, 25, 11, 1, 3, 9], [5] * 7]
 
@@ -89,7 +90,8 @@ def make_engine(spec: SpecConfig, num_pages: int = 64, draft=TokenKV, preempt_ev
     runner = RecordingRunner(pool)
     if spec.uses_model:
         runner.drafter = CheckingDrafter(pool, draft(pool))
-    return Engine(Scheduler(config, Swapper(pool, HostStore(budget))), runner, frozenset({EOS}))
+    return Engine(Scheduler(config, pool, Swapper(pool, HostStore(budget)), frozenset({EOS})),
+                  runner)
 
 
 DRAFT = SpecConfig("draft-simple", draft_max=4)
@@ -271,8 +273,8 @@ def test_the_target_as_its_own_draft_writes_the_targets_kv_bits_through_replays(
     from kvpark.pod.args import parse_args
     from kvpark.pod.model.llama import LlamaModel
     from kvpark.pod.model.loader import load_model_files
-    from kvpark.pod.runner import ModelRunner
-    from kvpark.pod.server import pick_blocks
+    from kvpark.pod.serving.choices import pick_blocks
+    from kvpark.pod.worker.runner import ModelRunner
 
     loaded = load_model_files("builtin://smollm2-135m")
     c = loaded.config
@@ -285,8 +287,8 @@ def test_the_target_as_its_own_draft_writes_the_targets_kv_bits_through_replays(
     runner = ModelRunner(model, pool, CpuPagedAttention(),
                          drafter=Drafter(model, CpuPagedAttention(), pool.caches[c.num_layers:],
                                          16))
-    engine = Engine(Scheduler(config, Swapper(pool, HostStore(0))), runner,
-                    loaded.tokenizer.eos_token_ids)
+    engine = Engine(Scheduler(config, pool, Swapper(pool, HostStore(0)),
+                              loaded.tokenizer.eos_token_ids), runner)
     prompt = loaded.tokenizer.encode("<|im_start|>user\nRepeat: one two three four five six "
                                      "seven eight nine ten<|im_end|>\n<|im_start|>assistant\n")
     seq = make_seq(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))

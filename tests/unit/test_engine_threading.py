@@ -3,15 +3,16 @@ sequence is on its way into the scheduler (the SIGTERM drain relies on it), and 
 reads the slots in one piece."""
 
 import threading
+import time
 
-from kvpark.pod.engine import Engine
-from kvpark.pod.handover import Submission, make_sequence
-from kvpark.pod.host_store import HostStore
-from kvpark.pod.kv_pool import KVPool
-from kvpark.pod.sampling import ChunkOutput, Sampled, SamplingParams
-from kvpark.pod.scheduler import Scheduler, SchedulerConfig
-from kvpark.pod.slot import Sequence
-from kvpark.pod.swap import Swapper
+from kvpark.pod.core.engine import Engine, EngineClosed
+from kvpark.pod.core.messages import FinishReason, Submission
+from kvpark.pod.core.scheduler import Scheduler, SchedulerConfig
+from kvpark.pod.core.sequence import Sequence, make_sequence
+from kvpark.pod.core.swap import Swapper
+from kvpark.pod.memory.host_store import HostStore
+from kvpark.pod.memory.kv_pool import KVPool
+from kvpark.pod.sampling.sampler import ChunkOutput, Sampled, SamplingParams
 
 
 class HeldScheduler(Scheduler):
@@ -42,17 +43,17 @@ class GatedRunner:
 
 def make_engine(scheduler_class=Scheduler) -> Engine:
     pool = KVPool(num_layers=1, num_pages=8, page_size=4, num_kv_heads=1, head_dim=2)
-    scheduler = scheduler_class(SchedulerConfig(num_slots=2), Swapper(pool, HostStore(-1)))
-    return Engine(scheduler, GatedRunner(), frozenset({3}))
+    scheduler = scheduler_class(SchedulerConfig(num_slots=2), pool, Swapper(pool, HostStore(-1)),
+                                frozenset({3}))
+    return Engine(scheduler, GatedRunner())
 
 
 def make_submission(finished: threading.Event) -> Submission:
-    def on_event(seq, event, text):
-        if event == "finished":
+    def sink(event):
+        if event.kind == "finished":
             finished.set()
 
-    return Submission("r", (1, 2, 4), SamplingParams(temperature=0, max_tokens=2), None,
-                      on_event)
+    return Submission("r", (1, 2, 4), SamplingParams(temperature=0, max_tokens=2), None, sink)
 
 
 def test_busy_holds_while_a_submission_moves_into_the_scheduler():
@@ -90,3 +91,45 @@ def test_snapshot_shows_each_slot():
     view = engine.snapshot()[seq.slot_id]
     assert view.request_id == "r" and view.num_prompt == 3 and view.phase == "prompt"
     assert engine.capacity.tokens == 32 and engine.capacity.num_slots == 2
+
+
+def test_no_submission_escapes_an_abort_that_interleaves_with_it():
+    """The drain's abort and a request's submit from another thread, racing: every submission
+    is refused (EngineClosed) or ends with the abort's reason; none runs on behind it. The
+    steps are held until the abort, so nothing finishes on its own before it."""
+    engine = make_engine()
+    engine.start()
+    reasons: list[FinishReason] = []
+    refused = threading.Event()
+    submitted = threading.Event()
+
+    def sink(event):
+        if event.kind == "finished":
+            reasons.append(event.result.finish_reason)
+
+    def submit_until_refused() -> None:
+        count = 0
+        while count < 100_000:  # bounded: without the fix submits are never refused
+            try:
+                engine.submit([Submission(f"r{count}", (1, 2, 4),
+                                          SamplingParams(temperature=0, max_tokens=2), None,
+                                          sink)])
+            except EngineClosed:
+                refused.set()
+                return
+            count += 1
+            submitted.set()
+
+    submitter = threading.Thread(target=submit_until_refused)
+    submitter.start()
+    assert submitted.wait(30)
+    engine.abort_all(FinishReason.SHUTDOWN, "shutting down")
+    submitter.join(60)
+    engine.runner.proceed.set()
+    deadline = time.monotonic() + 60
+    while engine.busy and time.monotonic() < deadline:  # polling the state, bounded
+        time.sleep(0.005)
+    engine.stop()
+    assert refused.is_set()
+    assert reasons and set(reasons) == {FinishReason.SHUTDOWN}
+    assert engine.num_unfinished == 0

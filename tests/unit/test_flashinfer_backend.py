@@ -61,7 +61,7 @@ def test_server_picks_a_cpu_backend_on_cpu_and_refuses_flashinfer():
     from kvpark.kernels.cpu_paged import CpuPagedAttention, is_available
     from kvpark.pod.args import ServerArgs
     from kvpark.pod.model.synthetic import synthetic_config
-    from kvpark.pod.server import pick_backend
+    from kvpark.pod.serving.choices import pick_backend
 
     cpu, config = torch.device("cpu"), synthetic_config("tiny")
     auto = pick_backend(ServerArgs(attention_backend="auto"), cpu, config, torch.float32)

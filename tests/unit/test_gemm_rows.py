@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpark.pod.model.llama import EXACT_GEMM_ROWS, Linear, get_gemm_rows
+from kvpark.pod.model.linear import EXACT_GEMM_ROWS, Linear, get_gemm_rows
 
 MAX_ROWS = 8192
 

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from kvpark.pod.args import parse_args
-from kvpark.pod.generation_defaults import (
+from kvpark.pod.requests.generation_defaults import (
     build_defaults,
     config_file,
     defaults_for,

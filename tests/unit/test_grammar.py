@@ -6,12 +6,13 @@ import copy
 import pytest
 import torch
 
-from kvpark.pod import protocol, tools
 from kvpark.pod.args import parse_args
-from kvpark.pod.grammar import Grammar, GrammarError, Grammars
-from kvpark.pod.input_limits import InputLimits
 from kvpark.pod.model.loader import builtin_tokenizer
-from kvpark.pod.request_errors import ApiError
+from kvpark.pod.requests import parsers as protocol
+from kvpark.pod.requests import tools
+from kvpark.pod.requests.errors import ApiError
+from kvpark.pod.requests.input_limits import InputLimits
+from kvpark.pod.sampling.grammar import Grammar, GrammarError, Grammars
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"},
                                            "age": {"type": "integer"}},

@@ -8,13 +8,14 @@ from fake_copy import FakeCopyEngine
 from test_prefix_cache import PS, kv_bytes, make_seq, run_to
 
 from kvpark.kernels.kv_copy import SyncCopyEngine
-from kvpark.pod.host_store import HostStore
-from kvpark.pod.host_tier import HostTier
-from kvpark.pod.kv_pool import KVPool
-from kvpark.pod.prefix_cache import PrefixCache
-from kvpark.pod.scheduler import Scheduler, SchedulerConfig
-from kvpark.pod.slot import Phase, PreemptMode, SlotView
-from kvpark.pod.swap import Swapper
+from kvpark.pod.core.reporting import slot_view
+from kvpark.pod.core.scheduler import Scheduler, SchedulerConfig
+from kvpark.pod.core.sequence import Phase, PreemptMode
+from kvpark.pod.core.swap import Swapper
+from kvpark.pod.memory.host_store import HostStore
+from kvpark.pod.memory.host_tier import HostTier
+from kvpark.pod.memory.kv_pool import KVPool
+from kvpark.pod.memory.prefix_cache import PrefixCache
 
 
 def make(num_pages=8, budget_pages=-1, cap_pages=-1, copy_engine=SyncCopyEngine):
@@ -26,7 +27,7 @@ def make(num_pages=8, budget_pages=-1, cap_pages=-1, copy_engine=SyncCopyEngine)
     cap = cap_pages if cap_pages < 0 else cap_pages * pool.page_bytes
     pool.tier = HostTier(host, copy, pool.host_page_shape, pool.dtype, cap)
     config = SchedulerConfig(num_slots=3, batch_size=64, preempt_high=1.0, preempt_low=1.0)
-    return Scheduler(config, Swapper(pool, host, copy)), pool, pool.tier
+    return Scheduler(config, pool, Swapper(pool, host, copy)), pool, pool.tier
 
 
 def finished_run(scheduler, prompt, num_tokens):
@@ -90,7 +91,7 @@ def test_a_swap_park_keeps_its_full_pages_in_the_tier_and_copies_them_once():
     assert seq.num_computed == 14 and not seq.is_replaying
     assert kv_bytes(pool, seq, 14) == before
     assert seq.parking.restored_from_host == 3 and seq.parking.mode is PreemptMode.SWAP
-    assert SlotView.of(seq).resumed_from == ("host",)  # what /slots shows
+    assert slot_view(seq).resumed_from == ("host",)  # what /slots shows
     assert tier.parked_bytes == 0 and tier.cached_bytes == 3 * tier.page_bytes
     assert scheduler.swapper.host.held_bytes == 3 * pool.page_bytes  # the tail buffer is gone
     # parked again: the tier has those three pages with its own bytes, none is copied again
@@ -134,7 +135,7 @@ def test_a_recompute_resume_replays_only_what_neither_tier_holds():
     scheduler.resume(seq)
     assert seq.num_computed == 8 and seq.parking.replay_until == 14
     assert seq.parking.restored_from_host == 2
-    assert SlotView.of(seq).resumed_from == ("host", "recompute")
+    assert slot_view(seq).resumed_from == ("host", "recompute")
     run_to(scheduler, seq, 14)
     assert kv_bytes(pool, seq, 14) == before
 
@@ -189,7 +190,7 @@ def test_cancel_while_a_copy_back_is_in_flight_frees_everything():
 
 def test_the_flags_turn_the_tier_on_cap_it_or_off():
     from kvpark.pod.args import parse_args
-    from kvpark.pod.server import make_host_tier
+    from kvpark.pod.serving.stack import make_host_tier
 
     def tier_for(argv, env=None, budget=-1, prefix_cache=True):
         scheduler, pool, _ = make()

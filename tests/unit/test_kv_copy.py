@@ -5,7 +5,7 @@ import torch
 from fake_copy import FakeCopyEngine
 
 from kvpark.kernels.kv_copy import CudaAsyncCopyEngine, SyncCopyEngine, make_copy_engine
-from kvpark.pod.kv_pool import KVPool
+from kvpark.pod.memory.kv_pool import KVPool
 
 
 def filled_pool(num_pages=8, seed=0) -> KVPool:

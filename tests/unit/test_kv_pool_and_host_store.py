@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from kvpark.kernels.kv_copy import copy_in, copy_out
-from kvpark.pod.host_store import HostAllocationError, HostStore
-from kvpark.pod.kv_pool import KVPool
+from kvpark.pod.memory.host_store import HostAllocationError, HostStore
+from kvpark.pod.memory.kv_pool import KVPool
 
 
 def make_pool(num_pages=8):
@@ -75,8 +75,8 @@ def test_real_allocation_failure_is_reported():
 def test_the_store_and_the_decision_keep_one_budget_rule(budget):
     """The decision to swap and the store that holds the bytes agree for every size, the empty
     budget included (0: nothing is ever held, not even a victim with no pages)."""
-    from kvpark.pod import preemption as policy
-    from kvpark.pod.slot import PreemptMode
+    from kvpark.pod.core import preemption as policy
+    from kvpark.pod.core.sequence import PreemptMode
 
     store = HostStore(budget)
     for held in (0, 1, 999):
@@ -90,7 +90,7 @@ def test_the_store_and_the_decision_keep_one_budget_rule(budget):
 def test_a_pinned_buffer_is_charged_its_power_of_two_block():
     """PyTorch's caching host allocator rounds pinned blocks up to a power of two: the budget
     counts what the machine gives (pageable memory: what was asked)."""
-    from kvpark.pod.host_store import charged_bytes
+    from kvpark.pod.memory.host_store import charged_bytes
 
     assert charged_bytes(368_640, pinned=False) == 368_640  # a SmolLM2 bf16 page
     assert charged_bytes(368_640, pinned=True) == 524_288

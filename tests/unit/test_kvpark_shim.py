@@ -13,14 +13,15 @@ import _kvpark_path  # noqa: E402
 def test_shim_maps_the_package_dirs_and_leaves_stdlib_operator_alone(tmp_path):
     shim = _kvpark_path.make_shim(tmp_path)
     _kvpark_path.make_shim(tmp_path)  # idempotent: links are replaced, not duplicated
-    probe = ("import operator, kvpark, kvpark.kernels.flashinfer_paged as f, kvpark.pod.cuda_graphs"
-             " as g; print(operator.__file__); print(f.__file__); print(g.__file__)")
+    probe = ("import operator, kvpark, kvpark.kernels.flashinfer_paged as f, "
+             "kvpark.pod.worker.cuda_graphs as g; print(operator.__file__); print(f.__file__); "
+             "print(g.__file__)")
     env = {**os.environ, "PYTHONPATH": str(shim)}
     out = subprocess.run([sys.executable, "-c", probe], env=env, cwd=tmp_path,
                          capture_output=True, text=True, check=True).stdout.splitlines()
     assert not out[0].startswith(str(REPO))  # the standard library's operator
     assert out[1] == str(shim / "kvpark" / "kernels" / "flashinfer_paged.py")
-    assert out[2] == str(shim / "kvpark" / "pod" / "cuda_graphs.py")
+    assert out[2] == str(shim / "kvpark" / "pod" / "worker" / "cuda_graphs.py")
 
 
 BLOCK_SERVER_DEPS = """
@@ -39,8 +40,9 @@ def test_what_the_gpu_check_imports_needs_no_server_dependencies(tmp_path):
     kernel module must import without numpy, gguf, tokenizers, starlette and the rest."""
     shim = _kvpark_path.make_shim(tmp_path)
     probe = BLOCK_SERVER_DEPS + (
-        "import kvpark.pod.model.llama, kvpark.pod.runner, kvpark.pod.engine\n"
-        "import kvpark.pod.scheduler, kvpark.pod.model.synthetic, kvpark.pod.cuda_graphs\n"
+        "import kvpark.pod.model.llama, kvpark.pod.worker.runner, kvpark.pod.core.engine\n"
+        "import kvpark.pod.core.scheduler, kvpark.pod.model.synthetic\n"
+        "import kvpark.pod.worker.cuda_graphs\n"
         "import kvpark.kernels.cpu_paged, kvpark.kernels.quant_linear, kvpark.kernels.kv_copy\n"
         "import kvpark.kernels.flashinfer_paged\n"
         "print('ok')\n")

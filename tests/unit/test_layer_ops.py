@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from kvpark.kernels import layer_ops
 from kvpark.kernels import quant_linear as ql
-from kvpark.pod.model.llama import DecoderLayer, LlamaModel, apply_rope, rope_cos_sin
+from kvpark.pod.model.layers import DecoderLayer, apply_rope, rope_cos_sin
+from kvpark.pod.model.llama import LlamaModel
 from kvpark.pod.model.loader import load_model_files
 
 pytestmark = pytest.mark.skipif(not layer_ops.is_available(), reason="no working C compiler")
@@ -174,8 +175,8 @@ def decode_step(model: LlamaModel, contexts: list[int], use_stack: bool):
     states and the caches after the step, through `FusedStack` or the Python layer loop."""
     from kvpark.kernels.attention import StepLayout
     from kvpark.kernels.cpu_paged import CpuPagedAttention
-    from kvpark.pod.kv_pool import KVPool
-    from kvpark.pod.model.llama import BlockRows
+    from kvpark.pod.memory.kv_pool import KVPool
+    from kvpark.pod.model.linear import BlockRows
 
     c, ps = model.config, 16
     pool = KVPool(c.num_layers, 64, ps, c.num_kv_heads, c.head_dim)

@@ -4,15 +4,15 @@ scheduler and engine with a fake runner (no model)."""
 
 import torch
 
-from kvpark.pod.engine import Engine
-from kvpark.pod.host_store import HostStore
-from kvpark.pod.kv_pool import KVPool
-from kvpark.pod.metrics import Metrics
-from kvpark.pod.sampling import ChunkOutput, Sampled, SamplingParams
-from kvpark.pod.scheduler import Scheduler, SchedulerConfig
-from kvpark.pod.slot import FinishReason, Sequence
-from kvpark.pod.submission import Submission
-from kvpark.pod.swap import Swapper
+from kvpark.pod.core.engine import Engine
+from kvpark.pod.core.messages import FinishReason, Submission
+from kvpark.pod.core.scheduler import Scheduler, SchedulerConfig
+from kvpark.pod.core.sequence import Sequence
+from kvpark.pod.core.swap import Swapper
+from kvpark.pod.memory.host_store import HostStore
+from kvpark.pod.memory.kv_pool import KVPool
+from kvpark.pod.metrics.prometheus import Metrics
+from kvpark.pod.sampling.sampler import ChunkOutput, Sampled, SamplingParams
 
 
 class FakeRunner:
@@ -23,10 +23,11 @@ class FakeRunner:
 def make_engine() -> tuple[Engine, Metrics]:
     pool = KVPool(num_layers=1, num_pages=32, page_size=4, num_kv_heads=1, head_dim=2)
     swapper = Swapper(pool, HostStore(0))
-    scheduler = Scheduler(SchedulerConfig(num_slots=4, batch_size=64), swapper)
+    scheduler = Scheduler(SchedulerConfig(num_slots=4, batch_size=64), pool, swapper,
+                          frozenset({3}))
     metrics = Metrics(scheduler, swapper.host, swapper.copy_times, model_name="kv-test")
     scheduler.on_finish = metrics.on_finish
-    return Engine(scheduler, FakeRunner(), frozenset({3}), on_step=metrics.on_step), metrics
+    return Engine(scheduler, FakeRunner(), on_step=metrics.on_step), metrics
 
 
 def make_seq(prompt_len: int, max_tokens: int, index: int = 0, family: int = 1) -> Sequence:

@@ -86,7 +86,7 @@ def test_kernels_of_reads_the_packed_linear_and_passes_other_output_on(capfd):
 SERVER_START = textwrap.dedent("""
     import logging, sys
     from kvpark.kernels import cpu_features, onednn_isa
-    from kvpark.pod import server
+    from kvpark.pod.serving import stack as server
     from kvpark.pod.args import parse_args
 
     logging.basicConfig(level="INFO", stream=sys.stderr)

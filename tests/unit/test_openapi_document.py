@@ -3,11 +3,11 @@
 import jsonschema
 import pytest
 
-from kvpark.pod.api_fields import MAX_STOP_CHARS
-from kvpark.pod.input_limits import InputLimits
-from kvpark.pod.openapi import get_openapi
-from kvpark.pod.request_errors import ApiError
-from kvpark.pod.sampling_fields import sampling_params
+from kvpark.pod.http.openapi import get_openapi
+from kvpark.pod.requests.errors import ApiError
+from kvpark.pod.requests.fields import MAX_STOP_CHARS
+from kvpark.pod.requests.input_limits import InputLimits
+from kvpark.pod.requests.sampling_fields import sampling_params
 
 MAX_CONTEXT = 512
 
@@ -40,3 +40,13 @@ def test_n_predict_schema_matches_the_validator(value):
 def test_stop_schema_matches_the_validator(stop):
     accepted = validator_accepts({"stop": stop}, ("max_tokens",))
     assert schema_accepts("CompletionRequest", "stop", stop) == accepted
+
+
+@pytest.mark.parametrize("kind,request_name", [("chat", "ChatRequest"),
+                                               ("completion", "CompletionRequest"),
+                                               ("llama", "LlamaCompletionRequest")])
+def test_each_request_body_states_exactly_the_fields_its_parser_reads(kind, request_name):
+    from kvpark.pod.requests.fields import API_FIELDS
+
+    schemas = get_openapi(InputLimits.of(MAX_CONTEXT, 4096))["components"]["schemas"]
+    assert set(schemas[request_name]["properties"]) == API_FIELDS[kind].known

@@ -1,5 +1,6 @@
-"""Constrained output that max_tokens cut short: read as far as it goes (pod/partial_json.py),
-and a tool call cut short answered as OpenAI answers it (pod/tools.py `parse_cut_short`)."""
+"""Constrained output that max_tokens cut short: read as far as it goes
+(pod/requests/partial_json.py), and a tool call cut short answered as OpenAI answers it
+(pod/requests/tools.py `parse_cut_short`)."""
 
 import json
 
@@ -7,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpark.pod import partial_json, tools
+from kvpark.pod.requests import partial_json, tools
 
 CALL = ('{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris", '
         '"days": [1, 2]}}, {"name": "get_time", "arguments": {"city": "Rome"}}]}')

@@ -2,10 +2,10 @@
 
 import torch
 
-from kvpark.pod import preemption as policy
-from kvpark.pod.sampling import SamplingParams
-from kvpark.pod.slot import Phase, PreemptMode, Sequence
-from kvpark.pod.submission import Submission
+from kvpark.pod.core import preemption as policy
+from kvpark.pod.core.messages import Submission
+from kvpark.pod.core.sequence import Phase, PreemptMode, Sequence
+from kvpark.pod.sampling.sampler import SamplingParams
 
 
 def seq(name, n_tokens, arrival=0.0, priority=0, family_size=1, **state):

@@ -5,14 +5,14 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpark.pod.host_store import HostStore
-from kvpark.pod.kv_pool import KVPool
-from kvpark.pod.prefix_cache import PrefixCache, chain_hash, seed_hash
-from kvpark.pod.sampling import SamplingParams
-from kvpark.pod.scheduler import Scheduler, SchedulerConfig
-from kvpark.pod.slot import Phase, PreemptMode, Sequence
-from kvpark.pod.submission import Submission
-from kvpark.pod.swap import Swapper
+from kvpark.pod.core.messages import Submission
+from kvpark.pod.core.scheduler import Scheduler, SchedulerConfig
+from kvpark.pod.core.sequence import Phase, PreemptMode, Sequence
+from kvpark.pod.core.swap import Swapper
+from kvpark.pod.memory.host_store import HostStore
+from kvpark.pod.memory.kv_pool import KVPool
+from kvpark.pod.memory.prefix_cache import PrefixCache, chain_hash, seed_hash
+from kvpark.pod.sampling.sampler import SamplingParams
 
 PS = 4
 
@@ -28,7 +28,7 @@ def make(num_pages=16, budget=-1, split_kinds=False):
     pool = KVPool(num_layers=2, num_pages=num_pages, page_size=PS, num_kv_heads=1, head_dim=2,
                   cache=cache)
     config = SchedulerConfig(num_slots=3, batch_size=64, preempt_high=1.0, preempt_low=1.0)
-    return Scheduler(config, Swapper(pool, HostStore(budget))), pool, cache
+    return Scheduler(config, pool, Swapper(pool, HostStore(budget))), pool, cache
 
 
 def run_to(scheduler: Scheduler, seq: Sequence, num_tokens: int) -> None:
@@ -59,14 +59,18 @@ def test_a_page_hash_depends_on_everything_before_it():
     assert chain_hash(seed, [1, 2, 3, 4], 4) != chain_hash(seed, [1, 2, 3, 4], 2)
 
 
+def hashes_of(cache: PrefixCache, seq: Sequence, num_full_pages: int) -> list[bytes]:
+    return cache.grow_hashes([], seq.tokens, seq.num_prompt, num_full_pages)
+
+
 @given(tokens=st.lists(st.integers(0, 3), min_size=4, max_size=40),
        other=st.lists(st.integers(0, 3), min_size=4, max_size=40))
 def test_lookup_finds_exactly_the_longest_shared_whole_page_prefix(tokens, other):
     cache = PrefixCache("m", PS)
     a, b = make_seq(tokens), make_seq(other)
-    for page, h in enumerate(cache.extend_hashes(a, len(tokens) // PS)):
+    for page, h in enumerate(hashes_of(cache, a, len(tokens) // PS)):
         cache.register(page, h)
-    found = cache.lookup(cache.extend_hashes(b, len(other) // PS))
+    found = cache.lookup(hashes_of(cache, b, len(other) // PS))
     common = 0
     while (common + 1) * PS <= min(len(tokens), len(other)) and \
             tokens[:(common + 1) * PS] == other[:(common + 1) * PS]:
@@ -81,9 +85,8 @@ def test_split_kinds_keeps_decoded_pages_apart_from_prompt_pages():
     first.tokens += [7, 8]  # two generated tokens fill the page
     second = make_seq([5, 6, 7, 8, 9])
     split, plain = PrefixCache("m", PS, split_kinds=True), PrefixCache("m", PS)
-    assert split.extend_hashes(first, 1) != split.extend_hashes(second, 1)
-    first.page_hashes, second.page_hashes = [], []
-    assert plain.extend_hashes(first, 1) == plain.extend_hashes(second, 1)
+    assert hashes_of(split, first, 1) != hashes_of(split, second, 1)
+    assert hashes_of(plain, first, 1) == hashes_of(plain, second, 1)
 
 
 # ---- the pool's references -------------------------------------------------------------------

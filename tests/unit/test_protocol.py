@@ -4,10 +4,10 @@ import logging
 
 import pytest
 
-from kvpark.pod import request_errors
-from kvpark.pod.json_body import decode_body
-from kvpark.pod.protocol import check_fields
-from kvpark.pod.request_errors import ApiError, shown
+from kvpark.pod.requests import errors as request_errors
+from kvpark.pod.requests.errors import ApiError, shown
+from kvpark.pod.requests.json_body import decode_body
+from kvpark.pod.requests.parsers import check_fields
 
 
 @pytest.mark.parametrize("value", ["x" * 10_000, 7 ** 5000, [["y" * 500] * 50] * 50,

@@ -15,13 +15,14 @@ from kvpark.kernels import worker_pool
 from kvpark.kernels.attention import StepLayout
 from kvpark.kernels.cores import Cores
 from kvpark.kernels.cpu_paged import CpuPagedAttention
-from kvpark.pod import autotune
 from kvpark.pod.args import parse_args
-from kvpark.pod.kv_pool import KVPool
+from kvpark.pod.memory.kv_pool import KVPool
 from kvpark.pod.model.blocks_at_load import decode_linear_names, q8_0_blocks
-from kvpark.pod.model.llama import BlockRows, LlamaModel
+from kvpark.pod.model.linear import BlockRows
+from kvpark.pod.model.llama import LlamaModel
 from kvpark.pod.model.loader import LoadedModel, load_model_files
-from kvpark.pod.server import pick_blocks
+from kvpark.pod.serving.choices import pick_blocks
+from kvpark.pod.worker import autotune
 
 pytestmark = pytest.mark.skipif(not ql.is_available(), reason="no working C compiler")
 PAGE = 16

@@ -8,10 +8,11 @@ import threading
 
 import pytest
 
-from kvpark.pod import json_body, request_body
-from kvpark.pod.api_fields import MAX_LOGIT_BIAS
-from kvpark.pod.request_errors import ApiError
-from kvpark.pod.sampling_fields import sampling_params
+from kvpark.pod.http import request_body
+from kvpark.pod.requests import json_body
+from kvpark.pod.requests.errors import ApiError
+from kvpark.pod.requests.fields import MAX_LOGIT_BIAS
+from kvpark.pod.requests.sampling_fields import sampling_params
 
 
 def test_containers_are_counted_outside_strings_only_past_the_bound():

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from kvpark.pod.sampling import SamplingParams, draw, filter_logits, make_generator, sample
-from kvpark.pod.sampling_fields import sampling_params
+from kvpark.pod.requests.sampling_fields import sampling_params
+from kvpark.pod.sampling.sampler import SamplingParams, draw, filter_logits, make_generator, sample
 
 
 @pytest.mark.parametrize("params", [

@@ -5,10 +5,14 @@ import math
 import pytest
 import torch
 
-from kvpark.pod.formats import completion_logprobs
-from kvpark.pod.request_errors import ApiError
-from kvpark.pod.runner import ModelRunner
-from kvpark.pod.sampling import (
+from kvpark.pod.core.messages import Submission
+from kvpark.pod.core.sequence import Sequence
+from kvpark.pod.core.step_plan import ScheduledSeq
+from kvpark.pod.core.text_output import StopMatcher
+from kvpark.pod.http.formats.logprobs import completion_logprobs
+from kvpark.pod.requests.errors import ApiError
+from kvpark.pod.requests.sampling_fields import sampling_params
+from kvpark.pod.sampling.sampler import (
     SamplingParams,
     TokenLogprob,
     apply_presence_frequency,
@@ -18,11 +22,7 @@ from kvpark.pod.sampling import (
     process_logits,
     repeat_window,
 )
-from kvpark.pod.sampling_fields import sampling_params
-from kvpark.pod.slot import Sequence
-from kvpark.pod.step_plan import ScheduledSeq
-from kvpark.pod.submission import Submission
-from kvpark.pod.text_output import StopMatcher
+from kvpark.pod.worker.runner import ModelRunner
 
 ROW = [2.0, -1.0, 0.5, 3.0, 0.0]
 

@@ -19,18 +19,18 @@ from hypothesis import strategies as st
 from page_sets import cached_page_ids, free_page_ids
 
 from kvpark.kernels.kv_copy import SyncCopyEngine
-from kvpark.pod.engine import Engine
-from kvpark.pod.host_store import HostStore
-from kvpark.pod.host_tier import HostTier
-from kvpark.pod.kv_pool import KVPool
-from kvpark.pod.paging import pages_for
-from kvpark.pod.prefix_cache import PrefixCache
-from kvpark.pod.sampling import ChunkOutput, Sampled, SamplingParams
-from kvpark.pod.scheduler import Scheduler, SchedulerConfig
-from kvpark.pod.slot import Phase, Sequence
-from kvpark.pod.speculation import SpecConfig
-from kvpark.pod.submission import Submission
-from kvpark.pod.swap import Swapper
+from kvpark.pod.core.engine import Engine
+from kvpark.pod.core.messages import Submission
+from kvpark.pod.core.scheduler import Scheduler, SchedulerConfig
+from kvpark.pod.core.sequence import Phase, Sequence
+from kvpark.pod.core.speculation import SpecConfig
+from kvpark.pod.core.swap import Swapper
+from kvpark.pod.memory.host_store import HostStore
+from kvpark.pod.memory.host_tier import HostTier
+from kvpark.pod.memory.kv_pool import KVPool
+from kvpark.pod.memory.paging import pages_for
+from kvpark.pod.memory.prefix_cache import PrefixCache
+from kvpark.pod.sampling.sampler import ChunkOutput, Sampled, SamplingParams
 
 PAGE_SIZE = 4
 NUM_PAGES = 24
@@ -75,19 +75,21 @@ def make_engine(budget_pages: int, preempt: bool, preempt_every: int,
         pool.tier = HostTier(host, SyncCopyEngine(pool), pool.host_page_shape, pool.dtype, cap)
     config = SchedulerConfig(num_slots=3, batch_size=batch_size, preempt=preempt,
                              preempt_every=preempt_every, spec=spec or SpecConfig())
-    return Engine(Scheduler(config, Swapper(pool, host)),
-                  FakeRunner(pool if prefix_cache else None), frozenset({EOS}))
+    return Engine(Scheduler(config, pool, Swapper(pool, host), frozenset({EOS})),
+                  FakeRunner(pool if prefix_cache else None))
 
 
 def make_seq(prompt_len: int, max_tokens: int, finished: dict, token: int = 1) -> Sequence:
-    def on_event(seq, kind, token):
-        if kind == "finished":
-            finished[seq.seq_id] = finished.get(seq.seq_id, 0) + 1
-        return False
+    made: list[Sequence] = []
 
-    return Sequence(Submission(f"r{prompt_len}", (token,) * prompt_len,
-                               SamplingParams(temperature=0, max_tokens=max_tokens), None,
-                               on_event), torch.Generator())
+    def sink(event):
+        if event.kind == "finished":
+            finished[made[0].seq_id] = finished.get(made[0].seq_id, 0) + 1
+
+    made.append(Sequence(Submission(f"r{prompt_len}", (token,) * prompt_len,
+                                    SamplingParams(temperature=0, max_tokens=max_tokens), None,
+                                    sink), torch.Generator()))
+    return made[0]
 
 
 def check_invariants(engine: Engine, seqs: list[Sequence], finished: dict) -> None:
@@ -280,7 +282,7 @@ def parked_pair(order: str):
                   head_dim=2)
     config = SchedulerConfig(num_slots=3, batch_size=8, resume_order=order,
                              preempt_high=1.0, preempt_low=1.0)
-    scheduler = Scheduler(config, Swapper(pool, HostStore(0)))
+    scheduler = Scheduler(config, pool, Swapper(pool, HostStore(0)))
     finished: dict[int, int] = {}
     runner_seq = make_seq(60, 10, finished)  # holds 15 of 24 pages
     head, small = make_seq(40, 10, finished), make_seq(2, 10, finished)

@@ -8,14 +8,15 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvpark.pod import slot_files
-from kvpark.pod.kv_pool import KVPool
-from kvpark.pod.prefix_cache import PrefixCache
-from kvpark.pod.sampling import SamplingParams
-from kvpark.pod.slot import Sequence
-from kvpark.pod.slot_files import ModelIdentity, SlotFileError, SlotState
-from kvpark.pod.slot_memory import SlotMemory
-from kvpark.pod.submission import Submission
+from kvpark.pod.core.messages import Submission
+from kvpark.pod.core.sequence import Sequence
+from kvpark.pod.core.slot_memory import SlotMemory
+from kvpark.pod.memory import slot_files
+from kvpark.pod.memory.identity import ModelIdentity
+from kvpark.pod.memory.kv_pool import KVPool
+from kvpark.pod.memory.prefix_cache import PrefixCache
+from kvpark.pod.memory.slot_files import SlotFileError, SlotState
+from kvpark.pod.sampling.sampler import SamplingParams
 
 PS = 4
 IDENTITY = ModelIdentity("m", 123, "ab" * 32, "float32", "fp32", False, num_layers=2,
@@ -38,7 +39,8 @@ def finished_seq(pool: KVPool, tokens: list[int], num_prompt: int, slot_id: int 
         for cache in pool.caches:
             cache[seq.page_table[pos // PS], :, pos % PS] = token * 1000 + pos
     seq.num_computed = len(tokens)
-    pool.register_complete(seq, 0)
+    seq.page_hashes = pool.cache.grow_hashes([], seq.tokens, seq.num_prompt, len(tokens) // PS)
+    pool.register_complete(seq.page_table, seq.page_hashes, 0)
     pool.free(seq.page_table)
     return seq
 

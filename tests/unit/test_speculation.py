@@ -14,27 +14,27 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpark.pod.engine import Engine
-from kvpark.pod.host_store import HostStore
-from kvpark.pod.kv_pool import KVPool
-from kvpark.pod.paging import pages_for
-from kvpark.pod.preemption import PREEMPT_N_MARGIN, can_never_fit
-from kvpark.pod.prefix_cache import PrefixCache
-from kvpark.pod.runner import ModelRunner
-from kvpark.pod.sampling import SamplingParams, make_generator
-from kvpark.pod.scheduler import Scheduler, SchedulerConfig
-from kvpark.pod.slot import FinishReason, Phase, Sequence
-from kvpark.pod.speculation import (
+from kvpark.pod.core.engine import Engine
+from kvpark.pod.core.messages import FinishReason, Submission
+from kvpark.pod.core.preemption import PREEMPT_N_MARGIN, can_never_fit
+from kvpark.pod.core.scheduler import Scheduler, SchedulerConfig
+from kvpark.pod.core.sequence import Phase, Sequence
+from kvpark.pod.core.speculation import (
     MISSES_TO_PAUSE,
     PAUSE_MIN,
     SpecConfig,
     Speculator,
     find_draft,
-    verify,
 )
-from kvpark.pod.step_plan import ScheduledSeq, add_drafts
-from kvpark.pod.submission import Submission
-from kvpark.pod.swap import Swapper
+from kvpark.pod.core.step_plan import ScheduledSeq, add_drafts
+from kvpark.pod.core.swap import Swapper
+from kvpark.pod.memory.host_store import HostStore
+from kvpark.pod.memory.kv_pool import KVPool
+from kvpark.pod.memory.paging import pages_for
+from kvpark.pod.memory.prefix_cache import PrefixCache
+from kvpark.pod.sampling.sampler import SamplingParams, make_generator
+from kvpark.pod.sampling.verification import verify
+from kvpark.pod.worker.runner import ModelRunner
 
 VOCAB = 32
 PAGE_SIZE = 4
@@ -251,9 +251,9 @@ def test_tokens_are_the_same_with_speculation_on_and_off(temperature, park):
 
 
 def test_metrics_and_timings_count_drafted_and_accepted_tokens():
-    from kvpark.pod.formats import timings
-    from kvpark.pod.handover import SeqResult
-    from kvpark.pod.metrics import Metrics
+    from kvpark.pod.core.reporting import result_of
+    from kvpark.pod.http.formats.results import timings
+    from kvpark.pod.metrics.prometheus import Metrics
 
     engine = make_engine(SpecConfig("ngram-simple", draft_max=6), num_pages=64)
     swapper = engine.scheduler.swapper
@@ -274,9 +274,9 @@ def test_metrics_and_timings_count_drafted_and_accepted_tokens():
                            ("num_accepted_tokens", seq.spec.num_accepted)):
         assert values[f"kvpark:spec_decode_{name}_total"] == expected > 0
         assert values[f"vllm:spec_decode_{name}_total{label}"] == expected
-    assert timings(SeqResult.of(seq))["draft_n"] == seq.spec.num_drafted
-    assert timings(SeqResult.of(seq))["draft_n_accepted"] == seq.spec.num_accepted
-    assert "draft_n" not in timings(SeqResult.of(plain))  # logprobs requests: never drafted
+    assert timings(result_of(seq))["draft_n"] == seq.spec.num_drafted
+    assert timings(result_of(seq))["draft_n_accepted"] == seq.spec.num_accepted
+    assert "draft_n" not in timings(result_of(plain))  # logprobs requests: never drafted
 
 
 def test_a_stop_mid_draft_ends_there_and_frees_every_page():
@@ -403,8 +403,8 @@ def make_engine(spec: SpecConfig, num_pages: int, preempt_every: int = 0, budget
                   head_dim=1, cache=cache)
     config = SchedulerConfig(num_slots=3, batch_size=64, preempt_every=preempt_every,
                              spec=spec, max_context=num_pages * PAGE_SIZE)
-    return Engine(Scheduler(config, Swapper(pool, HostStore(budget))), RecordingRunner(pool),
-                  frozenset({EOS}))
+    return Engine(Scheduler(config, pool, Swapper(pool, HostStore(budget)), frozenset({EOS})),
+                  RecordingRunner(pool))
 
 
 def make_seq(prompt: list[int], params: SamplingParams, seed: int | None = 0) -> Sequence:

@@ -4,9 +4,9 @@ import random
 
 import pytest
 
+from kvpark.pod.core.text_output import StreamDetokenizer, TextOutput
 from kvpark.pod.model.loader import builtin_tokenizer
 from kvpark.pod.model.tokenizer import IncrementalDetokenizer
-from kvpark.pod.text_output import StreamDetokenizer, TextOutput
 
 
 @pytest.fixture(scope="module")

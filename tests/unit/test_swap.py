@@ -7,14 +7,14 @@ from fake_copy import FakeCopyEngine
 from test_kv_copy import filled_pool
 
 from kvpark.kernels.kv_copy import CopyKind, SyncCopyEngine
-from kvpark.pod import preemption as policy
-from kvpark.pod.host_store import HostStore
-from kvpark.pod.kv_pool import KVPool
-from kvpark.pod.sampling import SamplingParams
-from kvpark.pod.slot import PreemptMode, Sequence
-from kvpark.pod.submission import Submission
-from kvpark.pod.swap import ParkResult, Swapper
-from kvpark.pod.transfers import Outcome, ParkTransfer, TransferTracker
+from kvpark.pod.core import preemption as policy
+from kvpark.pod.core.messages import Submission
+from kvpark.pod.core.sequence import PreemptMode, Sequence
+from kvpark.pod.core.swap import ParkResult, Resumed, Swapper
+from kvpark.pod.memory.host_store import HostStore
+from kvpark.pod.memory.kv_pool import KVPool
+from kvpark.pod.memory.transfers import Outcome, ParkTransfer, TransferTracker
+from kvpark.pod.sampling.sampler import SamplingParams
 
 
 def make_seq(pool: KVPool, num_pages: int) -> Sequence:
@@ -141,14 +141,15 @@ def test_swap_park_then_resume_restores_the_bytes_into_new_pages():
     seq = make_seq(pool, num_pages=3)
     before = [cache[seq.page_table].clone() for cache in pool.caches]
     assert park(swapper, seq).mode is PreemptMode.SWAP
-    assert seq.page_table == [] and pool.num_free_pages == 8
+    assert pool.num_free_pages == 8  # the scheduler empties the page table
     assert host.held_bytes == seq.parking.host_bytes == pool.swap_bytes(3)
     pool.allocate(2)  # someone else takes the low pages meanwhile
     for cache in pool.caches:
         cache.zero_()
-    assert swapper.resume(seq)
+    resumed = swapper.resume(seq)
+    assert resumed.num_computed == seq.num_computed and resumed.replay_until == 0
     for cache, old in zip(pool.caches, before):
-        assert cache[seq.page_table].numpy().tobytes() == old.numpy().tobytes()
+        assert cache[resumed.page_table].numpy().tobytes() == old.numpy().tobytes()
     assert host.held_bytes == 0 and seq.parking.host_kv is None
 
 
@@ -158,8 +159,9 @@ def test_over_the_budget_a_park_drops_the_pages_for_a_replay(budget):
     swapper = Swapper(pool, HostStore(budget))
     seq = make_seq(pool, num_pages=2)
     assert park(swapper, seq) == ParkResult(PreemptMode.RECOMPUTE, fell_back=False)
-    assert seq.parking.replay_until == 8 and seq.num_computed == 0 and seq.parking.host_kv is None
-    assert pool.num_free_pages == 8 and swapper.resume(seq)
+    assert seq.parking.host_kv is None and pool.num_free_pages == 8
+    seq.parking.replay_until, seq.num_computed = 8, 0  # the scheduler's part of the park
+    assert swapper.resume(seq) == Resumed([], 0, replay_until=8)
 
 
 def test_a_refused_host_buffer_falls_through_to_recompute(monkeypatch):
@@ -168,7 +170,7 @@ def test_a_refused_host_buffer_falls_through_to_recompute(monkeypatch):
     swapper = Swapper(pool, host)
 
     def refuse(shape, dtype):
-        from kvpark.pod.host_store import HostAllocationError
+        from kvpark.pod.memory.host_store import HostAllocationError
         raise HostAllocationError("refused")
 
     monkeypatch.setattr(host, "allocate", refuse)
@@ -183,7 +185,8 @@ def test_cancel_gives_back_pages_and_host_bytes():
     swapper = Swapper(pool, host)
     running, parked = make_seq(pool, num_pages=2), make_seq(pool, num_pages=3)
     park(swapper, parked)
+    parked.page_table = []  # the scheduler's part of the park
     swapper.cancel(running)
     swapper.cancel(parked)
     assert pool.num_free_pages == 8 and host.held_bytes == 0
-    assert running.page_table == [] and parked.parking.host_kv is None
+    assert parked.parking.host_kv is None

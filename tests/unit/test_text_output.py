@@ -5,10 +5,10 @@ import random
 
 import pytest
 
-from kvpark.pod.api_fields import MAX_STOP_CHARS, MAX_STOP_STRINGS
-from kvpark.pod.request_errors import ApiError
-from kvpark.pod.sampling_fields import sampling_params
-from kvpark.pod.text_output import TextOutput
+from kvpark.pod.core.text_output import TextOutput
+from kvpark.pod.requests.errors import ApiError
+from kvpark.pod.requests.fields import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from kvpark.pod.requests.sampling_fields import sampling_params
 
 
 class PieceTokenizer:

@@ -14,25 +14,24 @@ import types
 import pytest
 import torch
 
-from kvpark.pod import protocol
 from kvpark.pod.args import parse_args
-from kvpark.pod.bridge import Event, Reporter, StreamEvent, open_stream
-from kvpark.pod.engine import Engine
-from kvpark.pod.formats import get_format
-from kvpark.pod.handover import Submission, make_sequence
-from kvpark.pod.input_limits import InputLimits
-from kvpark.pod.kv_pool import KVPool
+from kvpark.pod.core.engine import Engine
+from kvpark.pod.core.messages import Event, StreamEvent, Submission
+from kvpark.pod.core.scheduler import Scheduler
+from kvpark.pod.core.sequence import ParkState, Sequence, SpecState, make_sequence
+from kvpark.pod.core.text_output import TextOutput
+from kvpark.pod.http.formats import get_format
+from kvpark.pod.http.sse import stream_events
+from kvpark.pod.http.stream import EventSink, open_stream
+from kvpark.pod.memory.kv_pool import KVPool
 from kvpark.pod.model.tokenizer import Tokenizer
-from kvpark.pod.sampling import SamplingParams
-from kvpark.pod.scheduler import Scheduler
-from kvpark.pod.server import build_stack
-from kvpark.pod.slot import ParkState, Sequence
-from kvpark.pod.speculation import SpecState
-from kvpark.pod.sse import stream_events
-from kvpark.pod.text_output import TextOutput
+from kvpark.pod.requests import parsers as protocol
+from kvpark.pod.requests.input_limits import InputLimits
+from kvpark.pod.sampling.sampler import SamplingParams
+from kvpark.pod.serving.stack import build_stack
 
-# what only the engine thread may write (the Reporter is the engine thread's side of a stream)
-ENGINE_OWNED = (Sequence, ParkState, SpecState, TextOutput, Engine, Scheduler, KVPool, Reporter,
+# what only the engine thread may write
+ENGINE_OWNED = (Sequence, ParkState, SpecState, TextOutput, Engine, Scheduler, KVPool,
                 torch.Generator, torch.Tensor)
 # shared, read-only infrastructure and code: not request state, and not walked
 NOT_WALKED = (types.ModuleType, type, types.FunctionType, types.CodeType, types.FrameType,
@@ -82,12 +81,12 @@ def submit(stack, body: dict):
     gens = protocol.parse_requests("completion", raw, stack.tokenizer,
                                    InputLimits.of(stack.max_context, 16), stack.defaults)
     stream, submissions = open_stream(asyncio.get_running_loop(), stack.tokenizer, gens, "cmpl-t")
-    for submission in submissions:  # in: values, and the engine side's report callback
-        report = submission.report
-        assert mutable_parts(dataclasses.replace(submission, report=None)) == []
-        assert isinstance(report, Reporter)
+    for submission in submissions:  # in: values, and the stream's channel for the events out
+        sink = submission.sink
+        assert mutable_parts(dataclasses.replace(submission, sink=None)) == []
+        assert isinstance(sink, EventSink)
     stack.engine.submit(submissions)
-    del submissions, report
+    del submissions, sink
     return stream
 
 

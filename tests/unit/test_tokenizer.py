@@ -11,9 +11,9 @@ import torch
 from tokenizers import AddedToken, decoders, models, normalizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-from kvpark.pod import protocol
 from kvpark.pod.model.loader import builtin_tokenizer
 from kvpark.pod.model.tokenizer import IncrementalDetokenizer, Tokenizer, _pre_tokenizer
+from kvpark.pod.requests import parsers as protocol
 
 torch.set_num_threads(1)
 

@@ -1,0 +1,77 @@
+"""What each slot last ran, and its save / restore / erase over the pool (engine thread only).
+
+An idle slot holds no KV in kvpark: a finished sequence gives its pages back, and its full pages
+live on in the prefix cache under chained hashes until evicted. So a slot's saveable state is
+the last sequence it ran, as far as its whole pages are still cached: their tokens (prompt and
+generated), the prompt's length among them (the hashes tell prompt rows from generated ones
+where those differ) and the pages' bytes. The last partial page is not kept by the cache and is
+not saved: a request continuing the conversation computes it again, as it would had the server
+never saved. Restoring puts the pages back as cached pages under the same hashes, as if that
+sequence had just finished, so the next prompt that starts with those tokens shares them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..memory.kv_pool import KVPool
+from ..memory.slot_files import SlotState
+from .sequence import Sequence
+
+
+@dataclass(frozen=True)
+class SlotRecord:
+    tokens: tuple[int, ...]  # of the full pages it hashed: len == len(hashes) x page size
+    num_prompt: int
+    hashes: tuple[bytes, ...]
+
+
+class SlotMemory:
+    def __init__(self, pool: KVPool, num_slots: int) -> None:
+        self.pool = pool
+        self.records: list[SlotRecord | None] = [None] * num_slots
+
+    def remember(self, seq: Sequence) -> None:
+        """A sequence finished (the scheduler's on_finish): it is its slot's last one now."""
+        if seq.slot_id is None or self.pool.cache is None:
+            return
+        hashes = tuple(seq.page_hashes)
+        tokens = tuple(seq.tokens[:len(hashes) * self.pool.page_size])
+        self.records[seq.slot_id] = SlotRecord(tokens, min(seq.num_prompt, len(tokens)), hashes)
+
+    def export(self, slot_id: int) -> SlotState | str:
+        """The slot's state with a copy of its pages, or why there is none."""
+        if self.pool.cache is None:
+            return "slot files need the prefix cache (the server runs with --no-prefix-cache)"
+        record = self.records[slot_id]
+        pages = self.pool.cache.lookup(record.hashes) if record else []  # still cached, in order
+        if not pages:
+            return f"slot {slot_id} holds nothing to save (no finished sequence whose pages " \
+                   "are still cached)"
+        num_tokens = len(pages) * self.pool.page_size
+        return SlotState(record.tokens[:num_tokens], min(record.num_prompt, num_tokens),
+                         self.pool.read_pages(pages))
+
+    def restore(self, slot_id: int, state: SlotState) -> str | None:
+        """Put the state's pages into the prefix cache; why not, or None. All or nothing: when
+        the pool (free and cached pages) cannot take the missing pages, nothing changes."""
+        cache = self.pool.cache
+        if cache is None:
+            return "slot files need the prefix cache (the server runs with --no-prefix-cache)"
+        hashes = cache.grow_hashes([], state.tokens, state.num_prompt, state.num_pages)
+        if not self.pool.insert_cached(hashes, state.kv):
+            return (f"the KV pool cannot take the file's {state.num_pages} pages now (free and "
+                    f"cached: {self.pool.num_free_pages}); retry when fewer requests run")
+        self.records[slot_id] = SlotRecord(state.tokens, state.num_prompt, tuple(hashes))
+        return None
+
+    def erase(self, slot_id: int) -> int:
+        """Forget the slot's last sequence and drop its cached pages that nobody holds and no
+        other slot remembers; the tokens it remembered."""
+        record, self.records[slot_id] = self.records[slot_id], None
+        if record is None or self.pool.cache is None:
+            return 0
+        kept = {h for other in self.records if other is not None for h in other.hashes}
+        pages = [self.pool.cache.find(h) for h in record.hashes if h not in kept]
+        self.pool.drop_cached([p for p in pages if p is not None])
+        return len(record.tokens)

@@ -1,0 +1,110 @@
+"""One step's plan as pure functions: which sequences feed how many tokens, within the token
+budget and the pages the pool can give (the scheduler decides who is running at all)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ..memory.paging import pages_for
+from .sequence import Sequence
+from .speculation import Speculator, draft_room
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_tokens: int  # fed this step: tokens[num_computed : num_computed + num_tokens]
+    # speculation: guessed next tokens fed after them as rows of their own, to be verified
+    draft: tuple[int, ...] = ()
+    # a draft model's: the draft length granted (pages included), filled when the step runs
+    draft_room: int = 0
+    # whether the draft model feeds this step's rows (and what it lags behind): not while the
+    # sequence's drafting is paused (`Speculator.skips_draft_model`)
+    feeds_draft_model: bool = True
+
+    @property
+    def num_rows(self) -> int:
+        return self.num_tokens + max(len(self.draft), self.draft_room)
+
+    @property
+    def samples(self) -> bool:
+        return self.seq.num_computed + self.num_tokens == len(self.seq.tokens)
+
+    def with_draft(self, draft: tuple[int, ...]) -> ScheduledSeq:
+        """The same chunk with a draft model's tokens in the room it was granted."""
+        return dataclasses.replace(self, draft=draft)
+
+    def new_pages(self, page_size: int) -> int:
+        """Pages the step adds to the sequence's page table (draft rows' included)."""
+        return pages_for(self.seq.num_computed + self.num_rows, page_size) - len(
+            self.seq.page_table)
+
+
+def step_order(running: list[Sequence]) -> list[Sequence]:
+    """Decode rows first (cheap, latency-bound), then prefill and replay by arrival."""
+    return sorted(running, key=lambda s: (s.num_pending > 1, s.arrival, s.seq_id))
+
+
+def grant_pages(running: list[Sequence], batch_size: int, free_pages: int,
+                page_size: int) -> tuple[list[ScheduledSeq], list[Sequence]]:
+    """Give each sequence, in order, its next step within the token budget and the free pages.
+
+    A prefill chunk is shortened to the pages that are free; a sequence that cannot feed even
+    one token is blocked. Returns (plan, blocked).
+    """
+    budget, free = batch_size, free_pages
+    plan: list[ScheduledSeq] = []
+    blocked: list[Sequence] = []
+    for seq in running:
+        if budget == 0:
+            break
+        room = (len(seq.page_table) + free) * page_size - seq.num_computed
+        num_tokens = min(seq.num_pending, budget, room)
+        if num_tokens <= 0:
+            blocked.append(seq)
+            continue
+        item = ScheduledSeq(seq, num_tokens)
+        free -= item.new_pages(page_size)
+        budget -= num_tokens
+        plan.append(item)
+    return plan, blocked
+
+
+def step_pages(plan: list[ScheduledSeq], page_size: int) -> int:
+    return sum(item.new_pages(page_size) for item in plan)
+
+
+def add_drafts(plan: list[ScheduledSeq], speculator: Speculator, batch_size: int,
+               free_pages: int, page_size: int) -> list[ScheduledSeq]:
+    """The plan with draft rows after its decode rows, within the token budget it leaves (and
+    the speculator's cap on a step's rows) and the `free_pages` left after its own pages: a
+    draft never makes a step park anyone or evict a cached page (the caller passes the pool's
+    unused pages, cached ones not counted), and a draft is cut to what fits, so a sequence at
+    the pool's edge decodes plainly."""
+    rows = sum(item.num_rows for item in plan)
+    budget = batch_size - rows
+    if speculator.config.max_step_rows:
+        budget = min(budget, speculator.config.max_step_rows - rows)
+    free = max(0, free_pages - step_pages(plan, page_size))
+    drafted: list[ScheduledSeq] = []
+    for item in plan:
+        seq, own = item.seq, item.new_pages(page_size)
+        room = min(budget, draft_room(seq.num_computed, item.num_rows,
+                                      len(seq.page_table) + own, free, page_size))
+        if item.samples and room > 0:
+            item = with_draft(item, speculator, room)
+            free -= item.new_pages(page_size) - own
+            budget -= item.num_rows - item.num_tokens
+        drafted.append(item)
+    return drafted
+
+
+def with_draft(item: ScheduledSeq, speculator: Speculator, room: int) -> ScheduledSeq:
+    """The item with its draft by lookup, or the draft model's length, within `room`."""
+    if speculator.config.uses_model:
+        length = speculator.draft_length(item.seq, room)
+        return ScheduledSeq(item.seq, item.num_tokens, draft_room=length,
+                            feeds_draft_model=not speculator.skips_draft_model(item.seq))
+    draft = speculator.propose(item.seq, room)
+    return ScheduledSeq(item.seq, item.num_tokens, draft) if draft else item

@@ -1,0 +1,66 @@
+"""A streamed response as server-sent events: each of the engine's events for a request, shaped
+by its API's wire format, as one `data:` line; queue and park notices as SSE comments.
+
+The stream ends with the format's usage and `[DONE]` where its API sends them; a client that
+goes away before every sequence finished has them cancelled, so their slots, pages and host RAM
+are freed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ..core.engine import Engine
+from ..core.messages import StreamEvent
+from .formats import get_format
+from .formats.results import failure
+from .stream import RequestStream
+
+NOTICES = {StreamEvent.QUEUED: "queued", StreamEvent.PARKED: "preempted",
+           StreamEvent.RESUMED: "resumed", StreamEvent.RECOMPUTED: "recomputed",
+           StreamEvent.KEEPALIVE: "keepalive"}
+
+
+def sse(payload: dict[str, Any] | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+def from_lines(payloads: list[dict[str, Any]]) -> str:
+    return "".join(sse(p) for p in payloads)
+
+
+async def stream_events(stream: RequestStream, engine: Engine, model: str, fingerprint: str,
+                        keepalive: float) -> AsyncIterator[str]:
+    """`model`, `fingerprint`: what each chunk echoes; `keepalive`: --sse-keepalive."""
+    fmt = get_format(model, stream, fingerprint)
+    finished = 0
+    opened = False
+    try:
+        async for event in stream.events(keepalive):
+            fmt.observe(event)
+            if event.kind in NOTICES:  # SSE comments: clients and proxies ignore them
+                yield f": {NOTICES[event.kind]}\n\n"
+                continue
+            if not opened:  # a request parked before its first token opens with a notice
+                opened = True
+                yield from_lines(fmt.opening())
+            if event.kind is StreamEvent.PROGRESS:
+                yield sse(fmt.progress(event.progress))
+            elif event.kind is StreamEvent.TEXT:
+                yield sse(fmt.text(event.index, event.text, event.num_logprobs))
+            elif event.kind is StreamEvent.FINISHED:
+                finished += 1
+                if event.result.failed:
+                    yield sse(failure(event.result).body())
+                else:
+                    yield from_lines(fmt.finish_chunks(event.result))
+        if fmt.include_usage:
+            yield sse(fmt.usage())
+        if fmt.ends_with_done:
+            yield sse("[DONE]")
+    finally:
+        if finished < stream.num_seqs:  # the client went away: free slot, pages, host RAM
+            engine.cancel(stream.seq_ids)

@@ -1,0 +1,191 @@
+"""A llama-family decoder layer and its parts: RMSNorm, rotary embeddings (Hugging Face's
+rotate-half layout), attention over the paged pool through the step's backend, the gated MLP;
+rows that read blocks run the layer in two C calls around the attention
+(`kernels/layer_ops.py`)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvpark.kernels import layer_ops
+from kvpark.kernels.attention import AttentionBackend
+from kvpark.kernels.quant_linear import QuantizedWeight
+
+from .config import ModelConfig
+from .linear import BlockRows, Linear, WeightFormat, linear, pad_rows
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32:  # one fused op, the same bits as the four-op form below
+        return F.rms_norm(x, weight.shape, weight, eps)
+    variance = x.float().pow(2).mean(-1, keepdim=True)
+    return (x.float() * torch.rsqrt(variance + eps)).to(x.dtype) * weight
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and signed sin for `apply_rope`: [T, 1, D] each, the sin's first half negated."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device,
+                                             dtype=torch.float32) / head_dim))
+    angles = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    return torch.cat((cos, cos), -1)[:, None, :], torch.cat((-sin, sin), -1)[:, None, :]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (Hugging Face layout) of x: [T, heads, D].
+
+    (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) as x * cos + (x2, x1) * (-sin, sin): the same
+    bits (a - b == a + -b), in four ops instead of nine.
+    """
+    t, heads, dim = x.shape
+    swapped = x.view(t, heads, 2, dim // 2).flip(2).view(t, heads, dim)
+    return x * cos + swapped * signed_sin
+
+
+def fused_blocks(quantized: dict[str, QuantizedWeight] | None,
+                 names: list[str]) -> QuantizedWeight | None:
+    """The blocks of `names` stacked as one fused linear; None unless every part has them."""
+    if not quantized or any(name not in quantized for name in names):
+        return None
+    return QuantizedWeight.cat([quantized[name] for name in names])
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], prefix: str,
+                 fmt: WeightFormat = WeightFormat.FP32,
+                 quantized: dict[str, QuantizedWeight] | None = None) -> None:
+        super().__init__()
+        self.config = config
+        attn, mlp = f"{prefix}.self_attn", f"{prefix}.mlp"
+        qkv_names = [f"{attn}.{p}_proj.weight" for p in "qkv"]
+        gate_up_names = [f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"]
+        self.qkv = Linear(
+            torch.cat([weights[name] for name in qkv_names]),
+            torch.cat([weights[f"{attn}.{p}_proj.bias"] for p in "qkv"])
+            if config.attention_bias else None,
+            fmt, fused_blocks(quantized, qkv_names),
+        )
+        self.o = Linear(weights[f"{attn}.o_proj.weight"], None, fmt,
+                        fused_blocks(quantized, [f"{attn}.o_proj.weight"]))
+        self.gate_up = Linear(torch.cat([weights[name] for name in gate_up_names]), None, fmt,
+                              fused_blocks(quantized, gate_up_names))
+        self.down = Linear(weights[f"{mlp}.down_proj.weight"], None, fmt,
+                           fused_blocks(quantized, [f"{mlp}.down_proj.weight"]))
+        # the dense weights under their old names (None once packed), for byte counts
+        self.qkv_weight, self.qkv_bias = self.qkv.weight, self.qkv.bias
+        self.o_weight, self.gate_up_weight = self.o.weight, self.gate_up.weight
+        self.down_weight = self.down.weight
+        self.input_norm = weights[f"{prefix}.input_layernorm.weight"]
+        self.post_attn_norm = weights[f"{prefix}.post_attention_layernorm.weight"]
+        self.q_norm = weights.get(f"{attn}.q_norm.weight") if config.qk_norm else None
+        self.k_norm = weights.get(f"{attn}.k_norm.weight") if config.qk_norm else None
+        self.fused = self.get_fused()
+
+    def get_fused(self) -> layer_ops.FusedLayer | None:
+        """The block rows' C ops (see `forward_fused`), where every linear has blocks and the
+        layer has no q/k norms or attention bias (those keep the torch path)."""
+        c, linears = self.config, (self.qkv, self.o, self.gate_up, self.down)
+        if (any(lin.blocks is None for lin in linears) or self.q_norm is not None
+                or self.qkv.bias is not None or self.input_norm.dtype != torch.float32
+                or not layer_ops.is_available()):
+            return None
+        return layer_ops.FusedLayer(
+            hidden=c.hidden_size, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim, eps=c.rms_norm_eps, input_norm=self.input_norm.contiguous(),
+            post_norm=self.post_attn_norm.contiguous(), qkv=self.qkv.blocks, o=self.o.blocks,
+            gate_up=self.gate_up.blocks, down=self.down.blocks)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                backend: AttentionBackend, kv_cache: torch.Tensor,
+                num_tokens: int, rows: BlockRows | None = None) -> torch.Tensor:
+        """x: [rows, hidden], of which the first `num_tokens` are real (the rest pad GEMMs);
+        `rows`: which read quantised blocks (see `Linear`). On the fused path the block rows of
+        x are updated in place."""
+        if rows is not None and rows.num_blocks > 0 and self.fused is not None:
+            assert num_tokens == x.shape[0], "no padding rows with `rows`"
+            return self.forward_fused(x, cos, sin, backend, kv_cache, rows)
+        c = self.config
+        num_rows = x.shape[0]
+        q, k, v = self.attention_inputs(x, cos, sin, rows)
+        if num_tokens < num_rows:
+            q, k, v = q[:num_tokens], k[:num_tokens], v[:num_tokens]
+        backend.append_kv(kv_cache, k, v)
+        attn = backend.attend(q, kv_cache).reshape(num_tokens, c.num_heads * c.head_dim)
+        return self.mlp_residual(x, pad_rows(attn, num_rows), rows)
+
+    def attention_inputs(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         rows: BlockRows | None) -> tuple[torch.Tensor, ...]:
+        """q [rows, heads, D], k and v [rows, kv heads, D]: norm, qkv, RoPE in torch ops."""
+        c = self.config
+        num_rows = x.shape[0]
+        h = rms_norm(x, self.input_norm, c.rms_norm_eps)
+        qkv = linear(h, self.qkv, rows)
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        v = qkv[:, q_size + kv_size :].view(num_rows, c.num_kv_heads, c.head_dim)
+        if self.q_norm is None:  # RoPE on q and k heads in one go
+            qk = qkv[:, : q_size + kv_size].view(num_rows, c.num_heads + c.num_kv_heads,
+                                                 c.head_dim)
+            qk = apply_rope(qk, cos, sin)
+            q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
+            if not q.is_cpu:  # FlashInfer wants q dense
+                q = q.contiguous()
+        else:
+            q = qkv[:, :q_size].view(num_rows, c.num_heads, c.head_dim)
+            k = qkv[:, q_size : q_size + kv_size].view(num_rows, c.num_kv_heads, c.head_dim)
+            q = apply_rope(rms_norm(q, self.q_norm, c.rms_norm_eps), cos, sin)
+            k = apply_rope(rms_norm(k, self.k_norm, c.rms_norm_eps), cos, sin)
+        return q, k, v
+
+    def mlp_residual(self, x: torch.Tensor, attn: torch.Tensor,
+                     rows: BlockRows | None) -> torch.Tensor:
+        """x + attn W_o^T, then plus the MLP of its norm, in torch ops; attn [rows, q_size]."""
+        x = x + linear(attn, self.o, rows)
+        h = rms_norm(x, self.post_attn_norm, self.config.rms_norm_eps)
+        gate, up = linear(h, self.gate_up, rows).chunk(2, dim=-1)
+        return x + linear(F.silu(gate) * up, self.down, rows)
+
+    def forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      backend: AttentionBackend, kv_cache: torch.Tensor,
+                      rows: BlockRows) -> torch.Tensor:
+        """The block rows in two C calls (`layer_ops`), the dense rows (if any) in torch ops.
+
+        A block row takes the same C arithmetic whether the step is all block rows (decode) or
+        mixes them with dense rows (a recompute replay, a chunked prefill beside decodes): the
+        C ops see only the block rows, each computed on its own."""
+        c, fused = self.config, self.fused
+        num_rows = x.shape[0]  # no padding: `LlamaModel.forward` pads nothing with `rows`
+        heads = (c.num_heads, c.num_kv_heads, c.num_kv_heads)
+        if rows.num_dense == 0:
+            q, k, v = fused.attention_inputs(x, cos, sin).split(heads, dim=1)
+        else:
+            blocks, dense = rows.blocks, rows.dense
+            parts = [
+                (blocks, fused.attention_inputs(x.index_select(0, blocks),
+                                                cos.index_select(0, blocks),
+                                                sin.index_select(0, blocks)).split(heads, 1)),
+                (dense, self.attention_inputs(x.index_select(0, dense),
+                                              cos.index_select(0, dense),
+                                              sin.index_select(0, dense),
+                                              BlockRows.all_dense(rows.num_dense))),
+            ]
+            q, k, v = (torch.empty(num_rows, n, c.head_dim) for n in heads)
+            for index, part in parts:
+                for full, rows_part in zip((q, k, v), part):
+                    full.index_copy_(0, index, rows_part)
+        backend.append_kv(kv_cache, k, v)
+        attn = backend.attend(q, kv_cache)  # [rows, heads, D]
+        if not attn.is_contiguous():  # the torch reference's is a transposed view
+            attn = attn.reshape(num_rows, -1)
+        if rows.num_dense == 0:
+            return fused.mlp_residual(x, attn)
+        out = torch.empty_like(x)
+        out.index_copy_(0, rows.blocks, fused.mlp_residual(x.index_select(0, rows.blocks),
+                                                           attn.index_select(0, rows.blocks)))
+        dense_attn = attn.index_select(0, rows.dense).reshape(rows.num_dense, -1)
+        out.index_copy_(0, rows.dense,
+                        self.mlp_residual(x.index_select(0, rows.dense), dense_attn,
+                                          BlockRows.all_dense(rows.num_dense)))
+        return out

@@ -1,0 +1,151 @@
+"""The linears of a model on the CPU or CUDA: weights packed once for oneDNN, rows padded so a
+row's result never depends on which other rows share the step (`batch_invariant`), and rows of
+generated tokens read a GGUF's quantised blocks (`BlockRows`) where the model has them."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvpark.kernels import cpu_features
+from kvpark.kernels.quant_linear import QuantizedWeight, quant_linear
+
+# A GEMM of very few rows takes a different kernel whose sums round differently: oneDNN (the CPU
+# path here) for 1 row, MKL's sgemm (F.linear) for 1-3 rows on one thread and up to 11 on two.
+# From 4 rows on, oneDNN gives every row the same bits whatever the row count, on any number of
+# threads; padding to it makes each row's result independent of the batch it rides in.
+MIN_INVARIANT_ROWS = 4
+# oneDNN JIT-compiles a primitive for every GEMM shape it meets and keeps it in two caches of
+# 1024 entries each (its own primitive cache and ideep's LRU in torch), ~0.6 MB of code and
+# buffers apiece whatever the row count (measured: 512 row counts through one linear, +300 MiB).
+# Row counts are a prompt chunk's length, so distinct prompt lengths filled both caches: RSS
+# grew ~700 MiB on synthetic:tiny, then kept creeping with the caches' evict-and-rebuild churn
+# (issue 23). The packed GEMMs therefore run a bounded set of row counts: exact up to
+# EXACT_GEMM_ROWS (decode steps), above that rounded up to one of GEMM_ROWS_PER_OCTAVE steps per
+# power of two (<= 25% padding rows, ~8% on average): 33 shapes a linear up to 512 rows. The
+# padding rows are zeros sliced off the result; from MIN_INVARIANT_ROWS on oneDNN gives a row
+# the same bits at any row count, so they never change a real row.
+EXACT_GEMM_ROWS = 16
+GEMM_ROWS_PER_OCTAVE = 4
+
+
+class WeightFormat(str, enum.Enum):
+    """How the big linears (attention, MLP, lm_head) hold their weights."""
+
+    FP32 = "fp32"  # the checkpoint's values; fp32 products and sums (exact, the default)
+    BF16 = "bf16"  # half the bytes to read; weights, inputs and outputs rounded to bf16 (opt-in)
+
+
+def can_prepack(weight: torch.Tensor) -> bool:
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if weight.dtype == torch.bfloat16:  # torch raises on CPUs without AVX-512 or AVX-NE-CONVERT
+        return cpu_features.detect().can_bf16_gemm
+    return weight.dtype == torch.float32
+
+
+@dataclass(frozen=True)
+class BlockRows:
+    """Which rows of a step read a linear's quantised blocks, and which the dense weight.
+
+    The runner marks the rows of generated tokens (positions past the prompt), first fed or
+    replayed: a property of the sequence alone, so a row takes the same kernels whatever its
+    neighbours, however its prompt was chunked, and a recompute replay reproduces its bits.
+    """
+
+    blocks: torch.Tensor  # row indices, int64
+    dense: torch.Tensor
+
+    @classmethod
+    def from_mask(cls, from_blocks: list[bool]) -> BlockRows:
+        mask = torch.tensor(from_blocks, dtype=torch.bool)
+        return cls(mask.nonzero()[:, 0], (~mask).nonzero()[:, 0])
+
+    @property
+    def num_blocks(self) -> int:
+        return self.blocks.shape[0]
+
+    @property
+    def num_dense(self) -> int:
+        return self.dense.shape[0]
+
+    @classmethod
+    def all_dense(cls, num_rows: int) -> BlockRows:
+        return cls(torch.empty(0, dtype=torch.long), torch.arange(num_rows))
+
+
+class Linear:
+    """y = x W^T (+ b); on the CPU the weight is reordered once into oneDNN's blocked layout.
+
+    A decode step's GEMMs have a handful of rows, so they stream the weight: oneDNN with a
+    prepacked weight streams it faster than MKL's sgemm and is faster at prefill too (MKL takes
+    its AVX2 path on AMD; measured in benchmarks/README.md). On CUDA: `F.linear`.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                 fmt: WeightFormat = WeightFormat.FP32,
+                 blocks: QuantizedWeight | None = None) -> None:
+        self.blocks = blocks  # the checkpoint's quantised blocks: decode rows read these
+        self.out_features, self.in_features = weight.shape
+        self.compute_dtype = torch.bfloat16 if fmt is WeightFormat.BF16 else weight.dtype
+        weight = weight.to(self.compute_dtype)
+        self.bias = None if bias is None else bias.to(self.compute_dtype)
+        self.packed = (torch.ops.mkldnn._reorder_linear_weight(weight, MIN_INVARIANT_ROWS)
+                       if can_prepack(weight) else None)
+        self.weight = None if self.packed is not None else weight  # no second copy in RAM
+
+    def __call__(self, x: torch.Tensor, rows: BlockRows | None = None) -> torch.Tensor:
+        """With `rows`, the rows it names read the quantised blocks (when there are any)."""
+        if rows is None:  # the model padded x for the dense GEMM
+            return self.dense(x)
+        # the model does not pad when it hands `rows` down: the dense GEMM keeps its row
+        # invariance only from MIN_INVARIANT_ROWS rows on, the block kernel at any count
+        if self.blocks is None or rows.num_blocks == 0:
+            return self.dense(pad_rows(x, MIN_INVARIANT_ROWS))[: x.shape[0]]
+        if rows.num_dense == 0:
+            return self.from_blocks(x)
+        out = torch.empty(x.shape[0], self.blocks.out_features, dtype=x.dtype)
+        dense_x = pad_rows(x.index_select(0, rows.dense), MIN_INVARIANT_ROWS)
+        out.index_copy_(0, rows.dense, self.dense(dense_x)[: rows.num_dense])
+        out.index_copy_(0, rows.blocks, self.from_blocks(x.index_select(0, rows.blocks)))
+        return out
+
+    def from_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        y = quant_linear(x, self.blocks)
+        return y if self.bias is None else y + self.bias
+
+    def dense(self, x: torch.Tensor) -> torch.Tensor:
+        out_dtype = x.dtype
+        if x.dtype != self.compute_dtype:
+            x = x.to(self.compute_dtype)
+        if self.packed is not None:  # a bounded set of row counts (see EXACT_GEMM_ROWS)
+            num_rows = x.shape[0]
+            x = pad_rows(x, get_gemm_rows(num_rows))
+            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            y = y[:num_rows]
+        else:
+            y = F.linear(x, self.weight, self.bias)
+        return y if y.dtype == out_dtype else y.to(out_dtype)
+
+
+def linear(x: torch.Tensor, layer: Linear, rows: BlockRows | None = None) -> torch.Tensor:
+    """Every GEMM of the model goes through here (benchmarks/profile_step.py times it)."""
+    return layer(x, rows)
+
+
+def get_gemm_rows(num_rows: int) -> int:
+    """The row count a packed GEMM of `num_rows` rows runs with: `num_rows` up to
+    EXACT_GEMM_ROWS, else rounded up to a multiple of 1/GEMM_ROWS_PER_OCTAVE of the power of
+    two below it (17 -> 20, 33 -> 40, 257 -> 320, 512 -> 512)."""
+    if num_rows <= EXACT_GEMM_ROWS:
+        return num_rows
+    step = (1 << (num_rows - 1).bit_length()) // (2 * GEMM_ROWS_PER_OCTAVE)
+    return -(-num_rows // step) * step
+
+
+def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x with zero rows appended up to `rows` (x itself when it has enough)."""
+    return x if x.shape[0] >= rows else F.pad(x, (0, 0, 0, rows - x.shape[0]))

@@ -1,0 +1,1 @@
+"""The composition root: the serving stack built from the flags."""

@@ -1,0 +1,144 @@
+"""What the flags choose on this machine: device, dtype, the linears' format and blocks for decode
+rows, the attention backend, the pool's size in pages; and the model built as they say (the
+target and a draft model alike)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from kvpark.kernels import cpu_features, quant_linear
+from kvpark.kernels.attention import AttentionBackend
+from kvpark.kernels.cpu_features import CpuFeatures
+from kvpark.kernels.quant_linear import QuantizedWeight
+from kvpark.kernels.torch_paged import TorchPagedAttention
+
+from ..args import ServerArgs
+from ..memory.budget import MIB
+from ..model.blocks_at_load import blocks_nbytes, make_missing_blocks
+from ..model.config import ModelConfig
+from ..model.linear import WeightFormat
+from ..model.llama import LlamaModel
+from ..model.loader import LoadedModel
+
+log = logging.getLogger("kvpark.server")
+
+
+def pick_device(args: ServerArgs) -> torch.device:
+    if args.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(args.device)
+
+
+def pick_dtype(args: ServerArgs, device: torch.device) -> torch.dtype:
+    if args.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, args.dtype)
+
+
+def pick_weight_format(args: ServerArgs, device: torch.device, dtype: torch.dtype,
+                       cpu: CpuFeatures | None = None) -> WeightFormat:
+    """bf16 linears are a CPU option over a float32 model (on CUDA the dtype says it all); a CPU
+    without oneDNN's bf16 GEMMs keeps float32 (unpacked bf16 GEMMs there are slower than it)."""
+    if args.weights != "bf16" or device.type != "cpu" or dtype != torch.float32:
+        return WeightFormat.FP32
+    cpu = cpu or cpu_features.detect()
+    if not cpu.can_bf16_gemm:
+        log.warning("--weights bf16: this CPU has no bf16 GEMMs for oneDNN (they need AVX-512 "
+                    "BW/VL/DQ or AVX-NE-CONVERT; %s); using fp32 linears", cpu.describe())
+        return WeightFormat.FP32
+    return WeightFormat.BF16
+
+
+def pick_blocks(args: ServerArgs, loaded: LoadedModel, device: torch.device,
+                dtype: torch.dtype) -> dict[str, QuantizedWeight] | None:
+    """Blocks for decode rows on a float32 CPU model (`--weights auto|gguf`): a GGUF's own
+    Q4_1 / Q8_0 matrices, and Q8_0 made at load for each linear stored without them."""
+    if args.weights not in ("auto", "gguf"):
+        return None
+    reason = None
+    if device.type != "cpu" or dtype != torch.float32:
+        reason = "decode from blocks is a float32 CPU path"
+    elif not quant_linear.is_available():
+        reason = "the C kernel did not build (see --attention-backend cpu)"
+    if reason is not None:
+        if args.weights == "gguf":
+            raise ValueError(f"--weights gguf: {reason}")
+        return None
+    started = time.perf_counter()
+    made = make_missing_blocks(loaded.config, loaded.weights, loaded.quantized)
+    if made:
+        log.info("--weights %s: made Q8_0 blocks at load for %d linears the checkpoint stores "
+                 "without blocks (%.0f MiB, %.1f s); %d kept as the checkpoint's own",
+                 args.weights, len(made), blocks_nbytes(made) / MIB,
+                 time.perf_counter() - started, len(loaded.quantized))
+    return {**loaded.quantized, **made}
+
+
+CPU_DEFAULT_CTX = 8192
+ACTIVATION_RESERVE_BYTES = 1 << 30  # CUDA: activations, sampling, graph pool
+FLASHINFER_RESERVE_BYTES = (128 + 8 * 8) << 20  # workspace + per-wrapper buffers
+
+
+def pick_backend(args: ServerArgs, device: torch.device, config: ModelConfig,
+                 dtype: torch.dtype) -> AttentionBackend:
+    if args.attention_backend in ("auto", "flashinfer") and device.type == "cuda":
+        try:
+            from kvpark.kernels.flashinfer_paged import AttentionShape, FlashInferPagedAttention
+
+            shape = AttentionShape(config.num_heads, config.num_kv_heads, config.head_dim,
+                                   args.page_size, dtype, dtype)
+            return FlashInferPagedAttention(device, shape=shape)
+        except ImportError as exc:  # FlashInferUnavailable is an ImportError too
+            if args.attention_backend == "flashinfer":
+                raise
+            log.warning("FlashInfer unavailable (%s); using the torch backend", exc)
+    if args.attention_backend == "flashinfer":
+        raise ValueError("--attention-backend flashinfer needs a CUDA device")
+    if args.attention_backend in ("auto", "cpu") and device.type == "cpu":
+        return pick_cpu_backend(args, dtype)
+    if args.attention_backend == "cpu":
+        raise ValueError("--attention-backend cpu runs on the CPU only")
+    return TorchPagedAttention(device)
+
+
+def pick_cpu_backend(args: ServerArgs, dtype: torch.dtype) -> AttentionBackend:
+    """The C kernel (reads pages in place) where it builds; the torch reference otherwise."""
+    from kvpark.kernels.cpu_paged import CpuPagedAttention, KernelUnavailable
+
+    if dtype != torch.float32:
+        if args.attention_backend == "cpu":
+            raise ValueError("--attention-backend cpu computes in float32 only")
+        return TorchPagedAttention("cpu")
+    try:
+        return CpuPagedAttention()
+    except KernelUnavailable as exc:
+        if args.attention_backend == "cpu":
+            raise
+        log.warning("C paged attention unavailable (%s); using the torch backend", exc)
+        return TorchPagedAttention("cpu")
+
+
+def pick_num_pages(args: ServerArgs, config: ModelConfig, num_layers: int, dtype: torch.dtype,
+                   device: torch.device) -> int:
+    """-c in pages; on CUDA without -c, what the free memory allows (a page holds `num_layers`
+    layers: the target's and a draft model's)."""
+    page_bytes = (num_layers * 2 * args.page_size * config.num_kv_heads * config.head_dim
+                  * torch.empty((), dtype=dtype).element_size())
+    if args.ctx_size is not None:
+        return max(1, args.ctx_size // args.page_size)
+    if device.type != "cuda":
+        return CPU_DEFAULT_CTX // args.page_size
+    free, _ = torch.cuda.mem_get_info(device)
+    usable = free * args.gpu_memory_fraction - ACTIVATION_RESERVE_BYTES - FLASHINFER_RESERVE_BYTES
+    return max(1, int(usable // page_bytes))
+
+
+def make_model(args: ServerArgs, loaded: LoadedModel, device: torch.device, dtype: torch.dtype,
+               blocks: dict[str, QuantizedWeight] | None) -> LlamaModel:
+    """The model over loaded weights, its linears as the flags say (the target and a draft)."""
+    return LlamaModel(loaded.config, loaded.weights,
+                      batch_invariant=args.batch_invariant and device.type == "cpu",
+                      weight_format=pick_weight_format(args, device, dtype), quantized=blocks)

@@ -1,0 +1,231 @@
+"""Choices measured on this machine at start: whether decode rows read blocks
+(`--weights auto`), how many C kernel threads (`--kernel-threads 0`) and torch threads
+(`--threads 0`) to run, each from a few timed rounds within a small budget, with the machine's
+load logged so a slow server's log says why it chose what it chose.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvpark.kernels import worker_pool
+from kvpark.kernels.cores import usable_cores
+
+from ..args import MAX_TORCH_THREADS, ServerArgs
+from ..model.linear import MIN_INVARIANT_ROWS, pad_rows
+from ..model.llama import LlamaModel
+
+log = logging.getLogger("kvpark.autotune")
+
+
+AUTO_ROUNDS = 8
+AUTO_BUDGET_S = 0.6  # the start-up measurement stops after this much time
+BUSY_SPREAD = 0.15  # a variant's median round this much slower than its best: others ran too
+
+
+@dataclass(frozen=True)
+class Conditions:
+    """What the machine was like while a start-up measurement ran: a loaded machine measures
+    thread counts wrong (a second thread waits for a core), and the log must say so."""
+
+    load_average: float  # the 1-minute load average as the measurement ended
+    cores: int
+    spread: float  # the largest median/best - 1 of any variant's rounds
+    rounds: int
+
+    @property
+    def busy(self) -> bool:
+        return self.load_average >= self.cores or self.spread > BUSY_SPREAD
+
+    def describe(self) -> str:
+        text = (f"{self.rounds} round{'s' * (self.rounds > 1)}, median {self.spread:.0%} over "
+                f"the best; load average {self.load_average:.2f} on {self.cores} cores")
+        if self.busy:
+            text += ("; the machine was busy while measuring, so on an idle one this may "
+                     "choose otherwise (set the flag to decide)")
+        return text
+
+
+@dataclass(frozen=True)
+class Rounds:
+    times: dict[int, list[float]]  # seconds of each timed round, by variant
+
+    @property
+    def best(self) -> dict[int, float]:
+        return {variant: min(times) for variant, times in self.times.items()}
+
+    def conditions(self) -> Conditions:
+        spread = max((statistics.median(t) / min(t) - 1 for t in self.times.values() if min(t)),
+                     default=0.0)
+        return Conditions(os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0,
+                          usable_cores().count, spread,
+                          min(len(t) for t in self.times.values()))
+
+
+def timed_rounds(run: Callable[[int], float], variants: list[int]) -> Rounds:
+    """`run(variant)` once each to warm up, then in alternating rounds (so that a change in the
+    machine's load hits every variant alike) until AUTO_ROUNDS or AUTO_BUDGET_S."""
+    for variant in variants:  # first touches: caches, the pools' workers
+        run(variant)
+    times: dict[int, list[float]] = {variant: [] for variant in variants}
+    deadline = time.perf_counter() + AUTO_BUDGET_S
+    for _ in range(AUTO_ROUNDS):
+        for variant in variants:
+            times[variant].append(run(variant))
+        if time.perf_counter() > deadline:
+            break
+    return Rounds(times)
+
+
+@dataclass(frozen=True)
+class DecodeTimings:
+    """Seconds for one decode row through every layer's MLP linears (most of a step's bytes):
+    from blocks by kernel thread count, and float32 oneDNN."""
+
+    blocks: dict[int, float]
+    dense: float
+    conditions: Conditions
+
+    @property
+    def best_threads(self) -> int:
+        """More threads only where they save 5%: a second thread costs CPU time."""
+        fewest = min(self.blocks)
+        faster = [n for n, t in self.blocks.items() if t < 0.95 * self.blocks[fewest]]
+        return min(faster, key=self.blocks.__getitem__, default=fewest)
+
+
+def measure_decode_linears(model: LlamaModel, thread_counts: list[int]) -> DecodeTimings:
+    """The block kernel at each thread count vs float32 oneDNN on this machine, in alternating
+    rounds (best of each): all layers' MLP weights outgrow the caches, as a decode step does."""
+    layers = [layer for layer in model.layers
+              if layer.gate_up.blocks is not None and layer.down.blocks is not None]
+    x = torch.randn(1, model.config.hidden_size)
+    mid = torch.randn(1, model.config.intermediate_size)
+
+    def run(threads: int) -> float:  # 0: the dense GEMMs
+        worker_pool.set_num_threads(max(1, threads))
+        start = time.perf_counter()
+        for layer in layers:
+            if threads:
+                layer.gate_up.from_blocks(x), layer.down.from_blocks(mid)
+            else:  # the dense decode GEMM pads to MIN_INVARIANT_ROWS rows (see `Linear`)
+                layer.gate_up.dense(pad_rows(x, MIN_INVARIANT_ROWS))
+                layer.down.dense(pad_rows(mid, MIN_INVARIANT_ROWS))
+        return time.perf_counter() - start
+
+    variants = [*dict.fromkeys(thread_counts), 0]
+    before = worker_pool.get_num_threads()
+    with torch.inference_mode():
+        rounds = timed_rounds(run, variants)
+    worker_pool.set_num_threads(before)
+    best = rounds.best
+    return DecodeTimings({n: best[n] for n in variants if n}, best[0], rounds.conditions())
+
+
+def choose_decode_weights(args: ServerArgs, model: LlamaModel) -> None:
+    """By measurement on this machine: `--weights auto` keeps decode rows on blocks (the
+    GGUF's, or Q8_0 made at load) only where they are faster than float32; `--kernel-threads 0`
+    takes more threads only where they are faster."""
+    auto_threads = args.kernel_threads == 0
+    if not model.has_blocks or (args.weights != "auto" and not auto_threads):
+        return
+    counts = [1, worker_pool.get_num_threads()] if auto_threads else [args.kernel_threads]
+    timings = measure_decode_linears(model, counts)
+    if auto_threads:
+        worker_pool.set_num_threads(timings.best_threads)
+    blocks = timings.blocks[worker_pool.get_num_threads()]
+    keep = args.weights != "auto" or blocks <= timings.dense
+    log.info("--weights %s, --kernel-threads %s: decode rows from %s, kernel threads %d (one row "
+             "through every layer's MLP: blocks %s, float32 oneDNN %.2f ms; %s)",
+             args.weights, "auto" if auto_threads else args.kernel_threads,
+             "blocks" if keep else "float32 (faster here)",
+             worker_pool.get_num_threads(),
+             ", ".join(f"{t * 1e3:.2f} ms at {n} thread{'s' * (n > 1)}"
+                       for n, t in timings.blocks.items()), timings.dense * 1e3,
+             timings.conditions.describe())
+    if not keep:
+        model.drop_blocks()
+
+
+PROMPT_PROBE_ROWS = 64  # a prompt chunk's worth of rows through a few layers' MLPs
+PROMPT_PROBE_LAYERS = 4
+PROMPT_THREADS_GAIN = 1.3  # more torch threads only where a prompt GEMM is 30% faster
+
+
+@dataclass(frozen=True)
+class PromptTimings:
+    """Seconds for a prompt chunk's GEMMs by torch thread count."""
+
+    by_threads: dict[int, float]
+    conditions: Conditions
+
+
+def measure_prompt_gemms(model: LlamaModel, thread_counts: list[int]) -> PromptTimings:
+    """Seconds for a prompt chunk through a few layers' MLP GEMMs (float32 oneDNN, as prompt rows
+    take them) at each torch thread count, alternating rounds, best of each."""
+    layers = model.layers[:PROMPT_PROBE_LAYERS]
+    x = torch.randn(PROMPT_PROBE_ROWS, model.config.hidden_size)
+    mid = torch.randn(PROMPT_PROBE_ROWS, model.config.intermediate_size)
+
+    def run(threads: int) -> float:
+        torch.set_num_threads(threads)
+        start = time.perf_counter()
+        for layer in layers:
+            layer.gate_up.dense(x), layer.down.dense(mid)
+        return time.perf_counter() - start
+
+    before = torch.get_num_threads()
+    with torch.inference_mode():
+        rounds = timed_rounds(run, thread_counts)
+    torch.set_num_threads(before)
+    return PromptTimings(rounds.best, rounds.conditions())
+
+
+def choose_torch_threads(args: ServerArgs, model: LlamaModel) -> None:
+    """`--threads 0` on the CPU with decode rows in the C kernels: every core for the prompt
+    GEMMs where a start-up measurement finds them 30% faster than one thread (on a machine busy
+    at start-up one thread stays; measurements in benchmarks/README.md).
+    Decode steps of block rows make few torch calls, so the extra OpenMP thread costs them
+    nothing measurable; without blocks (float32 decode in torch ops) half the cores stay, as
+    `pick_threads` says why."""
+    cores = min(usable_cores().count, MAX_TORCH_THREADS)
+    if args.threads != 0 or not model.has_blocks or model.device.type != "cpu" or cores < 2:
+        return
+    timings = measure_prompt_gemms(model, [1, cores])
+    one, every = timings.by_threads[1], timings.by_threads[cores]
+    chosen = cores if every * PROMPT_THREADS_GAIN < one else 1
+    torch.set_num_threads(chosen)
+    log.info("--threads auto: %d torch thread%s for prompt GEMMs (a %d-row chunk through %d "
+             "layers' MLPs: %.2f ms at 1 thread, %.2f ms at %d; %s)", chosen, "s" * (chosen > 1),
+             PROMPT_PROBE_ROWS, PROMPT_PROBE_LAYERS, one * 1e3, every * 1e3, cores,
+             timings.conditions.describe())
+
+
+def warn_if_oversubscribed(torch_threads: int, kernel_threads: int) -> None:
+    """More threads than cores only slows a step down: each one waits for its slowest thread,
+    and a thread off the CPU holds it up for a whole time slice."""
+    cores = usable_cores()
+    if max(torch_threads, kernel_threads) > cores.count:
+        log.warning("%d torch and %d C kernel threads on %d cores this process may keep busy "
+                    "(%s): steps run slower than with at most %d (--threads, --kernel-threads)",
+                    torch_threads, kernel_threads, cores.count, cores.source, cores.count)
+
+
+def pick_kernel_threads(args: ServerArgs) -> int:
+    """The count to use, or with 0 (auto) the most to try: every core."""
+    return args.kernel_threads if args.kernel_threads > 0 else worker_pool.default_num_threads()
+
+
+def pick_threads(args: ServerArgs) -> int:
+    # Half the cores, measured on a 2-core machine shared with other jobs (benchmarks/README.md,
+    # "CPU decode step"): every core made a small decode step slower and cost much more CPU; a
+    # GEMM pass that must wait for a descheduled thread waits for all. Batch invariance holds
+    # at any count (oneDNN linears).
+    return args.threads if args.threads > 0 else max(1, usable_cores().count // 2)
