@@ -305,7 +305,7 @@ class Scheduler:
             seq.output.prompt_seconds += seconds
         seq.output.prompt_logprobs.extend(output.prompt_logprobs)  # before any event: all there
         sampled = output.sampled
-        echo_only = sampled is not None and seq.params.max_tokens == 0  # nothing generated
+        echo_only = sampled is not None and seq.params.scores_only  # nothing generated
         since = seq.num_complete
         self.speculator.draft_model_fed(seq, item.feeds_draft_model, item.num_tokens)
         self.advance(item, None if sampled is None or echo_only else sampled.token, since)

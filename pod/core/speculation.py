@@ -90,11 +90,11 @@ class SpecStats:
 
 # ---- drafting and acceptance (pure) -----------------------------------------------------------
 
-def find_draft(tokens: Seq[int], max_tokens: int, ngram_max: int = NGRAM_MAX) -> list[int]:
-    """The up to `max_tokens` tokens that followed the most recent earlier occurrence of the
+def find_draft(tokens: Seq[int], max_length: int, ngram_max: int = NGRAM_MAX) -> list[int]:
+    """The up to `max_length` tokens that followed the most recent earlier occurrence of the
     longest suffix of `tokens` (n = ngram_max .. 1) found; [] when none occurs."""
     end = len(tokens)
-    if end < 2 or max_tokens <= 0:
+    if end < 2 or max_length <= 0:
         return []
     last = tokens[-1]
     # where an earlier n-gram could end: positions holding the last token, most recent first
@@ -103,7 +103,7 @@ def find_draft(tokens: Seq[int], max_tokens: int, ngram_max: int = NGRAM_MAX) ->
         suffix = list(tokens[end - n:])
         for j in ends:
             if j + 1 >= n and list(tokens[j + 1 - n:j + 1]) == suffix:
-                return list(tokens[j + 1:j + 1 + max_tokens])
+                return list(tokens[j + 1:j + 1 + max_length])
     return []
 
 
@@ -149,13 +149,14 @@ class Speculator:
 
     def draft_length(self, seq: Sequence, room: int) -> int:
         """How many tokens the sequence may have drafted this step: at most `room`, the
-        adaptive length, and no more than it may still emit (max_tokens, the context) minus the
-        one token the last row adds; 0 below n-min."""
+        adaptive length, and no more than it may still emit (the output limit, the context)
+        minus the one token the last row adds; 0 below n-min."""
         if not self.can_draft(seq):
             return 0
         left = self.max_context - len(seq.tokens)
-        if seq.params.max_tokens is not None:
-            left = min(left, seq.params.max_tokens - seq.num_generated)
+        limit = seq.params.tokens_left(seq.num_generated)
+        if limit is not None:
+            left = min(left, limit)
         # never below n-min: a shorter draft would be refused and the length never grow back
         longest = max(seq.spec.draft_len or self.config.draft_max, self.config.draft_min)
         length = min(longest, self.config.draft_max, room, left - 1)

@@ -44,7 +44,7 @@ def check_fits(stack: ServingStack, gen: GenerationRequest, which: str = "") -> 
                        details={"n_prompt_tokens": prompt, "n_ctx": limit})
     max_tokens = gen.params.max_tokens
     if max_tokens is not None and prompt + max_tokens > limit:
-        name = API_FIELDS[gen.kind].quoted_max_tokens
+        name = API_FIELDS[gen.kind].quoted_limit
         raise ApiError(400, f"'{name}': {prompt} prompt tokens + {max_tokens} to "
                        f"generate exceed the {limit} tokens one request can hold here",
                        param=name)

@@ -210,7 +210,7 @@ REQUIRED = {"chat": ["messages"], "completion": ["prompt"], "llama": ["prompt"]}
 
 
 def field_schema(name: str, where: Where) -> dict[str, Any]:
-    if name in API_FIELDS[where.kind].max_tokens:
+    if name in API_FIELDS[where.kind].limit_names:
         return _max_tokens(name)(where)
     return FIELD_SCHEMAS[name](where)
 

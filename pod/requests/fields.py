@@ -61,31 +61,31 @@ UNLIMITED_AT_NO_LIMIT = frozenset({"n_predict"})
 class ApiFields:
     """One API's fields."""
 
-    max_tokens: tuple[str, ...]  # the output-length limit's names: the first one sent wins
-    quoted_max_tokens: str  # the name an error about the limit gives
-    own: frozenset[str]  # what this API takes beyond the shared fields and `max_tokens`
+    limit_names: tuple[str, ...]  # the output-length limit's names: the first one sent wins
+    quoted_limit: str  # the name an error about the limit gives
+    own: frozenset[str]  # what this API takes beyond the shared fields and the limit
 
     @property
     def known(self) -> frozenset[str]:
         """Every field this API reads; the rest are ignored (and logged)."""
-        return SAMPLING | frozenset(HARMLESS) | STRUCTURED | self.own | frozenset(self.max_tokens)
+        return SAMPLING | frozenset(HARMLESS) | STRUCTURED | self.own | frozenset(self.limit_names)
 
 
 API_FIELDS: dict[str, ApiFields] = {
     "chat": ApiFields(
-        max_tokens=("max_completion_tokens", COMMON_MAX_TOKENS),
-        quoted_max_tokens=COMMON_MAX_TOKENS,
+        limit_names=("max_completion_tokens", COMMON_MAX_TOKENS),
+        quoted_limit=COMMON_MAX_TOKENS,
         own=frozenset({"messages", "tools", "tool_choice", "logprobs", "top_logprobs",
                        "prompt_logprobs", "add_generation_prompt", "continue_final_message",
                        "return_tokens_as_token_ids"})),
     "completion": ApiFields(
-        max_tokens=(COMMON_MAX_TOKENS,),
-        quoted_max_tokens=COMMON_MAX_TOKENS,
+        limit_names=(COMMON_MAX_TOKENS,),
+        quoted_limit=COMMON_MAX_TOKENS,
         own=frozenset({"prompt", "logprobs", "echo", "prompt_logprobs",
                        "return_tokens_as_token_ids"})),
     "llama": ApiFields(
-        max_tokens=("n_predict", COMMON_MAX_TOKENS),
-        quoted_max_tokens="n_predict",
+        limit_names=("n_predict", COMMON_MAX_TOKENS),
+        quoted_limit="n_predict",
         own=frozenset({"prompt", "return_tokens", "n_probs", "post_sampling_probs"})),
 }
 

@@ -116,7 +116,7 @@ def check_metadata(value: Any) -> None:
 def _echo_max_tokens(body: dict) -> dict:
     """`echo` with `max_tokens: 0` scores a prompt and generates nothing (OpenAI's legacy
     completions, lm-evaluation-harness): the body without the 0, for the parser's checks."""
-    name = API_FIELDS["completion"].quoted_max_tokens
+    name = API_FIELDS["completion"].quoted_limit
     value = body.get(name)
     if boolean_field(body, "echo", False) and type(value) is int and value == 0:
         return {k: v for k, v in body.items() if k != name}
@@ -193,7 +193,7 @@ def _answer_options(body: dict) -> dict[str, Any]:
 def parse_chat(body: dict, tokenizer: Tokenizer, limits: InputLimits) -> GenerationRequest:
     check_fields(body, "chat")
     messages = chat_messages(body, limits)
-    params = sampling_params(body, limits.max_context, API_FIELDS["chat"].max_tokens,
+    params = sampling_params(body, limits.max_context, API_FIELDS["chat"].limit_names,
                              tokenizer, "chat")
     grammar = structured_output(body, tokenizer)
     plan = tool_plan(body, grammar)
@@ -212,7 +212,7 @@ def parse_chat(body: dict, tokenizer: Tokenizer, limits: InputLimits) -> Generat
 def _completion_params(body: dict, tokenizer: Tokenizer, limits: InputLimits
                        ) -> SamplingParams:
     checked = _echo_max_tokens(body)
-    params = sampling_params(checked, limits.max_context, API_FIELDS["completion"].max_tokens,
+    params = sampling_params(checked, limits.max_context, API_FIELDS["completion"].limit_names,
                              tokenizer)
     return params if checked is body else dataclasses.replace(params, max_tokens=0)
 
@@ -234,7 +234,7 @@ def parse_completion(body: dict, tokenizer: Tokenizer, limits: InputLimits) -> G
 def parse_llama_completion(body: dict, tokenizer: Tokenizer, limits: InputLimits
                            ) -> GenerationRequest:
     check_fields(body, "llama")
-    params = sampling_params(body, limits.max_context, API_FIELDS["llama"].max_tokens,
+    params = sampling_params(body, limits.max_context, API_FIELDS["llama"].limit_names,
                              tokenizer, "llama")
     if params.n != 1:
         raise _bad("n", "/completion generates one sequence; use /v1/completions for n > 1")

@@ -50,6 +50,15 @@ class SamplingParams:
         object.__setattr__(self, "is_plain", not self.needs_processing and self.logprobs is None)
 
     @property
+    def scores_only(self) -> bool:
+        """An output limit of 0 (`echo` scoring a prompt): nothing is generated."""
+        return self.max_tokens == 0
+
+    def tokens_left(self, num_generated: int) -> int | None:
+        """How many more tokens the output limit allows (None: no limit)."""
+        return None if self.max_tokens is None else self.max_tokens - num_generated
+
+    @property
     def is_greedy(self) -> bool:
         # below this temperature logits / t overflows float32; it is argmax in all but name.
         # top_p 0 keeps only the best token (llama.cpp's top-p keeps at least one)
