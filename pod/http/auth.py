@@ -9,7 +9,8 @@ from starlette.requests import Request
 
 from ..requests.errors import ApiError
 
-OPEN_PATHS = {"/health", "/metrics", "/openapi.json"}
+# probes, the schema, and vLLM's /version (open there too): nothing here reveals a request
+OPEN_PATHS = {"/health", "/metrics", "/openapi.json", "/version"}
 
 
 def has_key(request: Request, key: str) -> bool:

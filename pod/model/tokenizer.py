@@ -52,6 +52,14 @@ QWEN2_LIKE = frozenset({"qwen2", "qwen2.5", "qwen-2.5", "stablelm2", "deepseek-r
 DEFUSE_MARK = "\ufdd0"
 
 
+class RenderedTooLong(ValueError):
+    """A chat prompt rendered longer than it may be, refused before it is tokenised."""
+
+    def __init__(self, num_chars: int, max_chars: int) -> None:
+        super().__init__(f"{num_chars} characters rendered, at most {max_chars}")
+        self.num_chars, self.max_chars = num_chars, max_chars
+
+
 class Tokenizer:
     """Text <-> ids, plus the model's chat template and its end-of-generation ids."""
 
@@ -179,7 +187,8 @@ class Tokenizer:
         self.chat_template = source
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None, prefill: str = "") -> list[int]:
+                    tools: list[dict] | None = None, prefill: str = "",
+                    max_chars: int | None = None) -> list[int]:
         """The chat prompt's ids: the template's own special-token texts become their ids, the
         same texts inside message content stay ordinary text.
 
@@ -197,6 +206,8 @@ class Tokenizer:
         text = self.apply_chat_template(defused, add_generation_prompt=add_generation_prompt,
                                         **extra)
         text += self._defuse(prefill)  # an assistant reply the output continues
+        if max_chars is not None and len(text) > max_chars:  # before the costly part
+            raise RenderedTooLong(len(text), max_chars)
         if self._chat_backend is None:
             self._chat_backend = _defusing_copy(self.backend)
         ids = self._chat_backend.encode_batch([text], add_special_tokens=False)[0].ids

@@ -203,7 +203,7 @@ def parse_chat(body: dict, tokenizer: Tokenizer, limits: InputLimits) -> Generat
         kind="chat",
         params=params,
         **_answer_options(body),
-        prompt_ids=chat_prompt(chat_turn(body, messages), tokenizer, plan),
+        prompt_ids=chat_prompt(chat_turn(body, messages), tokenizer, plan, limits),
         grammar=grammar,
         tools=plan if plan is not None and plan.can_call else None,
     )

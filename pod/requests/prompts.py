@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..model.tokenizer import Tokenizer
+from ..model.tokenizer import RenderedTooLong, Tokenizer
 from . import tools
 from .chat_messages import chat_messages
 from .errors import MAX_SHOWN, ApiError, clip
@@ -84,15 +84,28 @@ def _template_input(turn: ChatTurn, plan: tools.ToolPlan | None
     return messages, offered
 
 
-def chat_prompt(turn: ChatTurn, tokenizer: Tokenizer,
-                plan: tools.ToolPlan | None = None) -> list[int]:
-    """The conversation's ids through the model's chat template, with the plan's tools."""
+def chat_prompt(turn: ChatTurn, tokenizer: Tokenizer, plan: tools.ToolPlan | None = None,
+                limits: InputLimits | None = None) -> list[int]:
+    """The conversation's ids through the model's chat template, with the plan's tools. The
+    rendered text (messages, tools, their schemas and the template together) is held to
+    --max-prompt-chars before it is tokenised: message content alone is checked earlier, but
+    tool schemas can make a short request render to megabytes."""
     messages, offered = _template_input(turn, plan)
     try:  # special-token texts in the messages stay text: only the template's markers are special
         return tokenizer.encode_chat(messages, add_generation_prompt=turn.add_generation_prompt,
-                                     tools=offered, prefill=turn.prefill)
+                                     tools=offered, prefill=turn.prefill,
+                                     max_chars=limits.max_prompt_chars if limits else None)
+    except RenderedTooLong as exc:
+        raise _rendered_too_long(exc, limits) from None
     except Exception as exc:  # the model's own template rejected the conversation
         raise _template_rejected(exc) from exc
+
+
+def _rendered_too_long(exc: RenderedTooLong, limits: InputLimits | None) -> ApiError:
+    context = f", more than a {limits.max_context}-token context can hold" if limits else ""
+    return _bad("messages", f"the prompt rendered from the messages, tools and chat template "
+                f"is {exc.num_chars} characters; at most {exc.max_chars}{context} "
+                "(--max-prompt-chars)")
 
 
 def _template_rejected(exc: Exception) -> ApiError:
@@ -107,7 +120,7 @@ def _chat_input(body: dict, limits: InputLimits) -> tuple[ChatTurn, tools.ToolPl
 def chat_prompt_ids(body: dict, tokenizer: Tokenizer, limits: InputLimits) -> list[int]:
     """vLLM's /tokenize with `messages`: the ids a chat request with this body would run."""
     turn, plan = _chat_input(body, limits)
-    return chat_prompt(turn, tokenizer, plan)
+    return chat_prompt(turn, tokenizer, plan, limits)
 
 
 def render_chat(body: dict, tokenizer: Tokenizer, limits: InputLimits) -> str:
@@ -120,4 +133,7 @@ def render_chat(body: dict, tokenizer: Tokenizer, limits: InputLimits) -> str:
             messages, add_generation_prompt=turn.add_generation_prompt, **extra)
     except Exception as exc:
         raise _template_rejected(exc) from exc
-    return text + turn.prefill
+    text += turn.prefill
+    if len(text) > limits.max_prompt_chars:
+        raise _rendered_too_long(RenderedTooLong(len(text), limits.max_prompt_chars), limits)
+    return text

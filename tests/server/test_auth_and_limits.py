@@ -101,3 +101,22 @@ def test_a_key_sent_in_the_query_string_never_reaches_the_access_log(keyed_serve
     assert '"GET /v1/models?api_key=[redacted] HTTP/1.1" 401' in log
     assert '"GET /v1/models?key=[redacted]&[redacted] HTTP/1.1" 200' in log
     assert KEY not in log and ADMIN not in log
+
+
+def test_exactly_the_paths_the_readme_names_answer_without_the_key(keyed_server):
+    """Every GET route of the app, asked without the key: those that answer are the ones the
+    README's --api-key row lists, and no other."""
+    import re
+    from pathlib import Path
+
+    from kvpark.pod.args import parse_args
+    from kvpark.pod.http.app import create_app
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    row = next(line for line in readme.splitlines() if line.startswith("| `--api-key KEY`"))
+    named = set(re.findall(r"`(/[a-z./-]+)`", row.split("on everything but", 1)[1]))
+    paths = {route.path for route in create_app(parse_args([])).routes
+             if "GET" in (route.methods or ()) and "{" not in route.path}
+    open_paths = {p for p in paths
+                  if httpx.get(f"{keyed_server.url}{p}", timeout=30).status_code != 401}
+    assert open_paths == named == {"/health", "/metrics", "/openapi.json", "/version"}

@@ -185,3 +185,30 @@ def test_the_same_fields_of_the_right_type_are_taken(server):
     assert llama.status_code == 200, llama.text
     assert len(llama.json()["tokens"] if "tokens" in llama.json() else [0, 0]) <= 2
     assert json.loads(llama.text)["tokens_predicted"] == 2  # n_predict won
+
+
+def nested_schema(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for level in range(depth):
+        schema = {"type": "object", "description": "a level of nesting " * 4,
+                  "properties": {f"field_at_level_{level}": schema}}
+    return schema
+
+
+def test_a_prompt_that_renders_past_the_limit_from_tool_schemas_is_refused_before_tokenising(
+        server):
+    """The messages are one word; 64 nested tool schemas render to far more than the 32,768
+    characters a 1024-token context can hold (--max-prompt-chars): refused after rendering,
+    before the tokenizer runs over it (which took seconds for ~200,000 tokens)."""
+    tools = [{"type": "function", "function": {"name": f"tool_{i}", "description": "x",
+                                               "parameters": nested_schema(40)}}
+             for i in range(64)]
+    for path in (CHAT, "/tokenize", "/apply-template"):
+        body = {"messages": MSG, "tools": tools}
+        response = server.post(path, {**body, "max_tokens": 2} if path == CHAT else body)
+        assert response.status_code == 400, (path, response.text)
+        error = response.json()["error"]
+        assert error["param"] == "messages" and "rendered" in error["message"], path
+    small = [{"type": "function", "function": {"name": "f", "parameters": nested_schema(2)}}]
+    answer = server.post(CHAT, {"messages": MSG, "max_tokens": 2, "tools": small})
+    assert answer.status_code == 200, answer.text

@@ -79,7 +79,8 @@ class ModelRoutes:
         return await run_in_threadpool(respond)
 
     async def version(self, request: Request) -> Response:
-        """vLLM's /version."""
+        """vLLM's /version (open without the key, as vLLM's: `auth.OPEN_PATHS`)."""
+        check_auth(request, self.server.config.api_key)
         return JSONResponse({"version": build_version()})
 
     async def props(self, request: Request) -> Response:
