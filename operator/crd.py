@@ -71,8 +71,11 @@ def _quantity(description: str) -> dict[str, Any]:
     }
 
 
-def _rule(rule: str, message: str, reason: str = "FieldValueInvalid") -> dict[str, str]:
-    return {"rule": rule, "message": message, "reason": reason}
+def _rule(rule: str, message: str, reason: str = "FieldValueInvalid",
+          field_path: str | None = None) -> dict[str, str]:
+    """A CEL rule; `field_path` names the field an error is reported on (else the node)."""
+    rule_ = {"rule": rule, "message": message, "reason": reason}
+    return {**rule_, "fieldPath": field_path} if field_path else rule_
 
 
 def _secret_ref(description: str, default_key: str) -> dict[str, Any]:
@@ -479,6 +482,7 @@ def get_spec_schema() -> dict[str, Any]:
             _rule(
                 "self.contextSize >= self.parallel * self.pageSize",
                 "contextSize must hold at least one page per slot (parallel * pageSize)",
+                field_path=".contextSize",
             ),
         ],
     }

@@ -459,8 +459,9 @@ def cel_findings(schema: Mapping[str, Any], value: Any, path: str,
                           f"rule: {message}")
         elif not isinstance(result, celpy.celtypes.BoolType):
             yield Finding(path, f"Invalid value: rule {rule['rule']!r} gave {result!r}")
-        elif not result:
-            yield Finding(path, f'Invalid value: "object": {message}' if server_style
+        elif not result:  # reported on the rule's fieldPath where it names one
+            where = f"{path}{rule['fieldPath']}" if rule.get("fieldPath") else path
+            yield Finding(where, f'Invalid value: "object": {message}' if server_style
                           else message)
     if isinstance(value, dict):
         extra = schema.get("additionalProperties")

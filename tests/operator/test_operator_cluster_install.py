@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -124,7 +125,14 @@ def test_helm_installs_upgrades_and_uninstalls_the_chart(
         assert real_cluster.api.get("/apis/rbac.authorization.k8s.io/v1/clusterroles/"
                                     f"{release}-operator") is None  # Roles only now
         run(helm, "uninstall", release, "-n", ns, "--wait")
+        # `--wait` returns once the Deployment is gone; its pods may still be Terminating on a
+        # cluster with a node (their grace period): wait for those, bounded
+        selector = f"app.kubernetes.io/instance={release}"
+        deadline = time.monotonic() + 120
+        while run(kubectl, "get", "-n", ns, "pods", "-l", selector, "-o", "name") \
+                and time.monotonic() < deadline:
+            time.sleep(1)  # polling the cluster's state, bounded by the deadline
         left = run(kubectl, "get", "-n", ns, "all,roles,rolebindings,serviceaccounts,pdb",
-                   "-l", f"app.kubernetes.io/instance={release}", "-o", "name")
+                   "-l", selector, "-o", "name")
         assert left == ""
         assert run(helm, "list", "-n", ns, "-q") == ""

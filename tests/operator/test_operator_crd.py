@@ -185,7 +185,8 @@ BAD = [
     ("ram word", {"preempt": {"ramMiB": "lots"}},
      "spec.preempt.ramMiB: ramMiB must be an integer >= -1 or 'auto'"),
     ("pool smaller than the slots", {"parallel": 64, "pageSize": 16, "contextSize": 512},
-     "spec: contextSize must hold at least one page per slot (parallel * pageSize)"),
+     # reported on the field (the rule's fieldPath), as the API server reports it
+     "spec.contextSize: contextSize must hold at least one page per slot (parallel * pageSize)"),
     ("bad memory", {"resources": {"memory": "lots"}}, "spec.resources.memory: pattern"),
     ("bad pull policy", {"imagePullPolicy": "Sometimes"}, "spec.imagePullPolicy: enum"),
     ("secret without name", {"server": {"apiKeySecretRef": {"key": "k"}}},
@@ -388,3 +389,23 @@ def test_unknown_fields_are_refused() -> None:
     assert all_errors(resource({"paralel": 4})) == {"unknown: spec.paralel"}
     assert all_errors(resource({"model": {"url": "builtin://x"}})) == {"unknown: spec.model.url"}
     assert all_errors(resource({"podTemplate": {"spec": {"anything": 1}}})) == set()
+
+
+def test_every_field_reference_states_its_api_version() -> None:
+    """The API server writes `apiVersion: v1` into a fieldRef that lacks it; a manifest
+    without it then conflicts with itself on the next `kubectl apply --server-side`."""
+    def field_refs(node):
+        if isinstance(node, dict):
+            if "fieldRef" in node:
+                yield node["fieldRef"]
+            for value in node.values():
+                yield from field_refs(value)
+        elif isinstance(node, list):
+            for value in node:
+                yield from field_refs(value)
+
+    documents = list(yaml.safe_load_all((REPO / "manifests" / "operator.yaml").read_text()))
+    template = (REPO / "charts" / "kvpark" / "templates" / "deployment.yaml").read_text()
+    refs = [*field_refs(documents)]
+    assert refs and all(ref.get("apiVersion") == "v1" for ref in refs)
+    assert template.count("fieldRef:") == template.count("apiVersion: v1  # as the API server")

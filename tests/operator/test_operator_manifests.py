@@ -78,7 +78,7 @@ def check_operator_deployment(deployment: dict) -> None:
     assert env["KVPARK_LIVENESS"] == "http://0.0.0.0:8080/healthz"
     assert env["KVPARK_PEERING"].startswith("kvpark")
     pod_id = next(e for e in container["env"] if e["name"] == "POD_ID")
-    assert pod_id["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert pod_id["valueFrom"] == {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.name"}}
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
     assert container["ports"] == [{"name": "health", "containerPort": 8080, "protocol": "TCP"}]
 
