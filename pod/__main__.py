@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
 
     api.on_load_failed = exit_on_load_failure
     server.run()
-    return 1 if api.loading_error else 0
+    return api.exit_code
 
 
 if __name__ == "__main__":

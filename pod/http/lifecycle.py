@@ -31,6 +31,7 @@ class Server:
         self.config = HttpConfig.of(args)
         self.stack = stack
         self.loading_error: str | None = None
+        self.exit_code = 0  # 2: a model or flag this server cannot serve; 1: a failure
         self.created = int(time.time())
         self.on_load_failed = lambda: None  # __main__ makes uvicorn exit
         self.draining = False
@@ -47,8 +48,13 @@ class Server:
         if self.stack is None:
             try:
                 self.stack = await asyncio.to_thread(build_stack, self.args)
-            except Exception as exc:
-                self.loading_error = f"{type(exc).__name__}: {exc}"
+            except ValueError as exc:  # what the loader and the builder cannot serve: said
+                self.loading_error, self.exit_code = str(exc), 2
+                log.error("cannot serve this: %s", exc)
+                self.on_load_failed()
+                return
+            except Exception as exc:  # anything else is a bug: its trace
+                self.loading_error, self.exit_code = f"{type(exc).__name__}: {exc}", 1
                 log.exception("loading the model failed")
                 self.on_load_failed()
                 return

@@ -151,3 +151,18 @@ def test_bad_environment_value_exits_2_with_one_clear_line():
     assert done.returncode == 2
     assert done.stderr.strip() == ("kvpark-server: error: KVPARK_PARALLEL: must be positive, "
                                    "got 0 (see --help)")
+
+
+def test_a_model_it_cannot_serve_exits_2_with_one_line_and_no_trace(tmp_path):
+    """A hybrid Qwen3.5 directory (what `transformers` writes for one), as a new user would
+    try it: one log line naming what is not supported and what is, exit code 2."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "qwen3_5_text", "architectures": ["Qwen3_5ForCausalLM"]}))
+    cmd = [sys.executable, "-m", "kvpark.pod", "--model", str(tmp_path), "--host",
+           "127.0.0.1", "--port", str(free_port())]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    output = done.stdout + done.stderr
+    assert done.returncode == 2, output
+    assert "Traceback" not in output
+    (line,) = [line for line in output.splitlines() if "cannot serve" in line]
+    assert "model_type 'qwen3_5_text' is not supported" in line and "llama" in line
