@@ -4,9 +4,9 @@
 The app's wiring: which path goes to which route group, the error handlers, CORS, and the
 lifespan that loads the model in the background. The groups share one `Server`
 (`lifecycle.py`: the stack, the admitted-request counts, the drain); the engine runs on its own
-thread and is reached through its facade only (`engine.py`); `bridge.py` carries a request's
-events from that thread into asyncio, `formats.py` shapes them for each API, `protocol.py`
-reads requests.
+thread and is reached through its facade only (`core/engine.py`); a request's events come from
+that thread as values (`core/messages.py`) into its `stream.py`, `formats/` shapes them for each
+API, `requests/parsers.py` reads requests.
 """
 
 from __future__ import annotations

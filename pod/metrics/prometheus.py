@@ -1,5 +1,5 @@
 """Prometheus metrics under the `kvpark:` prefix, plus vLLM's and llama.cpp's names for what
-they share (`metrics_llamacpp.py`).
+they share (`llamacpp.py`).
 
 Counters the scheduler already keeps (parks, resumes, pool and host usage) are read live at
 scrape time by a collector; per-request and per-step facts are observed as they happen.

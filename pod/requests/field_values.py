@@ -1,5 +1,5 @@
 """Typed getters for a JSON body's fields: a number or an integer in a range (given, or the
-field's row of `api_fields.RANGES`), a boolean. A value of the wrong type or out of range is a
+field's row of `fields.RANGES`), a boolean. A value of the wrong type or out of range is a
 400 naming the field; absent or null is the default."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Parsing a generation request, one parser per endpoint (chat, /v1/completions with its
 batched prompts, llama.cpp's /completion): body bytes in, a `GenerationRequest` out.
 
-Each parser checks the body's fields against its API's row of `api_fields`, then reads the
+Each parser checks the body's fields against its API's row of `fields`, then reads the
 sampling fields (`sampling_fields`), the prompt (`prompts`), the constrained output
 (`structured_fields`) and how the answer is delivered (stream, usage, echo: here). Every problem
 raises `ApiError` naming the field, which the API turns into an OpenAI-style `{"error": {...}}`
@@ -91,7 +91,7 @@ def check_fields(body: dict, kind: str) -> None:
 
 
 def check_harmless(name: str, value: Any, expected: str) -> None:
-    """A field without effect here, held to its type elsewhere (`api_fields.HARMLESS`)."""
+    """A field without effect here, held to its type elsewhere (`fields.HARMLESS`)."""
     if expected == "metadata":
         check_metadata(value)
     elif expected == "object" and not isinstance(value, dict):

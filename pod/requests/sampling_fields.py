@@ -1,6 +1,6 @@
 """A request's sampling fields as `SamplingParams`: temperature and the other filters, the
-output limit (read by the API's names from `api_fields`), stop strings, penalties, `logit_bias`,
-logprobs in each API's shape. Each field's bounds are `api_fields`', which the OpenAPI document
+output limit (read by the API's names from `fields`), stop strings, penalties, `logit_bias`,
+logprobs in each API's shape. Each field's bounds are `fields`', which the OpenAPI document
 states too."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 requests, submit them to the engine, and answer as one JSON body or as a stream.
 
 A request counts as open from its admission until its response ended, so the drain waits for
-it; `admission.py` decides whether it gets in, `sse.py` shapes a stream, `formats.py` a body.
+it; `admission.py` decides whether it gets in, `sse.py` shapes a stream, `formats/` a body.
 """
 
 from __future__ import annotations
