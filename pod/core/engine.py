@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, TypeVar
 from ..memory.paging import pages_for
 from ..memory.slot_files import SlotState
 from ..sampling.sampler import ChunkOutput
-from ..worker.runner import ModelRunner
+from ..worker.runner import ModelRunner, StateLost
 from .messages import FinishReason, SlotView, Submission
 from .reporting import slot_view
 from .scheduler import Scheduler
@@ -45,6 +45,7 @@ class Capacity:
     num_pages: int
     page_size: int
     shares_prompts: bool = False  # a prefix cache: `n > 1` siblings share the prompt's pages
+    state_bytes: int = 0  # a hybrid model's state slot, one per slot (0: no state slots)
 
     @property
     def tokens(self) -> int:
@@ -72,7 +73,8 @@ class Engine:
         self.on_step = on_step
         pool = scheduler.pool
         self.capacity = Capacity(scheduler.config.num_slots, pool.num_pages, pool.page_size,
-                                 shares_prompts=pool.cache is not None)
+                                 shares_prompts=pool.cache is not None,
+                                 state_bytes=pool.state_bytes)
         self.lock = lock or threading.RLock()  # scheduler state; taken before _cond's lock
         self.memory = memory or SlotMemory(pool, scheduler.config.num_slots)  # slot files
         # the hand-over queues: submit and cancel never wait for a step to end
@@ -268,6 +270,11 @@ class Engine:
         started = time.perf_counter()
         try:
             sampled = self.runner.run(plan)
+        except StateLost:  # no rerun: it would feed the tokens twice
+            log.exception("step of %d sequences of a hybrid model failed after writing state; "
+                          "ending them", len(plan))
+            plan, sampled = self._end_all(plan, "internal error: the step failed after "
+                                                "updating the sequence's recurrent state"), []
         except Exception:  # one bad request must not take the others down with it
             log.exception("step of %d sequences failed; retrying them one by one", len(plan))
             plan, sampled = self._isolate_failure(plan)
@@ -276,6 +283,12 @@ class Engine:
             self.scheduler.update_from_output(plan, sampled, seconds)
             self.on_step(plan, seconds)
         return True
+
+    def _end_all(self, plan: list[ScheduledSeq], error: str) -> list[ScheduledSeq]:
+        with self.lock:
+            for item in plan:
+                self.scheduler.finish(item.seq, FinishReason.ENGINE_ERROR, error)
+        return []
 
     def _isolate_failure(self, plan: list[ScheduledSeq]
                          ) -> tuple[list[ScheduledSeq], list[ChunkOutput]]:

@@ -52,6 +52,9 @@ class ParkState:
     replay_until: int = 0  # recompute: while num_computed < replay_until it is replaying
     host_kv: torch.Tensor | None = None  # swap: the pages, [layers, pages, 2, ps, Hkv, D]
     host_bytes: int = 0
+    # swap of a hybrid model: its state slot's bytes (conv + recurrent state), charged beside
+    # host_kv to the same budget
+    host_state: torch.Tensor | None = None
     swapped_tokens: int = 0  # num_computed at the moment of a swap park
     # swap: leading pages left in the pool because others held them too; with a host tier the
     # full pages after them, held there (host_kv starts after both)

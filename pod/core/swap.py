@@ -30,6 +30,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from kvpark.kernels.kv_copy import CopyEngine, SyncCopyEngine, Ticket
 
 from ..memory.host_store import HostAllocationError, HostStore
@@ -139,7 +141,7 @@ class Swapper:
         copied = tuple(seq.page_table[resident + len(tiered.pages):])
         return ParkPlan(resident, tiered, copied,
                         swap_bytes=self.host.charged_bytes(self.pool.swap_bytes(len(copied)))
-                        + tiered.new_bytes,
+                        + self._state_charge() + tiered.new_bytes,
                         budget_bytes=self.host.budget_bytes,
                         held_bytes=self.host.held_bytes - tiered.reclaimable_bytes)
 
@@ -153,6 +155,7 @@ class Swapper:
         """
         started = time.perf_counter()
         ticket = self._start_park_copy(seq, plan) if mode is PreemptMode.SWAP else None
+        self._drop_state(seq)  # saved above where it swaps
         pages = seq.page_table
         if ticket is not None:
             seq.parking.resident_pages = plan.resident
@@ -183,6 +186,36 @@ class Swapper:
                                                 ("recompute", replay > 0)) if used)
         return ResumeReport(len(p.cached_pages), p.restored_pages, replay, sources)
 
+    def _state_charge(self) -> int:
+        """What a hybrid sequence's state slot costs the budget when swapped (0 for others)."""
+        return self.host.charged_bytes(self.pool.state_bytes) if self.pool.state_bytes else 0
+
+    def _save_state(self, seq: Sequence) -> None:
+        """A swap: the state slot's bytes into a host buffer of their own (before the slot is
+        given up). Synchronous: a state is small beside the pages."""
+        if self.pool.states is None:
+            return
+        seq.parking.host_state = self.host.allocate((self.pool.state_bytes,), torch.uint8)
+        self.pool.states.read_into(seq.slot_id, seq.parking.host_state)
+
+    def _drop_state(self, seq: Sequence) -> None:
+        """The slot is given up: zeros (a recompute replays from position 0, a swap writes its
+        copy back), so nothing reads a stale state by mistake."""
+        if self.pool.states is not None:
+            self.pool.states.clear(seq.slot_id)
+
+    def _restore_state(self, seq: Sequence) -> None:
+        """A swap's state back into its slot, byte for byte, and its host buffer released."""
+        if seq.parking.host_state is None:
+            return
+        self.pool.states.write(seq.slot_id, seq.parking.host_state)
+        self._release_state(seq)
+
+    def _release_state(self, seq: Sequence) -> None:
+        if seq.parking.host_state is not None:
+            self.host.release(seq.parking.host_state)
+            seq.parking.host_state = None
+
     def _num_resident(self, seq: Sequence) -> int:
         """Leading cached pages someone else holds too: they stay in the pool, uncopied."""
         num = 0
@@ -212,9 +245,13 @@ class Swapper:
             seq.parking.tier_pages = self._save_to_tier(plan.tiered, plan.swap_bytes)
             seq.parking.host_kv = self.host.allocate(self.pool.swap_shape(len(plan.copied)),
                                                      self.pool.dtype)
+            self._save_state(seq)
         except HostAllocationError as exc:
             log.warning("seq %s: %s; parking by recompute", seq.request_id, exc)
             self._let_go_of_tier(seq)
+            if seq.parking.host_kv is not None:
+                self.host.release(seq.parking.host_kv)
+                seq.parking.host_kv = None
             return None
         seq.parking.host_bytes, seq.parking.swapped_tokens = plan.swap_bytes, seq.num_computed
         return self.copy.start_park(list(plan.copied), seq.parking.host_kv)
@@ -283,6 +320,7 @@ class Swapper:
         log.info("seq %s: a page it shared was evicted while parked; replaying from there "
                  "instead of copying back", seq.request_id)
         self.host.release(seq.parking.host_kv)
+        self._release_state(seq)
         self._let_go_of_tier(seq)
         seq.parking.host_kv, seq.parking.host_bytes = None, 0
         seq.parking.resident_pages = 0
@@ -308,6 +346,7 @@ class Swapper:
     def _resume_landed(self, seq: Sequence, ticket: Ticket, started: float) -> Resumed:
         pages = [*seq.parking.held_pages, *ticket.pages]
         seq.parking.held_pages = []
+        self._restore_state(seq)
         self.host.release(seq.parking.host_kv)
         self._let_go_of_tier(seq)
         seq.parking.host_kv, seq.parking.host_bytes = None, 0
@@ -343,6 +382,7 @@ class Swapper:
             self.pool.free(seq.page_table)
             if seq.parking.host_kv is not None:
                 self.host.release(seq.parking.host_kv)
+        self._release_state(seq)
         self.pool.free(seq.parking.held_pages)  # cache hits a resume copy was joining
         self._let_go_of_tier(seq)  # its bytes are copied (ordered) or no longer wanted
         seq.parking.held_pages = []

@@ -24,6 +24,7 @@ from .prefix_cache import Evicted, PrefixCache
 
 if TYPE_CHECKING:
     from .host_tier import HostTier
+    from .state_pool import StatePool
 
 
 class KVPool:
@@ -47,6 +48,8 @@ class KVPool:
         self._refs = [0] * num_pages  # holders of each page: page tables and copies in flight
         self.cache = cache
         self.tier: HostTier | None = None  # set once the copy engine exists (server wiring)
+        # a hybrid model's state slots, the pool's second kind of memory (server wiring)
+        self.states: StatePool | None = None
 
     @property
     def num_free_pages(self) -> int:
@@ -207,3 +210,8 @@ class KVPool:
 
     def swap_bytes(self, num_pages: int) -> int:
         return num_pages * self.page_bytes
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of one sequence's state slot (a hybrid model's; 0 for others)."""
+        return self.states.slot_bytes if self.states is not None else 0

@@ -82,6 +82,15 @@ class SchedulerCollector(Collector):
                      s.pool.usage_ratio)
         yield _gauge("kv_cache_pages_total", "Pages in the KV pool", s.pool.num_pages)
         yield _gauge("kv_cache_pages_free", "Free pages in the KV pool", s.pool.num_free_pages)
+        yield _gauge("kv_cache_page_bytes", "Bytes of one page across the attention layers",
+                     s.pool.page_bytes)
+        # a hybrid model's second kind of memory: a state slot per slot (0 for other models)
+        yield _gauge("state_slot_bytes", "Bytes of one sequence's recurrent state (conv + "
+                     "delta rule) across the DeltaNet layers", s.pool.state_bytes)
+        yield _gauge("state_slots_total", "State slots (one per --parallel slot)",
+                     s.pool.states.num_slots if s.pool.states is not None else 0)
+        yield _gauge("state_slots_used", "State slots a running sequence holds (a parked one "
+                     "gave its up)", len(s.running) if s.pool.states is not None else 0)
         yield _gauge("kv_cache_pages_cached", "Pages nobody holds, kept for the prefix cache "
                      "(evictable: counted free)", s.pool.num_cached_pages)
         cache = s.pool.cache.stats if s.pool.cache is not None else None

@@ -23,7 +23,7 @@ from safetensors import safe_open
 from kvpark.kernels.quant_linear import KINDS as QUANT_KINDS
 from kvpark.kernels.quant_linear import QuantizedWeight
 
-from .config import ModelConfig
+from .config import FULL_ATTENTION, LINEAR_ATTENTION, DeltaNetConfig, ModelConfig
 from .gguf_file import GGUFFile, read_gguf
 from .synthetic import synthetic_config, synthetic_weights, weight_shapes
 from .tokenizer import Tokenizer
@@ -36,7 +36,10 @@ BUILTIN_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SYNTHETIC_PREFIX = "synthetic:"
 
 GGUF_ARCHITECTURES = frozenset({"llama", "qwen2", "qwen3"})
-HF_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+HF_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_5", "qwen3_5_text"})
+HYBRID_MODEL_TYPES = frozenset({"qwen3_5", "qwen3_5_text"})
+# a multimodal Qwen3.5 checkpoint: its text model's weights, renamed as the text-only model's
+LANGUAGE_MODEL_PREFIX = "model.language_model."
 
 # GGUF tensor name -> Hugging Face name ("{i}" is the layer).
 GGUF_GLOBAL_NAMES = {
@@ -234,6 +237,10 @@ def _unpermute_llama_rope(name: str, weight: torch.Tensor, config: ModelConfig) 
 def load_hf_dir(path: str | Path, device: str | torch.device, dtype: torch.dtype) -> LoadedModel:
     root = Path(path)
     config = hf_config(json.loads((root / "config.json").read_text(encoding="utf-8")))
+    if config.is_hybrid:
+        log.info("%s: hybrid %s, %d Gated DeltaNet and %d full-attention layers", root.name,
+                 config.architecture, len(config.delta_net_layers),
+                 len(config.attention_layers))
     log.info("reading safetensors from %s", root)
     weights = _hf_weights(root, config, device, dtype)
     _check_weights(weights, config, str(root))
@@ -245,6 +252,16 @@ def hf_config(cfg: dict[str, Any]) -> ModelConfig:
     if model_type not in HF_MODEL_TYPES:
         raise ValueError(f"config.json model_type {model_type!r} is not supported "
                          f"({sorted(HF_MODEL_TYPES)})")
+    try:
+        return hf_qwen35_config(cfg) if model_type in HYBRID_MODEL_TYPES else _hf_llama_config(
+            cfg, model_type)
+    except KeyError as exc:
+        raise ValueError(f"config.json has no {exc} (model_type {model_type!r})") from None
+    except AssertionError as exc:  # ModelConfig's checks of shapes that cannot work
+        raise ValueError(f"config.json: {exc}") from None
+
+
+def _hf_llama_config(cfg: dict[str, Any], model_type: str) -> ModelConfig:
     if cfg.get("mlp_bias"):
         raise ValueError("config.json mlp_bias=true is not supported")
     rope = cfg.get("rope_parameters") or {}  # transformers >= 5 nests theta and scaling here
@@ -271,6 +288,46 @@ def hf_config(cfg: dict[str, Any]) -> ModelConfig:
     )
 
 
+def hf_qwen35_config(cfg: dict[str, Any]) -> ModelConfig:
+    """Qwen3.5 (`qwen3_5_text`, or the text model of a multimodal `qwen3_5` checkpoint)."""
+    if cfg["model_type"] == "qwen3_5":
+        log.info("qwen3_5: serving its text model; images and video are not supported")
+        cfg = {**cfg["text_config"], "tie_word_embeddings": cfg.get(
+            "tie_word_embeddings", cfg["text_config"].get("tie_word_embeddings", False))}
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise ValueError(f"config.json RoPE scaling {rope} is not supported")
+    num_layers = cfg["num_hidden_layers"]
+    interval = cfg.get("full_attention_interval", 4)
+    layer_types = tuple(cfg.get("layer_types") or (
+        LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION for i in range(num_layers)))
+    unknown = sorted(set(layer_types) - {LINEAR_ATTENTION, FULL_ATTENTION})
+    if unknown:
+        raise ValueError(f"config.json layer_types {unknown} are not supported")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config.json hidden_act {cfg['hidden_act']!r} is not supported")
+    num_heads = cfg["num_attention_heads"]
+    delta_net = DeltaNetConfig(
+        num_k_heads=cfg["linear_num_key_heads"], num_v_heads=cfg["linear_num_value_heads"],
+        k_head_dim=cfg["linear_key_head_dim"], v_head_dim=cfg["linear_value_head_dim"],
+        conv_kernel=cfg.get("linear_conv_kernel_dim", 4))
+    return ModelConfig(
+        vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"], num_layers=num_layers,
+        num_heads=num_heads, num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+        rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_position=cfg.get("max_position_embeddings", 32768),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=bool(cfg.get("attention_bias", False)), qk_norm=True,
+        architecture="qwen3_5_text", layer_types=layer_types,
+        delta_net=delta_net if LINEAR_ATTENTION in layer_types else None,
+        partial_rotary_factor=float(rope.get("partial_rotary_factor",
+                                             cfg.get("partial_rotary_factor", 0.25))),
+        attention_output_gate=True, norm_offset=1.0)
+
+
 def _hf_max_position(cfg: dict[str, Any]) -> int:
     max_position = cfg.get("max_position_embeddings", 8192)
     window = cfg.get("sliding_window")
@@ -286,12 +343,26 @@ def _hf_weights(
     for file in _safetensors_files(root):
         with safe_open(str(file), framework="pt", device=str(device)) as f:
             for key in f.keys():
-                if key.endswith("rotary_emb.inv_freq"):
-                    continue  # a buffer some old checkpoints saved; we compute it
-                weights[key] = f.get_tensor(key).to(dtype)
+                name = _hf_text_name(key, config)
+                if name is not None:
+                    weights[name] = f.get_tensor(key).to(dtype)
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)  # some tied checkpoints still store the copy
     return weights
+
+
+def _hf_text_name(key: str, config: ModelConfig) -> str | None:
+    """The name a checkpoint's tensor has in the text model, or None for what is not served:
+    RoPE buffers (computed), a multimodal checkpoint's vision tower, Qwen3.5's MTP head."""
+    if key.endswith("rotary_emb.inv_freq"):
+        return None  # a buffer some old checkpoints saved; we compute it
+    if not config.is_hybrid:
+        return key
+    if key.startswith(LANGUAGE_MODEL_PREFIX):
+        return "model." + key.removeprefix(LANGUAGE_MODEL_PREFIX)
+    if key.startswith(("model.visual.", "mtp.")):
+        return None
+    return key
 
 
 def _safetensors_files(root: Path) -> list[Path]:

@@ -11,7 +11,7 @@ import zlib
 
 import torch
 
-from .config import ModelConfig
+from .config import FULL_ATTENTION, LINEAR_ATTENTION, DeltaNetConfig, ModelConfig
 
 INIT_STD = 0.02
 DEFAULT_SEED = 0
@@ -36,6 +36,26 @@ SYNTHETIC_CONFIGS: dict[str, ModelConfig] = {
         vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=6,
         num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0,
     ),
+    # A tiny Qwen3.5 (three Gated DeltaNet layers, then gated attention; twice), SmolLM2's
+    # vocabulary: hybrid parking and prefix tests without transformers
+    "tiny-hybrid": ModelConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_layers=8,
+        num_heads=4, num_kv_heads=2, head_dim=32, rope_theta=10000000.0, rms_norm_eps=1e-6,
+        architecture="qwen3_5_text",
+        layer_types=((LINEAR_ATTENTION,) * 3 + (FULL_ATTENTION,)) * 2,
+        delta_net=DeltaNetConfig(num_k_heads=2, num_v_heads=4, k_head_dim=16, v_head_dim=16),
+        partial_rotary_factor=0.25, attention_output_gate=True, norm_offset=1.0, qk_norm=True,
+    ),
+    # The same with a state slot of 1.5 MiB (16 value heads of 64 x 64): budgets that hold a
+    # sequence's pages but not its pages and state
+    "tiny-hybrid-wide": ModelConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_layers=8,
+        num_heads=4, num_kv_heads=2, head_dim=32, rope_theta=10000000.0, rms_norm_eps=1e-6,
+        architecture="qwen3_5_text",
+        layer_types=((LINEAR_ATTENTION,) * 3 + (FULL_ATTENTION,)) * 2,
+        delta_net=DeltaNetConfig(num_k_heads=4, num_v_heads=16, k_head_dim=64, v_head_dim=64),
+        partial_rotary_factor=0.25, attention_output_gate=True, norm_offset=1.0, qk_norm=True,
+    ),
     "llama-8b": ModelConfig(
         vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
         num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0,
@@ -52,35 +72,64 @@ def synthetic_config(name: str) -> ModelConfig:
 
 
 def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every weight a llama-family checkpoint of this config has, in Hugging Face names/shapes."""
-    hidden, inter, dim = config.hidden_size, config.intermediate_size, config.head_dim
-    q_out, kv_out = config.num_heads * dim, config.num_kv_heads * dim
+    """Every weight a checkpoint of this config has, in Hugging Face names and shapes."""
+    hidden = config.hidden_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, hidden)}
-    for i in range(config.num_layers):
+    for i, kind in enumerate(config.kinds):
         p = f"model.layers.{i}."
-        shapes |= {
-            p + "input_layernorm.weight": (hidden,),
-            p + "self_attn.q_proj.weight": (q_out, hidden),
-            p + "self_attn.k_proj.weight": (kv_out, hidden),
-            p + "self_attn.v_proj.weight": (kv_out, hidden),
-            p + "self_attn.o_proj.weight": (hidden, q_out),
-            p + "post_attention_layernorm.weight": (hidden,),
-            p + "mlp.gate_proj.weight": (inter, hidden),
-            p + "mlp.up_proj.weight": (inter, hidden),
-            p + "mlp.down_proj.weight": (hidden, inter),
-        }
-        if config.attention_bias:
-            shapes |= {
-                p + "self_attn.q_proj.bias": (q_out,),
-                p + "self_attn.k_proj.bias": (kv_out,),
-                p + "self_attn.v_proj.bias": (kv_out,),
-            }
-        if config.qk_norm:
-            shapes |= {p + "self_attn.q_norm.weight": (dim,), p + "self_attn.k_norm.weight": (dim,)}
+        shapes |= _mlp_shapes(config, p)
+        if kind == LINEAR_ATTENTION:
+            shapes |= _delta_net_shapes(config, p + "linear_attn.")
+        else:
+            shapes |= _attention_shapes(config, p + "self_attn.")
     shapes["model.norm.weight"] = (hidden,)
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, hidden)
     return shapes
+
+
+def _mlp_shapes(config: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    hidden, inter = config.hidden_size, config.intermediate_size
+    return {
+        p + "input_layernorm.weight": (hidden,),
+        p + "post_attention_layernorm.weight": (hidden,),
+        p + "mlp.gate_proj.weight": (inter, hidden),
+        p + "mlp.up_proj.weight": (inter, hidden),
+        p + "mlp.down_proj.weight": (hidden, inter),
+    }
+
+
+def _attention_shapes(config: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    hidden, dim = config.hidden_size, config.head_dim
+    q_out, kv_out = config.num_heads * dim, config.num_kv_heads * dim
+    gate = 2 if config.attention_output_gate else 1  # q_proj yields q and the gate
+    shapes = {
+        p + "q_proj.weight": (gate * q_out, hidden),
+        p + "k_proj.weight": (kv_out, hidden),
+        p + "v_proj.weight": (kv_out, hidden),
+        p + "o_proj.weight": (hidden, q_out),
+    }
+    if config.attention_bias:
+        shapes |= {p + "q_proj.bias": (q_out,), p + "k_proj.bias": (kv_out,),
+                   p + "v_proj.bias": (kv_out,)}
+    if config.qk_norm:
+        shapes |= {p + "q_norm.weight": (dim,), p + "k_norm.weight": (dim,)}
+    return shapes
+
+
+def _delta_net_shapes(config: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    hidden, s = config.hidden_size, config.delta_net
+    return {
+        p + "in_proj_qkv.weight": (s.conv_dim, hidden),
+        p + "in_proj_z.weight": (s.value_dim, hidden),
+        p + "in_proj_b.weight": (s.num_v_heads, hidden),
+        p + "in_proj_a.weight": (s.num_v_heads, hidden),
+        p + "conv1d.weight": (s.conv_dim, 1, s.conv_kernel),
+        p + "A_log": (s.num_v_heads,),
+        p + "dt_bias": (s.num_v_heads,),
+        p + "norm.weight": (s.v_head_dim,),
+        p + "out_proj.weight": (hidden, s.value_dim),
+    }
 
 
 def synthetic_weights(

@@ -19,6 +19,7 @@ from ..args import ServerArgs
 from ..memory.budget import MIB
 from ..model.blocks_at_load import blocks_nbytes, make_missing_blocks
 from ..model.config import ModelConfig
+from ..model.hybrid import HybridModel
 from ..model.linear import WeightFormat
 from ..model.llama import LlamaModel
 from ..model.loader import LoadedModel
@@ -59,6 +60,8 @@ def pick_blocks(args: ServerArgs, loaded: LoadedModel, device: torch.device,
     if args.weights not in ("auto", "gguf"):
         return None
     reason = None
+    if loaded.config.is_hybrid:
+        reason = "decode from blocks is for llama-family models (a hybrid runs dense linears)"
     if device.type != "cpu" or dtype != torch.float32:
         reason = "decode from blocks is a float32 CPU path"
     elif not quant_linear.is_available():
@@ -121,10 +124,21 @@ def pick_cpu_backend(args: ServerArgs, dtype: torch.dtype) -> AttentionBackend:
         return TorchPagedAttention("cpu")
 
 
+def check_hybrid(args: ServerArgs, config: ModelConfig) -> None:
+    """What a hybrid model cannot run with yet: a ValueError (one log line, exit code 2)."""
+    if not config.is_hybrid:
+        return
+    if args.spec_type != "none" or args.model_draft is not None:
+        raise ValueError("speculative decoding of a hybrid model needs its recurrent state "
+                         "rolled back past rejected drafts, which kvpark does not do yet: drop "
+                         "--spec-type / --model-draft")
+
+
 def pick_num_pages(args: ServerArgs, config: ModelConfig, num_layers: int, dtype: torch.dtype,
-                   device: torch.device) -> int:
-    """-c in pages; on CUDA without -c, what the free memory allows (a page holds `num_layers`
-    layers: the target's and a draft model's)."""
+                   device: torch.device, reserved_bytes: int = 0) -> int:
+    """-c in pages; on CUDA without -c, what the free memory allows once `reserved_bytes` (a
+    hybrid model's state slots) are set aside (a page holds `num_layers` layers: the target's
+    attention layers and a draft model's)."""
     page_bytes = (num_layers * 2 * args.page_size * config.num_kv_heads * config.head_dim
                   * torch.empty((), dtype=dtype).element_size())
     if args.ctx_size is not None:
@@ -132,13 +146,18 @@ def pick_num_pages(args: ServerArgs, config: ModelConfig, num_layers: int, dtype
     if device.type != "cuda":
         return CPU_DEFAULT_CTX // args.page_size
     free, _ = torch.cuda.mem_get_info(device)
-    usable = free * args.gpu_memory_fraction - ACTIVATION_RESERVE_BYTES - FLASHINFER_RESERVE_BYTES
+    usable = (free * args.gpu_memory_fraction - ACTIVATION_RESERVE_BYTES
+              - FLASHINFER_RESERVE_BYTES - reserved_bytes)
     return max(1, int(usable // page_bytes))
 
 
 def make_model(args: ServerArgs, loaded: LoadedModel, device: torch.device, dtype: torch.dtype,
-               blocks: dict[str, QuantizedWeight] | None) -> LlamaModel:
+               blocks: dict[str, QuantizedWeight] | None) -> LlamaModel | HybridModel:
     """The model over loaded weights, its linears as the flags say (the target and a draft)."""
+    if loaded.config.is_hybrid:
+        return HybridModel(loaded.config, loaded.weights,
+                           batch_invariant=args.batch_invariant and device.type == "cpu",
+                           weight_format=pick_weight_format(args, device, dtype))
     return LlamaModel(loaded.config, loaded.weights,
                       batch_invariant=args.batch_invariant and device.type == "cpu",
                       weight_format=pick_weight_format(args, device, dtype), quantized=blocks)

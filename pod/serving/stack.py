@@ -31,7 +31,9 @@ from ..memory.identity import ModelIdentity, get_source_bytes, get_weights_diges
 from ..memory.kv_pool import KVPool
 from ..memory.prefix_cache import PrefixCache
 from ..memory.slot_files import remove_stale_temp_files
+from ..memory.state_pool import StatePool
 from ..metrics.prometheus import Metrics
+from ..model.config import ModelConfig
 from ..model.llama import LlamaModel
 from ..model.loader import LoadedModel, load_model_files
 from ..model.tokenizer import Tokenizer
@@ -49,6 +51,7 @@ from ..worker.cuda_graphs import DecodeGraphRunner
 from ..worker.draft_model import Drafter, check_draft
 from ..worker.runner import ModelRunner
 from .choices import (
+    check_hybrid,
     make_model,
     pick_backend,
     pick_blocks,
@@ -145,6 +148,10 @@ def make_prefix_cache(args: ServerArgs, model: LlamaModel, identity: ModelIdenti
     and the hash tells them apart."""
     if not args.prefix_cache:
         return None
+    if model.config.is_hybrid:
+        log.info("prefix cache: off for a hybrid model (a cached page does not hold the "
+                 "recurrent state at its end; state checkpoints will)")
+        return None
     return PrefixCache(identity.text, args.page_size, split_kinds=model.has_blocks)
 
 
@@ -201,6 +208,7 @@ def build_stack(args: ServerArgs) -> ServingStack:
     prepare_machine(args, device)
     dtype = pick_dtype(args, device)
     target = load_target(args, device, dtype, stages)
+    check_hybrid(args, target.loaded.config)
     draft = build_draft(args, target.loaded, device, dtype)
     if draft is not None:
         stages.done(f"draft model built ({draft.loaded.config.num_layers} layers)")
@@ -259,23 +267,40 @@ def load_target(args: ServerArgs, device: torch.device, dtype: torch.dtype,
 def build_memory(args: ServerArgs, target: Target, draft: DraftStack | None,
                  device: torch.device, dtype: torch.dtype, stages: Stages) -> Memory:
     config = target.loaded.config
-    num_layers = config.num_layers + (draft.loaded.config.num_layers if draft else 0)
+    num_attention = len(config.attention_layers)  # a hybrid's DeltaNet layers have no pages
+    num_layers = num_attention + (draft.loaded.config.num_layers if draft else 0)
     identity = identity_of(target.loaded, target.model, target.weights_digest, dtype,
                            num_layers, args.page_size, draft)
-    pool = KVPool(num_layers, pick_num_pages(args, config, num_layers, dtype, device),
+    states = make_state_pool(args, config, dtype, device)
+    pool = KVPool(num_layers, pick_num_pages(args, config, num_layers, dtype, device,
+                                             states.total_bytes if states else 0),
                   args.page_size, config.num_kv_heads, config.head_dim, dtype=dtype,
                   device=device, cache=make_prefix_cache(args, target.model, identity))
+    pool.states = states
     backend = pick_backend(args, device, config, dtype)
     drafter = None if draft is None else Drafter(
         draft.model, pick_backend(args, device, draft.loaded.config, dtype),
-        pool.caches[config.num_layers:], args.page_size)
+        pool.caches[num_attention:], args.page_size)
     stages.done(f"attention kernel ready ({backend.name}; a C kernel is compiled on first use)")
     graphs = None
-    if args.cuda_graph and device.type == "cuda" and backend.can_capture_graphs:
+    if (args.cuda_graph and device.type == "cuda" and backend.can_capture_graphs
+            and states is None):  # a hybrid's state slots: not in the captured graphs yet
         graphs = DecodeGraphRunner(target.model, pool, backend, max_batch=args.parallel)
         graphs.capture_all()  # before the scheduler hands out pages: it takes a scratch page
         stages.done(f"CUDA graphs captured for batch buckets {graphs.buckets}")
     return Memory(identity, pool, backend, drafter, graphs)
+
+
+def make_state_pool(args: ServerArgs, config: ModelConfig, dtype: torch.dtype,
+                    device: torch.device) -> StatePool | None:
+    """A hybrid model's state slots: one per --parallel slot, beside the pages."""
+    if not config.is_hybrid:
+        return None
+    states = StatePool(args.parallel, len(config.delta_net_layers), config.delta_net, dtype,
+                       device)
+    log.info("state slots: %d x %.2f MiB (conv + recurrent state of %d DeltaNet layers)",
+             states.num_slots, states.slot_bytes / MIB, len(config.delta_net_layers))
+    return states
 
 
 def build_engine(args: ServerArgs, target: Target, memory: Memory, budget: Budget,

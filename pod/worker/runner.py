@@ -9,6 +9,7 @@ from kvpark.kernels.attention import AttentionBackend, StepLayout
 from ..memory.kv_pool import KVPool
 from ..model.linear import BlockRows
 from ..model.llama import LlamaModel
+from ..model.step_states import StateChunk, StepStates
 from ..sampling.sampler import (
     ChunkOutput,
     Sampled,
@@ -28,6 +29,11 @@ from .step_input import PlannedChunk
 
 class InjectedFault(RuntimeError):
     pass
+
+
+class StateLost(RuntimeError):
+    """A hybrid model's step failed after its delta-net layers may have advanced some state
+    slots in place: rerunning the step would feed those tokens twice."""
 
 
 def get_chunk_output(emitted: tuple[Sampled, ...],
@@ -63,7 +69,15 @@ class ModelRunner:
         logprobs, if asked for) for the rows that reach the end, the tokens its verified draft
         rows add, and the prompt rows' logprobs where asked for.
         Changes no sequence: a failed step is rerun."""
-        self.check_fault(plan)
+        self.check_fault(plan)  # before anything is written: the step can be rerun
+        if self.pool.states is not None:
+            try:
+                return self.run_checked(plan)
+            except Exception as exc:
+                raise StateLost(f"{type(exc).__name__}: {exc}") from exc
+        return self.run_checked(plan)
+
+    def run_checked(self, plan: list[PlannedChunk]) -> list[ChunkOutput]:
         if self.drafter is not None:  # first: the draft model's pass and its drafts
             plan = self.drafter.fill(plan)
         from_blocks = self.get_block_mask(plan)
@@ -103,9 +117,20 @@ class ModelRunner:
             return self.graphs.run(ids, positions, layout)  # a view the next replay rewrites
         self.backend.plan(layout)
         device = self.model.device
+        states = {} if self.pool.states is None else {"states": self.step_states(plan)}
         return self.model(torch.tensor(ids, dtype=torch.long, device=device),
                           torch.tensor(positions, dtype=torch.long, device=device),
-                          self.backend, self.pool.caches, rows)
+                          self.backend, self.pool.caches, rows, **states)
+
+    def step_states(self, plan: list[PlannedChunk]) -> StepStates:
+        """Each chunk's state slot (its sequence's slot) and rows; a chunk at position 0
+        starts from the zero state."""
+        chunks, row = [], 0
+        for item in plan:
+            chunks.append(StateChunk(item.seq.slot_id, row, item.num_rows,
+                                     fresh=item.seq.num_computed == 0))
+            row += item.num_rows
+        return self.pool.states.step_states(tuple(chunks))
 
     def sample_ends(self, plan: list[PlannedChunk], hidden: torch.Tensor,
                     from_blocks: list[bool] | None) -> dict[int, tuple[Sampled, ...]]:

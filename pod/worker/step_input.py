@@ -21,6 +21,9 @@ class FedSequence(Protocol):
     def request_id(self) -> str: ...
 
     @property
+    def slot_id(self) -> int | None: ...
+
+    @property
     def tokens(self) -> list[int]: ...
 
     @property

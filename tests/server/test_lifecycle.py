@@ -154,10 +154,10 @@ def test_bad_environment_value_exits_2_with_one_clear_line():
 
 
 def test_a_model_it_cannot_serve_exits_2_with_one_line_and_no_trace(tmp_path):
-    """A hybrid Qwen3.5 directory (what `transformers` writes for one), as a new user would
-    try it: one log line naming what is not supported and what is, exit code 2."""
+    """A Qwen3 MoE directory, as a new user would try it: one log line naming what is not
+    supported and what is, exit code 2."""
     (tmp_path / "config.json").write_text(json.dumps({
-        "model_type": "qwen3_5_text", "architectures": ["Qwen3_5ForCausalLM"]}))
+        "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}))
     cmd = [sys.executable, "-m", "kvpark.pod", "--model", str(tmp_path), "--host",
            "127.0.0.1", "--port", str(free_port())]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
@@ -165,4 +165,15 @@ def test_a_model_it_cannot_serve_exits_2_with_one_line_and_no_trace(tmp_path):
     assert done.returncode == 2, output
     assert "Traceback" not in output
     (line,) = [line for line in output.splitlines() if "cannot serve" in line]
-    assert "model_type 'qwen3_5_text' is not supported" in line and "llama" in line
+    assert "model_type 'qwen3_moe' is not supported" in line and "qwen3_5" in line
+
+
+def test_a_config_missing_a_field_exits_2_naming_it(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5_text"}))
+    cmd = [sys.executable, "-m", "kvpark.pod", "--model", str(tmp_path), "--host",
+           "127.0.0.1", "--port", str(free_port())]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    output = done.stdout + done.stderr
+    assert done.returncode == 2 and "Traceback" not in output, output
+    (line,) = [line for line in output.splitlines() if "cannot serve" in line]
+    assert "config.json has no 'num_hidden_layers'" in line

@@ -36,7 +36,8 @@ class SlotRoutes:
         check_auth(request, self.server.config.api_key)
         stack = self.server.ready_stack()
         share = slot_share(stack)
-        return JSONResponse([slot_entry(i, view, share)
+        state_bytes = stack.engine.capacity.state_bytes
+        return JSONResponse([slot_entry(i, view, share, state_bytes)
                              for i, view in enumerate(await snapshot(stack))])
 
     async def slot_action(self, request: Request) -> Response:
@@ -64,7 +65,7 @@ class SlotRoutes:
         if problem:
             raise ApiError(409, problem, param="id", error_type="conflict")
         return JSONResponse(slot_entry(slot_id, (await snapshot(stack))[slot_id],
-                                       slot_share(stack)))
+                                       slot_share(stack), stack.engine.capacity.state_bytes))
 
     async def slot_file_action(self, request: Request, stack: ServingStack, slot_id: int,
                                action: str) -> Response:
@@ -122,8 +123,12 @@ def slot_share(stack: ServingStack) -> int:
     return capacity.tokens // capacity.num_slots
 
 
-def slot_entry(slot_id: int, view: SlotView | None, share: int) -> dict[str, Any]:
+def slot_entry(slot_id: int, view: SlotView | None, share: int, state_bytes: int = 0
+               ) -> dict[str, Any]:
+    """`state_bytes`: a hybrid model's state slot (0 for others); `state_resident` whether the
+    occupant holds it now (a parked one gave it up: swapped to host RAM or dropped)."""
     entry: dict[str, Any] = {"id": slot_id, "n_ctx": share, "is_processing": view is not None,
+                             "state_bytes": state_bytes, "state_resident": False,
                              "is_preempted": False, "n_preempt": 0, "n_recompute": 0,
                              "preempt_mode": None, "task": None, "n_tokens": 0,
                              "n_prompt_tokens": 0, "n_generated": 0, "priority": 0,
@@ -134,5 +139,6 @@ def slot_entry(slot_id: int, view: SlotView | None, share: int) -> dict[str, Any
             preempt_mode=view.preempt_mode, task=view.request_id, n_tokens=view.num_computed,
             n_prompt_tokens=view.num_prompt, n_generated=view.num_generated,
             priority=view.priority, preempt_manual=view.manual, phase=view.phase,
-            resumed_from=list(view.resumed_from))
+            resumed_from=list(view.resumed_from),
+            state_resident=bool(state_bytes) and not view.parked)
     return entry

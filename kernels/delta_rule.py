@@ -1,0 +1,65 @@
+"""The Gated DeltaNet token mixer's recurrent parts, per sequence, in torch: the causal depthwise
+conv over the last few inputs, and the gated delta rule over a [heads, k_dim, v_dim] state.
+
+Both are written one token at a time on fixed shapes, the same ops whether a row is a prompt row
+or a decode row and whatever else shares the step: so a row's bits depend only on its own
+sequence's history, and a recompute replay rebuilds the first pass's state bit for bit. (The
+chunked form of the delta rule that long prompts usually take is faster but sums in another
+order; it would break that promise.) The C kernel (`delta_rule.c`, when built) computes the
+same recurrence per (sequence, head) with its own fixed order; this file is its reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+L2_EPS = 1e-6  # as flash-linear-attention's and transformers' l2norm
+
+
+def l2_normalize(x: torch.Tensor) -> torch.Tensor:
+    """x / ||x|| over the last dim (with transformers' epsilon inside the root)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2_EPS)
+
+
+def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Depthwise causal conv then SiLU over one sequence's new rows.
+
+    x: [T, C] new inputs; state: [C, K - 1] the inputs before them (zeros at a sequence's start),
+    updated in place to the last K - 1 inputs; weight: [C, K]. Each output is the same chain of
+    multiplies and adds, oldest input first, whatever T is.
+    """
+    num_rows, kernel = x.shape[0], weight.shape[1]
+    window = torch.cat((state.t().to(x.dtype), x))  # [K - 1 + T, C]
+    out = window[0:num_rows] * weight[:, 0]
+    for j in range(1, kernel):
+        out = out + window[j:j + num_rows] * weight[:, j]
+    state.copy_(window[num_rows:].t())
+    return F.silu(out)
+
+
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
+                     b: torch.Tensor, neg_a: torch.Tensor, dt_bias: torch.Tensor,
+                     state: torch.Tensor) -> torch.Tensor:
+    """The gated delta rule over one sequence's rows, one token at a time.
+
+    q, k: [T, H, Dk] (l2-normalised, q already scaled by Dk^-1/2); v: [T, H, Dv]; a, b: [T, H]
+    the decay step and beta before their activations; neg_a, dt_bias: [H]; state: [H, Dk, Dv]
+    float32, updated in place. Per token: g = -e^A softplus(a + dt_bias), beta = sigmoid(b);
+    S = S e^g; S += k (beta (v - k S)); o = q S. Returns o: [T, H, Dv] float32.
+    """
+    q, k, v, a, b = q.float(), k.float(), v.float(), a.float(), b.float()
+    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    # every op on one token's [H] or [H, Dk, Dv]: vectorised transcendental functions (exp,
+    # softplus, sigmoid) round their tail elements differently from the body, so a [T, H] op
+    # would give a row bits that depend on T. And products then a sum over Dk, not a matmul:
+    # a BLAS picks its summation order by the operands' alignment.
+    for t in range(q.shape[0]):
+        decay = (neg_a * F.softplus(a[t] + dt_bias)).exp()
+        beta = torch.sigmoid(b[t])
+        state.mul_(decay[:, None, None])
+        kv_mem = (state * k[t][:, :, None]).sum(1)  # [H, Dv]
+        delta = (v[t] - kv_mem) * beta[:, None]
+        state.add_(k[t][:, :, None] * delta[:, None, :])
+        out[t] = (state * q[t][:, :, None]).sum(1)
+    return out

@@ -1,0 +1,72 @@
+"""The pool's second kind of memory: a hybrid model's per-sequence state slots.
+
+A Gated DeltaNet layer keeps no K/V pages; its memory of a sequence is a fixed-size conv state
+and a recurrent state, the same size at token 10 as at token 10,000. Slot `i` of every layer
+belongs to the scheduler's slot `i` (`--parallel` of them), so the slot a sequence runs in is its
+state slot and no second allocator exists. A park gives it up: a swap copies it to host RAM with
+the pages (`read`, charged to the same budget) and a resume writes it back (`write`); a
+recompute drops it, and the replay starts from zeros at position 0 (`step_states.StateChunk`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..model.config import DeltaNetConfig
+from ..model.step_states import StateChunk, StepStates
+
+
+class StatePool:
+    def __init__(self, num_slots: int, num_layers: int, shape: DeltaNetConfig,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        assert num_slots > 0 and num_layers > 0
+        self.num_slots = num_slots
+        self.device = torch.device(device)
+        self.conv = [torch.zeros(num_slots, *shape.conv_state_shape, dtype=dtype,
+                                 device=self.device) for _ in range(num_layers)]
+        # the recurrence runs in float32 whatever the weights are (as the reference kernels)
+        self.recurrent = [torch.zeros(num_slots, *shape.recurrent_state_shape,
+                                      dtype=torch.float32, device=self.device)
+                          for _ in range(num_layers)]
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one sequence's state across the layers (what a swap copies beside pages)."""
+        return sum(t[0].numel() * t.element_size() for t in (*self.conv, *self.recurrent))
+
+    @property
+    def total_bytes(self) -> int:
+        return self.slot_bytes * self.num_slots
+
+    def step_states(self, chunks: tuple[StateChunk, ...]) -> StepStates:
+        return StepStates(self.conv, self.recurrent, chunks)
+
+    def read(self, slot: int) -> torch.Tensor:
+        """A copy of the slot's state on the CPU as one flat byte tensor."""
+        out = torch.empty(self.slot_bytes, dtype=torch.uint8)
+        self.read_into(slot, out)
+        return out
+
+    def read_into(self, slot: int, out: torch.Tensor) -> None:
+        """Copy the slot's state into `out`, a flat uint8 host buffer of `slot_bytes`."""
+        assert out.dtype == torch.uint8 and out.numel() == self.slot_bytes
+        at = 0
+        for t in (*self.conv, *self.recurrent):
+            size = t[slot].numel() * t.element_size()
+            out[at:at + size].copy_(t[slot].view(torch.uint8).reshape(-1))
+            at += size
+
+    def write(self, slot: int, saved: torch.Tensor) -> None:
+        """Put back a state `read` returned, byte for byte."""
+        assert saved.numel() == self.slot_bytes, "a state of another shape"
+        at = 0
+        for t in (*self.conv, *self.recurrent):
+            size = t[slot].numel() * t.element_size()
+            part = saved[at:at + size].to(self.device)
+            t[slot].view(torch.uint8).reshape(-1).copy_(part)
+            at += size
+
+    def clear(self, slot: int) -> None:
+        """The slot holds nothing now (a park gave it up)."""
+        for t in (*self.conv, *self.recurrent):
+            t[slot].zero_()

@@ -1,0 +1,217 @@
+"""Qwen3.5's hybrid decoder: Gated DeltaNet layers (a recurrent state per sequence) and, every
+few layers, gated full attention over the paged pool.
+
+Differences from the llama family, all from transformers' `Qwen3_5ForCausalLM`: RMSNorm scales
+by (1 + weight); attention's q_proj yields a per-head sigmoid gate on its output beside q; RoPE
+turns only the first `rotary_dim` dims of a head; q/k norms. A DeltaNet layer projects q, k, v
+(through a causal depthwise conv), z (the output gate), b (beta) and a (the decay step), runs the
+gated delta rule (`kernels/delta_rule.py`) and a gated RMSNorm, then projects out.
+
+Linears are the llama model's `Linear` (padded to `MIN_INVARIANT_ROWS` for batch invariance);
+the recurrences go one sequence and one token at a time, so no row depends on its neighbours.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvpark.kernels import delta_rule
+from kvpark.kernels.attention import AttentionBackend
+
+from .config import FULL_ATTENTION, DeltaNetConfig, ModelConfig
+from .layers import apply_rope, rms_norm, rope_cos_sin
+from .linear import MIN_INVARIANT_ROWS, BlockRows, Linear, WeightFormat, linear, pad_rows
+from .step_states import StepStates
+
+
+def offset_norm(weights: dict[str, torch.Tensor], name: str, offset: float) -> torch.Tensor:
+    """A norm weight as the scale it applies: Qwen3.5 stores (scale - 1)."""
+    return weights[name] + offset if offset else weights[name]
+
+
+class MLPBlock(nn.Module):
+    """The gated MLP and the residual around it, shared by both layer kinds."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], prefix: str,
+                 fmt: WeightFormat) -> None:
+        super().__init__()
+        mlp = f"{prefix}.mlp"
+        self.gate_up = Linear(torch.cat([weights[f"{mlp}.gate_proj.weight"],
+                                         weights[f"{mlp}.up_proj.weight"]]), None, fmt)
+        self.down = Linear(weights[f"{mlp}.down_proj.weight"], None, fmt)
+        self.post_norm = offset_norm(weights, f"{prefix}.post_attention_layernorm.weight",
+                                     config.norm_offset)
+        self.eps = config.rms_norm_eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = linear(rms_norm(x, self.post_norm, self.eps), self.gate_up).chunk(2, dim=-1)
+        return x + linear(F.silu(gate) * up, self.down)
+
+
+class GatedAttentionLayer(nn.Module):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], prefix: str,
+                 fmt: WeightFormat) -> None:
+        super().__init__()
+        self.config = config
+        attn = f"{prefix}.self_attn"
+        self.qkv = Linear(torch.cat([weights[f"{attn}.{p}_proj.weight"] for p in "qkv"]), None,
+                          fmt)
+        self.o = Linear(weights[f"{attn}.o_proj.weight"], None, fmt)
+        self.input_norm = offset_norm(weights, f"{prefix}.input_layernorm.weight",
+                                      config.norm_offset)
+        self.q_norm = offset_norm(weights, f"{attn}.q_norm.weight", config.norm_offset)
+        self.k_norm = offset_norm(weights, f"{attn}.k_norm.weight", config.norm_offset)
+        self.mlp = MLPBlock(config, weights, prefix, fmt)
+        self.gate_up, self.down = self.mlp.gate_up, self.mlp.down
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                backend: AttentionBackend, kv_cache: torch.Tensor, num_tokens: int
+                ) -> torch.Tensor:
+        c = self.config
+        num_rows, dim, heads = x.shape[0], c.head_dim, c.num_heads
+        qkv = linear(rms_norm(x, self.input_norm, c.rms_norm_eps), self.qkv)
+        q_gate = qkv[:, :2 * heads * dim].view(num_rows, heads, 2 * dim)
+        q, gate = q_gate[..., :dim], q_gate[..., dim:].reshape(num_rows, heads * dim)
+        k_end = 2 * heads * dim + c.num_kv_heads * dim
+        k = qkv[:, 2 * heads * dim:k_end].view(num_rows, c.num_kv_heads, dim)
+        v = qkv[:, k_end:].view(num_rows, c.num_kv_heads, dim)
+        q = self.partial_rope(rms_norm(q.contiguous(), self.q_norm, c.rms_norm_eps), cos, sin)
+        k = self.partial_rope(rms_norm(k, self.k_norm, c.rms_norm_eps), cos, sin)
+        q, k, v = q[:num_tokens], k[:num_tokens], v[:num_tokens].contiguous()
+        backend.append_kv(kv_cache, k, v)
+        attn = backend.attend(q, kv_cache).reshape(num_tokens, heads * dim)
+        attn = pad_rows(attn, num_rows) * torch.sigmoid(gate)
+        return self.mlp(x + linear(attn, self.o))
+
+    def partial_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                     ) -> torch.Tensor:
+        """RoPE on the first `rotary_dim` dims of each head; the rest pass as they are."""
+        turned = self.config.rotary_dim
+        if turned == x.shape[-1]:
+            return apply_rope(x, cos, sin)
+        return torch.cat((apply_rope(x[..., :turned].contiguous(), cos, sin),
+                          x[..., turned:]), dim=-1)
+
+
+class DeltaNetLayer(nn.Module):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], prefix: str,
+                 fmt: WeightFormat) -> None:
+        super().__init__()
+        self.config = config
+        self.shape: DeltaNetConfig = config.delta_net
+        mixer = f"{prefix}.linear_attn"
+        # q, k, v (the conv's channels), z, b, a: one GEMM
+        self.qkv = Linear(torch.cat([weights[f"{mixer}.in_proj_{p}.weight"]
+                                     for p in ("qkv", "z", "b", "a")]), None, fmt)
+        self.o = Linear(weights[f"{mixer}.out_proj.weight"], None, fmt)
+        self.conv_weight = weights[f"{mixer}.conv1d.weight"].reshape(self.shape.conv_dim, -1)
+        self.neg_a = -weights[f"{mixer}.A_log"].float().exp()  # the decay rate, per value head
+        self.dt_bias = weights[f"{mixer}.dt_bias"].float()
+        self.out_norm = weights[f"{mixer}.norm.weight"]  # a plain scale (no offset)
+        self.input_norm = offset_norm(weights, f"{prefix}.input_layernorm.weight",
+                                      config.norm_offset)
+        self.mlp = MLPBlock(config, weights, prefix, fmt)
+        self.gate_up, self.down = self.mlp.gate_up, self.mlp.down
+
+    def forward(self, x: torch.Tensor, conv_states: torch.Tensor, states: torch.Tensor,
+                step: StepStates) -> torch.Tensor:
+        s, eps = self.shape, self.config.rms_norm_eps
+        projected = linear(rms_norm(x, self.input_norm, eps), self.qkv)
+        mixed, z, b, a = projected.split(
+            (s.conv_dim, s.value_dim, s.num_v_heads, s.num_v_heads), dim=-1)
+        core = torch.zeros(x.shape[0], s.num_v_heads, s.v_head_dim, dtype=torch.float32,
+                           device=x.device)
+        for chunk in step.chunks:
+            rows = slice(chunk.start_row, chunk.start_row + chunk.num_rows)
+            conv_state, state = conv_states[chunk.slot], states[chunk.slot]
+            if chunk.fresh:
+                conv_state.zero_()
+                state.zero_()
+            core[rows] = self.mix(mixed[rows], a[rows], b[rows], conv_state, state)
+        gated = rms_norm(core.view(-1, s.v_head_dim), self.out_norm.float(), eps)
+        gated = gated.view(x.shape[0], -1) * F.silu(z.float())
+        return self.mlp(x + linear(gated.to(x.dtype), self.o))
+
+    def mix(self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+            conv_state: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        """One sequence's rows through the conv and the delta rule: [T, value heads, v_dim]."""
+        s = self.shape
+        num_rows = mixed.shape[0]
+        qkv = delta_rule.causal_conv(mixed, conv_state, self.conv_weight)
+        q, k, v = qkv.split((s.key_dim, s.key_dim, s.value_dim), dim=-1)
+        q = delta_rule.l2_normalize(q.reshape(num_rows, s.num_k_heads, s.k_head_dim).float())
+        k = delta_rule.l2_normalize(k.reshape(num_rows, s.num_k_heads, s.k_head_dim).float())
+        group = s.num_v_heads // s.num_k_heads  # consecutive value heads share a key head
+        if group > 1:
+            q, k = q.repeat_interleave(group, dim=1), k.repeat_interleave(group, dim=1)
+        q = q * (s.k_head_dim ** -0.5)
+        v = v.reshape(num_rows, s.num_v_heads, s.v_head_dim)
+        return delta_rule.gated_delta_rule(q, k, v, a, b, self.neg_a, self.dt_bias, state)
+
+
+class HybridModel(nn.Module):
+    """The model interface of `LlamaModel` (forward, logits) plus the step's state slots."""
+
+    has_blocks = False  # GGUF blocks for decode rows: llama-family only for now
+    stack = None
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
+                 batch_invariant: bool = True,
+                 weight_format: WeightFormat = WeightFormat.FP32) -> None:
+        super().__init__()
+        self.config = config
+        self.batch_invariant = batch_invariant
+        self.weight_format = weight_format
+        self.embed = weights["model.embed_tokens.weight"]
+        self.final_norm = offset_norm(weights, "model.norm.weight", config.norm_offset)
+        head_name = "lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"
+        self.head = Linear(weights[head_name], None, weight_format)
+        self.lm_head = self.head.weight
+        self.layers = [
+            (GatedAttentionLayer if kind == FULL_ATTENTION else DeltaNetLayer)(
+                config, weights, f"model.layers.{i}", weight_format)
+            for i, kind in enumerate(config.kinds)
+        ]
+
+    def drop_blocks(self) -> None:
+        """Nothing to drop: every row is dense."""
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    @property
+    def min_rows(self) -> int:
+        return MIN_INVARIANT_ROWS if self.batch_invariant else 1
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                backend: AttentionBackend, kv_caches: list[torch.Tensor],
+                rows: BlockRows | None = None, states: StepStates | None = None
+                ) -> torch.Tensor:
+        """As `LlamaModel.forward`; `kv_caches` holds the attention layers' caches only, and
+        `states` says where each chunk's recurrent state lives."""
+        assert states is not None, "a hybrid model's step needs its state slots"
+        num_tokens = input_ids.shape[0]
+        x = pad_rows(self.embed[input_ids], self.min_rows)
+        cos, sin = rope_cos_sin(pad_rows(positions[:, None], self.min_rows)[:, 0],
+                                self.config.rotary_dim, self.config.rope_theta, x.dtype)
+        caches, slots = iter(kv_caches), iter(zip(states.conv, states.recurrent))
+        for layer in self.layers:
+            if isinstance(layer, GatedAttentionLayer):
+                x = layer(x, cos, sin, backend, next(caches), num_tokens)
+            else:
+                conv, recurrent = next(slots)
+                x = layer(x, conv, recurrent, states)
+        return rms_norm(x[:num_tokens], self.final_norm, self.config.rms_norm_eps)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor, rows: BlockRows | None = None) -> torch.Tensor:
+        num_rows = hidden.shape[0]
+        return linear(pad_rows(hidden, self.min_rows), self.head)[:num_rows].float()

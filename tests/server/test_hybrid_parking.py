@@ -1,0 +1,95 @@
+"""Parking a hybrid model (Qwen3.5's layout: Gated DeltaNet layers with a state slot per
+sequence beside the attention layers' pages) over real HTTP: a swap copies pages and state and
+gives both back byte for byte, a recompute drops both and replays, the budget counts the state.
+
+`synthetic:tiny-hybrid` keeps these fast; `tiny-hybrid-wide` has a 1.5 MiB state slot, so a
+1 MiB budget holds a short sequence's pages (16 KiB each) but not its pages and state."""
+
+import concurrent.futures as cf
+
+import pytest
+from serverproc import ServerProcess
+
+GREEDY = {"temperature": 0, "ignore_eos": True, "return_tokens": True}
+PROMPTS = ["the delta rule keeps one state per sequence",
+           "attention keeps pages, and the hybrid keeps both of them " * 3]
+
+
+def hybrid(flags: list[str], env: dict[str, str] | None = None,
+           model: str = "synthetic:tiny-hybrid") -> ServerProcess:
+    return ServerProcess(["-np", "2", *flags], env=env or {}, model=model)
+
+
+def complete(server, prompt, n_predict):
+    return server.post("/completion", {"prompt": prompt, "n_predict": n_predict, **GREEDY})
+
+
+def tokens_of(server, n_predict=96):
+    return [complete(server, p, n_predict).json()["tokens"] for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def unforced():
+    with hybrid(["-c", "4096"]) as server:
+        yield tokens_of(server)
+
+
+def test_forced_swaps_give_state_and_pages_back_byte_for_byte(unforced):
+    with hybrid(["-c", "4096"], {"KVPARK_PREEMPT_EVERY": "8"}) as server:
+        got = tokens_of(server)
+        m = server.metrics()
+    assert got == unforced
+    assert m["kvpark:n_preempt_total"] >= 20
+    assert m["kvpark:n_preempt_swap_total"] == m["kvpark:n_preempt_total"]
+    assert m["kvpark:n_resume_total"] == m["kvpark:n_preempt_total"]
+    assert m["kvpark:preempt_ram_bytes"] == 0
+
+
+def test_forced_recomputes_replay_to_the_same_bytes(unforced):
+    with hybrid(["-c", "4096", "--preempt-ram", "0"], {"KVPARK_PREEMPT_EVERY": "8"}) as server:
+        got = tokens_of(server)
+        m = server.metrics()
+    assert got == unforced
+    assert m["kvpark:n_preempt_total"] >= 20
+    assert m["kvpark:n_preempt_recompute_total"] == m["kvpark:n_preempt_total"]
+    assert m["kvpark:n_recompute_tokens_total"] > 0
+
+
+@pytest.mark.parametrize("budget", ["8192", "0"], ids=["swap", "recompute"])
+def test_two_requests_that_overflow_the_pool_both_finish(budget):
+    with hybrid(["-c", "512", "--preempt-ram", budget]) as server:
+        with cf.ThreadPoolExecutor(2) as pool:
+            answers = list(pool.map(lambda p: complete(server, p, 400), ["one two three",
+                                                                        "four five six seven"]))
+        m = server.metrics()
+    assert [a.status_code for a in answers] == [200, 200]
+    assert [a.json()["tokens_predicted"] for a in answers] == [400, 400]
+    assert m["kvpark:n_preempt_total"] >= 1
+    mode = "swap" if budget != "0" else "recompute"
+    assert m[f"kvpark:n_preempt_{mode}_total"] == m["kvpark:n_preempt_total"]
+
+
+@pytest.mark.parametrize("budget,mode", [("1", "recompute"), ("4", "swap")])
+def test_the_budget_counts_the_state_slot(budget, mode):
+    """A 1 MiB budget holds the pages of these sequences (a few 16 KiB pages) but not their
+    1.5 MiB state as well: it must recompute; 4 MiB holds both: it swaps."""
+    with hybrid(["-c", "4096", "--preempt-ram", budget], {"KVPARK_PREEMPT_EVERY": "8"},
+                model="synthetic:tiny-hybrid-wide") as server:
+        answer = complete(server, PROMPTS[0], 24)
+        m = server.metrics()
+    assert answer.status_code == 200 and answer.json()["tokens_predicted"] == 24
+    assert m["kvpark:n_preempt_total"] >= 2
+    assert m[f"kvpark:n_preempt_{mode}_total"] == m["kvpark:n_preempt_total"]
+
+
+def test_slots_and_metrics_show_both_kinds_of_memory():
+    """Pages of the 2 attention layers (2 x K,V x 16 tokens x 2 heads x 32 dims x 4 B) and a
+    state slot of the 6 DeltaNet layers (conv 128 x 3 + state 4 x 16 x 16 floats each)."""
+    with hybrid(["-c", "512"]) as server:
+        m = server.metrics()
+        slots = server.slots()
+    assert m["kvpark:kv_cache_page_bytes"] == 2 * 2 * 16 * 2 * 32 * 4
+    assert m["kvpark:state_slot_bytes"] == 6 * (128 * 3 + 4 * 16 * 16) * 4
+    assert m["kvpark:state_slots_total"] == 2 and m["kvpark:state_slots_used"] == 0
+    assert [s["state_bytes"] for s in slots] == [m["kvpark:state_slot_bytes"]] * 2
+    assert not any(s["state_resident"] for s in slots)
