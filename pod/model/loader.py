@@ -23,8 +23,8 @@ from safetensors import safe_open
 from kvpark.kernels.quant_linear import KINDS as QUANT_KINDS
 from kvpark.kernels.quant_linear import QuantizedWeight
 
-from .config import FULL_ATTENTION, LINEAR_ATTENTION, DeltaNetConfig, ModelConfig
 from . import gguf_qwen35
+from .config import FULL_ATTENTION, LINEAR_ATTENTION, DeltaNetConfig, ModelConfig
 from .gguf_file import GGUFFile, read_gguf
 from .synthetic import synthetic_config, synthetic_weights, weight_shapes
 from .tokenizer import Tokenizer
