@@ -11,8 +11,15 @@ same recurrence per (sequence, head) with its own fixed order; this file is its 
 
 from __future__ import annotations
 
+import ctypes
+import functools
+
 import torch
 import torch.nn.functional as F
+
+from . import worker_pool
+from .cbuild import KernelUnavailable, load_library
+from .cpu_features import Isa
 
 L2_EPS = 1e-6  # as flash-linear-attention's and transformers' l2norm
 
@@ -62,4 +69,41 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch
         delta = (v[t] - kv_mem) * beta[:, None]
         state.add_(k[t][:, :, None] * delta[:, None, :])
         out[t] = (state * q[t][:, :, None]).sum(1)
+    return out
+
+
+@functools.cache
+def load_kernel(isa: Isa | None = None) -> ctypes.CDLL:
+    """The kernels library for `isa` (default: the best this CPU has), the delta rule typed."""
+    lib = load_library(isa)
+    ptr, i32 = ctypes.c_void_p, ctypes.c_int
+    lib.kvpark_gated_delta_rule.argtypes = [ptr] * 9 + [i32] * 5
+    lib.kvpark_gated_delta_rule.restype = None
+    return lib
+
+
+def is_available(isa: Isa | None = None) -> bool:
+    try:
+        load_kernel(isa)
+        return True
+    except KernelUnavailable:
+        return False
+
+
+def gated_delta_rule_c(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
+                       b: torch.Tensor, neg_a: torch.Tensor, dt_bias: torch.Tensor,
+                       state: torch.Tensor, isa: Isa | None = None) -> torch.Tensor:
+    """`gated_delta_rule` in C (`csrc/delta_rule.c`): the same recurrence, a fixed order of its
+    own per (token, head), value heads split over the kernel threads. CPU float32 only; `state`
+    must be dense (a state slot is)."""
+    assert state.is_contiguous() and state.dtype == torch.float32 and state.is_cpu
+    q, k, v, a, b = (t.float().contiguous() for t in (q, k, v, a, b))
+    rows, heads, dk = q.shape
+    dv = v.shape[-1]
+    out = torch.empty(rows, heads, dv)
+    neg_a, dt_bias = neg_a.float().contiguous(), dt_bias.float().contiguous()
+    load_kernel(isa).kvpark_gated_delta_rule(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), a.data_ptr(), b.data_ptr(), neg_a.data_ptr(),
+        dt_bias.data_ptr(), state.data_ptr(), out.data_ptr(), rows, heads, dk, dv,
+        worker_pool.get_num_threads())
     return out

@@ -13,6 +13,9 @@ the recurrences go one sequence and one token at a time, so no row depends on it
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -24,6 +27,21 @@ from .config import FULL_ATTENTION, DeltaNetConfig, ModelConfig
 from .layers import apply_rope, rms_norm, rope_cos_sin
 from .linear import MIN_INVARIANT_ROWS, BlockRows, Linear, WeightFormat, linear, pad_rows
 from .step_states import StepStates
+
+log = logging.getLogger("kvpark.model")
+
+DeltaRule = Callable[..., torch.Tensor]  # the signature of delta_rule.gated_delta_rule
+
+
+def pick_delta_rule(device: torch.device) -> DeltaRule:
+    """The C kernel on the CPU where it builds, else the torch recurrence (one log line)."""
+    if device.type != "cpu":
+        log.info("delta rule: torch, one token at a time (no CUDA kernel wired yet)")
+        return delta_rule.gated_delta_rule
+    if not delta_rule.is_available():
+        log.warning("delta rule: the C kernel did not build; torch, one token at a time")
+        return delta_rule.gated_delta_rule
+    return delta_rule.gated_delta_rule_c
 
 
 def offset_norm(weights: dict[str, torch.Tensor], name: str, offset: float) -> torch.Tensor:
@@ -97,9 +115,10 @@ class GatedAttentionLayer(nn.Module):
 
 class DeltaNetLayer(nn.Module):
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], prefix: str,
-                 fmt: WeightFormat) -> None:
+                 fmt: WeightFormat, rule: DeltaRule = delta_rule.gated_delta_rule) -> None:
         super().__init__()
         self.config = config
+        self.rule = rule
         self.shape: DeltaNetConfig = config.delta_net
         mixer = f"{prefix}.linear_attn"
         # q, k, v (the conv's channels), z, b, a: one GEMM
@@ -148,7 +167,7 @@ class DeltaNetLayer(nn.Module):
             q, k = q.repeat_interleave(group, dim=1), k.repeat_interleave(group, dim=1)
         q = q * (s.k_head_dim ** -0.5)
         v = v.reshape(num_rows, s.num_v_heads, s.v_head_dim)
-        return delta_rule.gated_delta_rule(q, k, v, a, b, self.neg_a, self.dt_bias, state)
+        return self.rule(q, k, v, a, b, self.neg_a, self.dt_bias, state)
 
 
 class HybridModel(nn.Module):
@@ -159,7 +178,9 @@ class HybridModel(nn.Module):
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
                  batch_invariant: bool = True,
-                 weight_format: WeightFormat = WeightFormat.FP32) -> None:
+                 weight_format: WeightFormat = WeightFormat.FP32,
+                 rule: DeltaRule | None = None) -> None:
+        """`rule`: the delta rule's implementation (default: `pick_delta_rule`)."""
         super().__init__()
         self.config = config
         self.batch_invariant = batch_invariant
@@ -169,9 +190,11 @@ class HybridModel(nn.Module):
         head_name = "lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"
         self.head = Linear(weights[head_name], None, weight_format)
         self.lm_head = self.head.weight
+        self.rule = rule or pick_delta_rule(self.embed.device)
         self.layers = [
-            (GatedAttentionLayer if kind == FULL_ATTENTION else DeltaNetLayer)(
-                config, weights, f"model.layers.{i}", weight_format)
+            GatedAttentionLayer(config, weights, f"model.layers.{i}", weight_format)
+            if kind == FULL_ATTENTION else
+            DeltaNetLayer(config, weights, f"model.layers.{i}", weight_format, self.rule)
             for i, kind in enumerate(config.kinds)
         ]
 
