@@ -51,6 +51,11 @@ def results_cells(model: str, ctx: int, budget: str, args) -> list[dict]:
     return list(cells.values())
 
 
+def mean_ms(metrics: dict[str, float], histogram: str) -> float | None:
+    count = metrics.get(f"{histogram}_count", 0)
+    return metrics[f"{histogram}_sum"] / count * 1e3 if count else None
+
+
 def results_run(model: str, ctx: int, budget: str, cache: str, args) -> dict:
     flag = "--prefix-cache" if cache == "on" else "--no-prefix-cache"
     with ServerProcess(["-np", "4", "-c", str(ctx), "--preempt-ram", budget, flag,
@@ -74,6 +79,12 @@ def results_run(model: str, ctx: int, budget: str, cache: str, args) -> dict:
         "cached": int(m.get("kvpark:n_preempt_cached_total", 0)),
         "recomputed_tokens": int(m["kvpark:n_recompute_tokens_total"]),
         "tok_s": tokens / wall,
+        # park sizes: a swap copies its pages and (a hybrid model) its state slot
+        "page_bytes": int(m.get("kvpark:kv_cache_page_bytes", 0)),
+        "state_bytes": int(m.get("kvpark:state_slot_bytes", 0)),
+        "peak_host_bytes": int(m.get("kvpark:host_ram_peak_bytes", 0)),
+        "swap_park_ms": mean_ms(m, "kvpark:preempt_park_seconds"),
+        "swap_resume_ms": mean_ms(m, "kvpark:preempt_resume_seconds"),
     }
     shown = {k: v for k, v in run.items() if k not in ("ttft", "itl")}  # samples: JSON only
     print(f"  -c {ctx} --preempt-ram {budget} cache {cache}: {shown}", flush=True)

@@ -166,7 +166,9 @@ def write_reference_gguf(model, path: Path, half: bool = False) -> Path:
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue
         name, w = as_converted(name, w.detach().float(), c)
-        array = w.numpy().astype("float16" if half and w.ndim == 2 else "float32")
+        # the converter keeps vectors and the conv kernel in float32 (ggml's ssm_conv needs it)
+        half_ok = half and w.ndim == 2 and ".conv1d." not in name
+        array = w.numpy().astype("float16" if half_ok else "float32")
         writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -39,10 +39,17 @@ class SlotMemory:
         tokens = tuple(seq.tokens[:len(hashes) * self.pool.page_size])
         self.records[seq.slot_id] = SlotRecord(tokens, min(seq.num_prompt, len(tokens)), hashes)
 
+    @property
+    def why_no_cache(self) -> str:
+        if self.pool.states is not None:
+            return ("slot files need the prefix cache, which is off for a hybrid model (a "
+                    "cached page does not hold the recurrent state at its end)")
+        return "slot files need the prefix cache (the server runs with --no-prefix-cache)"
+
     def export(self, slot_id: int) -> SlotState | str:
         """The slot's state with a copy of its pages, or why there is none."""
         if self.pool.cache is None:
-            return "slot files need the prefix cache (the server runs with --no-prefix-cache)"
+            return self.why_no_cache
         record = self.records[slot_id]
         pages = self.pool.cache.lookup(record.hashes) if record else []  # still cached, in order
         if not pages:
@@ -57,7 +64,7 @@ class SlotMemory:
         the pool (free and cached pages) cannot take the missing pages, nothing changes."""
         cache = self.pool.cache
         if cache is None:
-            return "slot files need the prefix cache (the server runs with --no-prefix-cache)"
+            return self.why_no_cache
         hashes = cache.grow_hashes([], state.tokens, state.num_prompt, state.num_pages)
         if not self.pool.insert_cached(hashes, state.kv):
             return (f"the KV pool cannot take the file's {state.num_pages} pages now (free and "

@@ -196,7 +196,10 @@ def choose_torch_threads(args: ServerArgs, model: LlamaModel) -> None:
     nothing measurable; without blocks (float32 decode in torch ops) half the cores stay, as
     `pick_threads` says why."""
     cores = min(usable_cores().count, MAX_TORCH_THREADS)
-    if args.threads != 0 or not model.has_blocks or model.device.type != "cpu" or cores < 2:
+    # a hybrid's decode rows run every linear in torch (no blocks): its GEMMs are the step
+    torch_decodes = getattr(model.config, "is_hybrid", False)
+    if (args.threads != 0 or not (model.has_blocks or torch_decodes)
+            or model.device.type != "cpu" or cores < 2):
         return
     timings = measure_prompt_gemms(model, [1, cores])
     one, every = timings.by_threads[1], timings.by_threads[cores]

@@ -7,8 +7,9 @@ gives both back byte for byte, a recompute drops both and replays, the budget co
 
 import concurrent.futures as cf
 
+import httpx
 import pytest
-from serverproc import ServerProcess
+from serverproc import ServerProcess, poll
 
 GREEDY = {"temperature": 0, "ignore_eos": True, "return_tokens": True}
 PROMPTS = ["the delta rule keeps one state per sequence",
@@ -93,3 +94,48 @@ def test_slots_and_metrics_show_both_kinds_of_memory():
     assert m["kvpark:state_slots_total"] == 2 and m["kvpark:state_slots_used"] == 0
     assert [s["state_bytes"] for s in slots] == [m["kvpark:state_slot_bytes"]] * 2
     assert not any(s["state_resident"] for s in slots)
+
+
+def test_a_manual_park_gives_the_state_slot_up_and_unpark_continues_exactly(tmp_path):
+    key = {"Authorization": "Bearer k-hybrid"}
+    body = {"prompt": PROMPTS[0], "n_predict": 300, **GREEDY}
+    with hybrid(["-c", "4096", "--api-key", "k-hybrid", "--slot-save-path", str(tmp_path)]
+                ) as server, cf.ThreadPoolExecutor(1) as pool:
+        reference = server.post("/completion", body, headers=key).json()
+        running = pool.submit(server.post, "/completion", body, headers=key)
+        slot = poll(lambda: [s for s in server.slots(key) if s["n_generated"] > 20], "tokens")
+        slot_id = slot[0]["id"]
+        assert slot[0]["state_resident"]
+        parked = httpx.post(f"{server.url}/slots/{slot_id}?action=park", headers=key).json()
+        assert parked["is_preempted"] and parked["preempt_mode"] == "swap"
+        assert not parked["state_resident"]
+        assert server.metrics()["kvpark:state_slots_used"] == 0
+        resumed = httpx.post(f"{server.url}/slots/{slot_id}?action=unpark", headers=key).json()
+        assert resumed["state_resident"]
+        got = running.result().json()
+        saved = httpx.post(f"{server.url}/slots/{slot_id}?action=save", headers=key,
+                           json={"filename": "hybrid.bin"})
+    assert got["tokens"] == reference["tokens"] and got["preempt"]["parks"] == 1
+    # slot files ride on the prefix cache, off for hybrids: a clear 4xx, nothing written
+    assert 400 <= saved.status_code < 500
+    assert "hybrid" in saved.json()["error"]["message"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failing_request_ends_alone_and_the_others_state_is_untouched(unforced):
+    """An injected fault fails its step before any state slot is written: the step is rerun
+    one sequence at a time, the faulty one ends with an error and the other continues to the
+    bytes it gives alone."""
+    poison = 49151
+    with hybrid(["-c", "4096"], {"KVPARK_INJECT_FAULT_TOKEN": str(poison)}) as server:
+        ids = server.post("/tokenize", {"content": PROMPTS[1]}).json()["tokens"]
+        with cf.ThreadPoolExecutor(2) as pool:
+            good = pool.submit(complete, server, PROMPTS[0], 96)
+            bad = pool.submit(server.post, "/completion",
+                              {"prompt": [*ids[:5], poison, *ids[5:]], "n_predict": 20,
+                               **GREEDY})
+            good, bad = good.result(), bad.result()
+        m = server.metrics()
+    assert m["kvpark:kv_cache_pages_free"] == m["kvpark:kv_cache_pages_total"]
+    assert bad.status_code == 500 and "injected fault" in bad.json()["error"]["message"]
+    assert good.status_code == 200 and good.json()["tokens"] == unforced[0]
