@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from ..memory.kv_pool import KVPool
 from ..sampling.sampler import ChunkOutput, Sampled
+from . import checkpointing
 from . import preemption as policy
 from .messages import CONTEXT_EXCEEDED, FinishReason, SeqEvent
 from .reporting import report
@@ -96,6 +97,7 @@ class Scheduler:
         if seq.is_finished:
             return
         seq.parking.end(time.monotonic())
+        self._offer_checkpoint(seq)
         self.swapper.cancel(seq)
         seq.page_table = []
         if seq in self.waiting:
@@ -139,8 +141,12 @@ class Scheduler:
             return
         self._hash_pages(seq, (seq.num_prompt - 1) // self.pool.page_size)
         pages = self.pool.take_cached_prefix(seq.page_hashes, seq.num_prompt)
+        if self.pool.checkpoints is not None:  # a hybrid: only up to a state checkpoint
+            pages = checkpointing.cut_to_checkpoint(self.pool, self.pool.checkpoints,
+                                                    seq.slot_id, seq.page_hashes, pages)
         seq.page_table = pages
         seq.num_computed = seq.num_cached = len(pages) * self.pool.page_size
+        seq.checkpoint_at = seq.num_computed
 
     def _hash_pages(self, seq: Sequence, num_full_pages: int) -> None:
         """The prefix cache's hashes of the sequence's first `num_full_pages` pages."""
@@ -190,6 +196,8 @@ class Scheduler:
         self._offer_full_pages(seq)
         plan = self.swapper.plan_park(seq)
         mode = policy.choose_mode(plan.swap_bytes, plan.budget_bytes, plan.held_bytes)
+        if mode is PreemptMode.RECOMPUTE:  # its replay may start from a checkpoint
+            self._offer_checkpoint(seq)
         result = self.swapper.park(seq, plan, mode, wait)
         seq.page_table = []
         if result.mode is PreemptMode.RECOMPUTE:  # a draft model's K/V replay with the target's
@@ -210,6 +218,13 @@ class Scheduler:
         self._hash_pages(seq, kept)
         self.pool.register_complete(seq.page_table, seq.page_hashes[:kept], 0)
         seq.parking.cached_pages = seq.page_table[:kept]
+
+    def _offer_checkpoint(self, seq: Sequence) -> None:
+        """A hybrid with a prefix cache: its snapshot (the state at its latest page boundary)
+        kept as a checkpoint, for a conversation that comes back or its own replay."""
+        if self.pool.checkpoints is not None and seq.slot_id is not None:
+            checkpointing.offer(self.pool, self.pool.checkpoints, seq.slot_id,
+                                seq.checkpoint_at, seq.page_hashes)
 
     def park_manually(self, seq: Sequence) -> None:
         """POST /slots/{id}?action=park: the normal mode decision; stays parked until unpark."""
@@ -275,6 +290,12 @@ class Scheduler:
         cache tier and no replay is a cached resume."""
         seq.page_table, seq.num_computed = resumed.page_table, resumed.num_computed
         seq.parking.replay_until = resumed.replay_until
+        if not resumed.copied_back and self.pool.checkpoints is not None and seq.num_computed:
+            seq.page_table = checkpointing.cut_to_checkpoint(  # the state: from a checkpoint
+                self.pool, self.pool.checkpoints, seq.slot_id, seq.page_hashes, seq.page_table)
+            seq.num_computed = seq.checkpoint_at = len(seq.page_table) * self.pool.page_size
+            if seq.num_computed < resumed.num_computed:  # it replays what it cut
+                seq.parking.replay_until = max(resumed.replay_until, resumed.num_computed)
         if not resumed.copied_back:  # registered pages hold every layer's K/V
             seq.spec.draft_lag = 0
         parked_for, parked_by = seq.parking.end(time.monotonic()), seq.parking.mode
@@ -365,6 +386,9 @@ class Scheduler:
         if cache is not None and full > first:
             self._hash_pages(seq, full)
             self.pool.register_complete(seq.page_table, seq.page_hashes[:full], first)
+        if self.pool.checkpoints is not None and seq.num_computed % ps == 0:
+            self.pool.states.snapshot(seq.slot_id)  # a page boundary: a checkpoint to be
+            seq.checkpoint_at = seq.num_computed
         if seq.parking.replay_until and seq.num_computed >= seq.parking.replay_until:
             seq.parking.replay_until = 0
             self.notify(seq, SeqEvent.RECOMPUTED)

@@ -140,6 +140,8 @@ class Sequence:
     page_table: list[int] = field(default_factory=list)
     page_hashes: list[bytes] = field(default_factory=list)  # of its full pages (prefix cache)
     num_cached: int = 0  # prompt tokens found in the prefix cache at admission
+    # a hybrid model with a prefix cache: the page boundary its slot's state snapshot is at
+    checkpoint_at: int = 0
     slot_id: int | None = None
     phase: Phase = Phase.WAITING
     arrival: float = field(default_factory=time.monotonic)

@@ -40,16 +40,19 @@ class SlotMemory:
         self.records[seq.slot_id] = SlotRecord(tokens, min(seq.num_prompt, len(tokens)), hashes)
 
     @property
-    def why_no_cache(self) -> str:
+    def why_not(self) -> str | None:
+        """Why slot files cannot work on this pool, or None."""
         if self.pool.states is not None:
-            return ("slot files need the prefix cache, which is off for a hybrid model (a "
-                    "cached page does not hold the recurrent state at its end)")
-        return "slot files need the prefix cache (the server runs with --no-prefix-cache)"
+            return ("slot files of a hybrid model would need its state checkpoints too, which "
+                    "they do not carry yet")
+        if self.pool.cache is None:
+            return "slot files need the prefix cache (the server runs with --no-prefix-cache)"
+        return None
 
     def export(self, slot_id: int) -> SlotState | str:
         """The slot's state with a copy of its pages, or why there is none."""
-        if self.pool.cache is None:
-            return self.why_no_cache
+        if self.why_not:
+            return self.why_not
         record = self.records[slot_id]
         pages = self.pool.cache.lookup(record.hashes) if record else []  # still cached, in order
         if not pages:
@@ -63,8 +66,8 @@ class SlotMemory:
         """Put the state's pages into the prefix cache; why not, or None. All or nothing: when
         the pool (free and cached pages) cannot take the missing pages, nothing changes."""
         cache = self.pool.cache
-        if cache is None:
-            return self.why_no_cache
+        if self.why_not:
+            return self.why_not
         hashes = cache.grow_hashes([], state.tokens, state.num_prompt, state.num_pages)
         if not self.pool.insert_cached(hashes, state.kv):
             return (f"the KV pool cannot take the file's {state.num_pages} pages now (free and "

@@ -143,7 +143,8 @@ class Swapper:
                         swap_bytes=self.host.charged_bytes(self.pool.swap_bytes(len(copied)))
                         + self._state_charge() + tiered.new_bytes,
                         budget_bytes=self.host.budget_bytes,
-                        held_bytes=self.host.held_bytes - tiered.reclaimable_bytes)
+                        held_bytes=self.host.held_bytes - tiered.reclaimable_bytes
+                        - (self.pool.checkpoints.bytes if self.pool.checkpoints else 0))
 
     def park(self, seq: Sequence, plan: ParkPlan, mode: PreemptMode, wait: bool = True
              ) -> ParkResult:
@@ -241,6 +242,8 @@ class Swapper:
     def _start_park_copy(self, seq: Sequence, plan: ParkPlan) -> Ticket | None:
         """The copy into the host tier and a fresh host buffer, or None where the host refused
         a buffer."""
+        if self.pool.checkpoints is not None:  # a park wins over a hybrid's checkpoints
+            self.pool.checkpoints.reclaim(plan.swap_bytes)
         try:
             seq.parking.tier_pages = self._save_to_tier(plan.tiered, plan.swap_bytes)
             seq.parking.host_kv = self.host.allocate(self.pool.swap_shape(len(plan.copied)),

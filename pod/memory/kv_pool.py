@@ -23,6 +23,7 @@ from .paging import pages_for
 from .prefix_cache import Evicted, PrefixCache
 
 if TYPE_CHECKING:
+    from .checkpoints import CheckpointStore
     from .host_tier import HostTier
     from .state_pool import StatePool
 
@@ -48,8 +49,10 @@ class KVPool:
         self._refs = [0] * num_pages  # holders of each page: page tables and copies in flight
         self.cache = cache
         self.tier: HostTier | None = None  # set once the copy engine exists (server wiring)
-        # a hybrid model's state slots, the pool's second kind of memory (server wiring)
+        # a hybrid model's state slots, the pool's second kind of memory, and with a prefix
+        # cache the checkpoints that make its cached pages usable (server wiring)
         self.states: StatePool | None = None
+        self.checkpoints: CheckpointStore | None = None
 
     @property
     def num_free_pages(self) -> int:

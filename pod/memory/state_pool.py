@@ -18,7 +18,10 @@ from ..model.step_states import StateChunk, StepStates
 
 class StatePool:
     def __init__(self, num_slots: int, num_layers: int, shape: DeltaNetConfig,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 snapshots: bool = False) -> None:
+        """`snapshots`: a second copy of every slot, where the state at the sequence's latest
+        page boundary waits to become a checkpoint (`checkpoints.py`)."""
         assert num_slots > 0 and num_layers > 0
         self.num_slots = num_slots
         self.device = torch.device(device)
@@ -28,6 +31,21 @@ class StatePool:
         self.recurrent = [torch.zeros(num_slots, *shape.recurrent_state_shape,
                                       dtype=torch.float32, device=self.device)
                           for _ in range(num_layers)]
+        self.snapshots = ([torch.zeros_like(t) for t in (*self.conv, *self.recurrent)]
+                          if snapshots else [])
+
+    @property
+    def parts(self) -> list[torch.Tensor]:
+        return [*self.conv, *self.recurrent]
+
+    def snapshot(self, slot: int) -> None:
+        """Keep the slot's state as it is now (a page boundary) beside it."""
+        for saved, live in zip(self.snapshots, self.parts, strict=True):
+            saved[slot].copy_(live[slot])
+
+    def read_snapshot_into(self, slot: int, out: torch.Tensor) -> None:
+        """The slot's snapshot as flat bytes into `out` (a host buffer of `slot_bytes`)."""
+        self._flatten_into(self.snapshots, slot, out)
 
     @property
     def slot_bytes(self) -> int:
@@ -36,7 +54,8 @@ class StatePool:
 
     @property
     def total_bytes(self) -> int:
-        return self.slot_bytes * self.num_slots
+        """The slots and their snapshots."""
+        return self.slot_bytes * self.num_slots * (2 if self.snapshots else 1)
 
     def step_states(self, chunks: tuple[StateChunk, ...]) -> StepStates:
         return StepStates(self.conv, self.recurrent, chunks)
@@ -49,9 +68,12 @@ class StatePool:
 
     def read_into(self, slot: int, out: torch.Tensor) -> None:
         """Copy the slot's state into `out`, a flat uint8 host buffer of `slot_bytes`."""
+        self._flatten_into(self.parts, slot, out)
+
+    def _flatten_into(self, parts: list[torch.Tensor], slot: int, out: torch.Tensor) -> None:
         assert out.dtype == torch.uint8 and out.numel() == self.slot_bytes
         at = 0
-        for t in (*self.conv, *self.recurrent):
+        for t in parts:
             size = t[slot].numel() * t.element_size()
             out[at:at + size].copy_(t[slot].view(torch.uint8).reshape(-1))
             at += size

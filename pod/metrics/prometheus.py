@@ -91,6 +91,18 @@ class SchedulerCollector(Collector):
                      s.pool.states.num_slots if s.pool.states is not None else 0)
         yield _gauge("state_slots_used", "State slots a running sequence holds (a parked one "
                      "gave its up)", len(s.running) if s.pool.states is not None else 0)
+        checkpoints = s.pool.checkpoints
+        yield _gauge("state_checkpoints", "State checkpoints kept (a hybrid model's cached "
+                     "prefixes are usable up to one)", len(checkpoints) if checkpoints else 0)
+        yield _gauge("state_checkpoint_bytes", "Host bytes the state checkpoints hold (inside "
+                     "--preempt-ram)", checkpoints.bytes if checkpoints else 0)
+        taken = checkpoints.stats if checkpoints else None
+        yield _counter("state_checkpoint_hits", "Admissions and resumes that started from a "
+                       "state checkpoint", taken.hits if taken else 0)
+        yield _counter("state_checkpoint_tokens", "Tokens those did not compute (K/V from the "
+                       "prefix cache, state from the checkpoint)", taken.tokens if taken else 0)
+        yield _counter("state_checkpoint_evictions", "State checkpoints dropped for room",
+                       taken.evictions if taken else 0)
         yield _gauge("kv_cache_pages_cached", "Pages nobody holds, kept for the prefix cache "
                      "(evictable: counted free)", s.pool.num_cached_pages)
         cache = s.pool.cache.stats if s.pool.cache is not None else None
@@ -101,7 +113,8 @@ class SchedulerCollector(Collector):
         yield _counter("prefix_cache_evictions", "Cached pages evicted for new content",
                        cache.evictions if cache else 0)
         tier = s.pool.tier
-        cached_on_host = tier.cached_bytes if tier is not None else 0
+        cached_on_host = (tier.cached_bytes if tier is not None else 0) + (
+            s.pool.checkpoints.bytes if s.pool.checkpoints is not None else 0)
         yield _gauge("preempt_ram_bytes", "Host bytes held by parked sequences now",
                      self.host.held_bytes - cached_on_host)
         yield _gauge("preempt_ram_budget_bytes", "Host byte budget for parked sequences and "

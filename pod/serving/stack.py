@@ -25,6 +25,7 @@ from ..core.slot_memory import SlotMemory
 from ..core.speculation import SpecConfig
 from ..core.swap import Swapper
 from ..memory.budget import MIB, UNLIMITED_BYTES, Budget, resolve_budget
+from ..memory.checkpoints import CheckpointStore
 from ..memory.host_store import HostStore
 from ..memory.host_tier import HostTier
 from ..memory.identity import ModelIdentity, get_source_bytes, get_weights_digest
@@ -147,10 +148,6 @@ def make_prefix_cache(args: ServerArgs, model: LlamaModel, identity: ModelIdenti
     share the pages); where decode rows read other weights than prompt rows their K/V differ,
     and the hash tells them apart."""
     if not args.prefix_cache:
-        return None
-    if model.config.is_hybrid:
-        log.info("prefix cache: off for a hybrid model (a cached page does not hold the "
-                 "recurrent state at its end; state checkpoints will)")
         return None
     return PrefixCache(identity.text, args.page_size, split_kinds=model.has_blocks)
 
@@ -297,9 +294,11 @@ def make_state_pool(args: ServerArgs, config: ModelConfig, dtype: torch.dtype,
     if not config.is_hybrid:
         return None
     states = StatePool(args.parallel, len(config.delta_net_layers), config.delta_net, dtype,
-                       device)
-    log.info("state slots: %d x %.2f MiB (conv + recurrent state of %d DeltaNet layers)",
-             states.num_slots, states.slot_bytes / MIB, len(config.delta_net_layers))
+                       device, snapshots=args.prefix_cache)
+    log.info("state slots: %d x %.2f MiB (conv + recurrent state of %d DeltaNet layers)%s",
+             states.num_slots, states.slot_bytes / MIB, len(config.delta_net_layers),
+             ", each with a snapshot at its latest page boundary (prefix cache: checkpoints)"
+             if args.prefix_cache else "")
     return states
 
 
@@ -313,6 +312,8 @@ def build_engine(args: ServerArgs, target: Target, memory: Memory, budget: Budge
     config = scheduler_config_of(args, min(loaded.config.max_position, pool.capacity_tokens))
     copy = make_copy_engine(pool, args.preempt_async)
     pool.tier = make_host_tier(args, pool, host, copy)
+    if pool.states is not None and pool.cache is not None:
+        pool.checkpoints = CheckpointStore(host, pool.states.slot_bytes)
     swapper = Swapper(pool, host, copy)
     scheduler = Scheduler(config, pool, swapper, loaded.tokenizer.eos_token_ids)
     lock = threading.RLock()  # the engine's: the metrics collector reads state under it

@@ -139,3 +139,57 @@ def test_a_failing_request_ends_alone_and_the_others_state_is_untouched(unforced
     assert m["kvpark:kv_cache_pages_free"] == m["kvpark:kv_cache_pages_total"]
     assert bad.status_code == 500 and "injected fault" in bad.json()["error"]["message"]
     assert good.status_code == 200 and good.json()["tokens"] == unforced[0]
+
+
+def conversation(server, first: list[int], more: list[int]) -> tuple[dict, dict]:
+    """Turn 1, then turn 2 re-sending turn 1 (prompt and answer) with more tokens: token ids,
+    so both servers see the same history whatever the tokenizer would merge."""
+    one = server.post("/completion", {"prompt": first, "n_predict": 40, **GREEDY}).json()
+    two = server.post("/completion", {"prompt": [*first, *one["tokens"], *more],
+                                      "n_predict": 40, **GREEDY}).json()
+    return one, two
+
+
+@pytest.fixture(scope="module")
+def history():
+    with hybrid(["-c", "4096", "--no-prefix-cache"]) as server:
+        first = server.post("/tokenize", {"content": PROMPTS[1]}).json()["tokens"]
+        more = server.post("/tokenize", {"content": " And what comes next?"}).json()["tokens"]
+        yield first, more, conversation(server, first, more)
+
+
+def test_a_returning_conversation_resumes_from_a_state_checkpoint(history):
+    """Turn 2 takes turn 1's pages from the prefix cache up to the checkpoint at turn 1's last
+    page boundary, its state from the checkpoint, and gives the bytes of a server without a
+    cache."""
+    first, more, (one, two) = history
+    with hybrid(["-c", "4096"]) as server:
+        got_one, got_two = conversation(server, first, more)
+        m = server.metrics()
+    assert got_one["tokens"] == one["tokens"] and got_two["tokens"] == two["tokens"]
+    turn_one = len(first) + len(one["tokens"]) - 1  # its last sample is never fed
+    assert got_two["timings"]["cache_n"] == turn_one // 16 * 16
+    assert m["kvpark:state_checkpoint_hits_total"] == 1
+    assert m["kvpark:state_checkpoint_tokens_total"] == turn_one // 16 * 16
+    assert m["kvpark:state_checkpoints"] >= 1
+    assert m["kvpark:state_checkpoint_bytes"] == m["kvpark:state_checkpoints"] * 6 * (
+        128 * 3 + 4 * 16 * 16) * 4
+
+
+def test_a_recompute_resume_replays_from_its_checkpoint_not_token_0():
+    """`tiny-hybrid-wide`: a 1.5 MiB state slot; a ~600-token sequence's pages (16 KiB each)
+    and state do not fit 2 MiB, so it parks by recompute, but its state checkpoint (1.5 MiB)
+    does: each resume replays only the tokens since its last page boundary."""
+    wide = "synthetic:tiny-hybrid-wide"
+    prompt = "the state is saved at page boundaries " * 80
+    with hybrid(["-c", "4096"], model=wide) as server:
+        expected = complete(server, prompt, 40).json()["tokens"]
+    with hybrid(["-c", "4096", "--preempt-ram", "2"], {"KVPARK_PREEMPT_EVERY": "8"},
+                model=wide) as server:
+        got = complete(server, prompt, 40).json()["tokens"]
+        m = server.metrics()
+    assert got == expected
+    parks = m["kvpark:n_preempt_total"]
+    assert parks >= 4 and m["kvpark:n_preempt_recompute_total"] == parks
+    assert m["kvpark:state_checkpoint_hits_total"] == parks
+    assert 0 < m["kvpark:n_recompute_tokens_total"] <= parks * 16

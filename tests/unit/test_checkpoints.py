@@ -1,0 +1,52 @@
+"""State checkpoints under the host budget: kept least recently used last, dropped for room, a
+park's reclaim takes them, and a cached prefix is usable up to the latest one."""
+
+from __future__ import annotations
+
+import torch
+
+from kvpark.pod.core.checkpointing import usable_pages
+from kvpark.pod.memory.checkpoints import CheckpointStore
+from kvpark.pod.memory.host_store import HostStore
+
+SLOT = 1000  # bytes of one state slot
+
+
+def state(value: int) -> torch.Tensor:
+    return torch.full((SLOT,), value, dtype=torch.uint8)
+
+
+def test_the_budget_holds_them_and_the_oldest_goes_first():
+    host = HostStore(budget_bytes=2 * SLOT + 10)
+    store = CheckpointStore(host, SLOT)
+    assert store.put(b"a", state(1)) and store.put(b"b", state(2))
+    store.get(b"a")  # a is now the most recently used
+    assert store.put(b"c", state(3))
+    assert (store.has(b"a"), store.has(b"b"), store.has(b"c")) == (True, False, True)
+    assert host.held_bytes == store.bytes == 2 * SLOT and store.stats.evictions == 1
+    assert torch.equal(store.get(b"c"), state(3))
+
+
+def test_nothing_is_kept_where_the_budget_cannot_hold_one():
+    store = CheckpointStore(HostStore(budget_bytes=SLOT - 1), SLOT)
+    assert not store.put(b"a", state(1)) and len(store) == 0
+
+
+def test_a_park_reclaims_their_bytes():
+    host = HostStore(budget_bytes=3 * SLOT)
+    store = CheckpointStore(host, SLOT)
+    for key in (b"a", b"b", b"c"):
+        store.put(key, state(0))
+    store.reclaim(2 * SLOT)
+    assert len(store) == 1 and store.has(b"c") and host.can_hold(2 * SLOT)
+
+
+def test_a_prefix_is_usable_up_to_its_latest_checkpoint():
+    store = CheckpointStore(HostStore(budget_bytes=10 * SLOT), SLOT)
+    hashes = [b"p0", b"p1", b"p2", b"p3"]
+    assert usable_pages(store, hashes, 4) == 0
+    store.put(b"p1", state(0))
+    assert usable_pages(store, hashes, 4) == 2
+    assert usable_pages(store, hashes, 1) == 0  # the checkpoint lies past the cached pages
+    store.put(b"p3", state(0))
+    assert usable_pages(store, hashes, 4) == 4 and usable_pages(store, hashes, 3) == 2
