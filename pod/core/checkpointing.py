@@ -25,6 +25,7 @@ def cut_to_checkpoint(pool: KVPool, store: CheckpointStore, slot: int, hashes: l
     pool.free(pages[keep:])
     if keep:
         pool.states.write(slot, store.get(hashes[keep - 1]))
+        pool.states.snapshot(slot)  # the slot's snapshot is this state now, not a former one's
         store.stats.hits += 1
         store.stats.tokens += keep * pool.page_size
     return pages[:keep]

@@ -50,3 +50,28 @@ def test_a_prefix_is_usable_up_to_its_latest_checkpoint():
     assert usable_pages(store, hashes, 1) == 0  # the checkpoint lies past the cached pages
     store.put(b"p3", state(0))
     assert usable_pages(store, hashes, 4) == 4 and usable_pages(store, hashes, 3) == 2
+
+
+def test_a_restored_checkpoint_is_also_the_slot_s_snapshot():
+    """Else a sequence that restored a checkpoint and ended before its next page boundary
+    would offer the slot's former occupant's snapshot as its own checkpoint."""
+    from kvpark.pod.core.checkpointing import cut_to_checkpoint
+    from kvpark.pod.memory.kv_pool import KVPool
+    from kvpark.pod.memory.state_pool import StatePool
+    from kvpark.pod.model.config import DeltaNetConfig
+
+    shape = DeltaNetConfig(num_k_heads=1, num_v_heads=2, k_head_dim=4, v_head_dim=4)
+    pool = KVPool(1, 8, 4, 1, 4)
+    pool.states = StatePool(2, 1, shape, snapshots=True)
+    store = CheckpointStore(HostStore(budget_bytes=-1), pool.states.slot_bytes)
+    saved = torch.arange(pool.states.slot_bytes, dtype=torch.int64).to(torch.uint8)
+    store.put(b"p0", saved)
+    pool.states.recurrent[0][1].fill_(7.0)  # a former occupant's state and snapshot
+    pool.states.snapshot(1)
+    kept = cut_to_checkpoint(pool, store, 1, [b"p0", b"p1"], pool.allocate(2))
+    assert len(kept) == 1 and pool.num_free_pages == 7
+    out = torch.empty(pool.states.slot_bytes, dtype=torch.uint8)
+    pool.states.read_into(1, out)
+    assert torch.equal(out, saved)
+    pool.states.read_snapshot_into(1, out)
+    assert torch.equal(out, saved)
