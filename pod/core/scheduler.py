@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from ..memory.kv_pool import KVPool
 from ..sampling.sampler import ChunkOutput, Sampled
-from . import checkpointing
+from . import checkpointing, step_plan
 from . import preemption as policy
 from .messages import CONTEXT_EXCEEDED, FinishReason, SeqEvent
 from .reporting import report
@@ -163,7 +163,8 @@ class Scheduler:
         ps = self.pool.page_size
         while True:
             plan, blocked = grant_pages(step_order(self.running), self.config.batch_size,
-                                        self.pool.num_free_pages, ps)
+                                        self.pool.num_free_pages, ps,
+                                        prompt_checkpoints=self.pool.checkpoints is not None)
             # would the step pass the high watermark (a granted step never passes the pool)?
             over_high = not blocked and self.config.preempt and policy.passes_high(
                 self.pool.num_used_pages, len(self.swapper.pages_in_flight),
@@ -389,6 +390,8 @@ class Scheduler:
         if self.pool.checkpoints is not None and seq.num_computed % ps == 0:
             self.pool.states.snapshot(seq.slot_id)  # a page boundary: a checkpoint to be
             seq.checkpoint_at = seq.num_computed
+            if seq.num_computed == step_plan.prompt_page_end(seq, ps):  # the next turn's
+                self._offer_checkpoint(seq)
         if seq.parking.replay_until and seq.num_computed >= seq.parking.replay_until:
             seq.parking.replay_until = 0
             self.notify(seq, SeqEvent.RECOMPUTED)

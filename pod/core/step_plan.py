@@ -47,7 +47,8 @@ def step_order(running: list[Sequence]) -> list[Sequence]:
 
 
 def grant_pages(running: list[Sequence], batch_size: int, free_pages: int,
-                page_size: int) -> tuple[list[ScheduledSeq], list[Sequence]]:
+                page_size: int, prompt_checkpoints: bool = False
+                ) -> tuple[list[ScheduledSeq], list[Sequence]]:
     """Give each sequence, in order, its next step within the token budget and the free pages.
 
     A prefill chunk is shortened to the pages that are free; a sequence that cannot feed even
@@ -61,6 +62,8 @@ def grant_pages(running: list[Sequence], batch_size: int, free_pages: int,
             break
         room = (len(seq.page_table) + free) * page_size - seq.num_computed
         num_tokens = min(seq.num_pending, budget, room)
+        if prompt_checkpoints:  # a hybrid's state is saved where a step ends on a page
+            num_tokens = stop_at_prompt_page(seq, num_tokens, page_size)
         if num_tokens <= 0:
             blocked.append(seq)
             continue
@@ -69,6 +72,20 @@ def grant_pages(running: list[Sequence], batch_size: int, free_pages: int,
         budget -= num_tokens
         plan.append(item)
     return plan, blocked
+
+
+def prompt_page_end(seq: Sequence, page_size: int) -> int:
+    """The prompt's last page boundary: the next turn of a conversation re-sends at least the
+    prompt, so a state checkpoint there is one it can resume from."""
+    return seq.num_prompt // page_size * page_size
+
+
+def stop_at_prompt_page(seq: Sequence, num_tokens: int, page_size: int) -> int:
+    """A chunk that would cross the prompt's last page boundary ends on it."""
+    boundary = prompt_page_end(seq, page_size)
+    if seq.num_computed < boundary < seq.num_computed + num_tokens:
+        return boundary - seq.num_computed
+    return num_tokens
 
 
 def step_pages(plan: list[ScheduledSeq], page_size: int) -> int:

@@ -155,14 +155,21 @@ def history():
     with hybrid(["-c", "4096", "--no-prefix-cache"]) as server:
         first = server.post("/tokenize", {"content": PROMPTS[1]}).json()["tokens"]
         more = server.post("/tokenize", {"content": " And what comes next?"}).json()["tokens"]
-        yield first, more, conversation(server, first, more)
+        yield first, more, conversation(server, first, more), retold(server, first, more)
+
+
+def retold(server, first: list[int], more: list[int]) -> dict:
+    """Turn 1's prompt again with other words after it (a client that re-renders the answer
+    into other tokens shares only the prompt)."""
+    return server.post("/completion", {"prompt": [*first, *more], "n_predict": 24,
+                                       **GREEDY}).json()
 
 
 def test_a_returning_conversation_resumes_from_a_state_checkpoint(history):
     """Turn 2 takes turn 1's pages from the prefix cache up to the checkpoint at turn 1's last
     page boundary, its state from the checkpoint, and gives the bytes of a server without a
     cache."""
-    first, more, (one, two) = history
+    first, more, (one, two), _ = history
     with hybrid(["-c", "4096"]) as server:
         got_one, got_two = conversation(server, first, more)
         m = server.metrics()
@@ -174,6 +181,19 @@ def test_a_returning_conversation_resumes_from_a_state_checkpoint(history):
     assert m["kvpark:state_checkpoints"] >= 1
     assert m["kvpark:state_checkpoint_bytes"] == m["kvpark:state_checkpoints"] * 6 * (
         128 * 3 + 4 * 16 * 16) * 4
+
+
+def test_a_conversation_that_shares_only_the_prompt_resumes_from_its_last_page(history):
+    """A prefill chunk stops on the prompt's last page boundary and the state there is kept
+    at once: a next request that shares only the prompt starts from it."""
+    first, more, _, expected = history
+    with hybrid(["-c", "4096"]) as server:
+        server.post("/completion", {"prompt": first, "n_predict": 40, **GREEDY})
+        got = retold(server, first, more)
+        m = server.metrics()
+    assert got["tokens"] == expected["tokens"]
+    assert got["timings"]["cache_n"] == len(first) // 16 * 16 > 0
+    assert m["kvpark:state_checkpoint_hits_total"] == 1
 
 
 def test_a_recompute_resume_replays_from_its_checkpoint_not_token_0():

@@ -124,3 +124,28 @@ def test_a_qwen35_gguf_gives_the_directory_s_logits(loaded, gguf_loaded, prompt_
     got = from_gguf.logits(HybridDriver(from_gguf).feed({0: prompt_ids}))
     assert (got - expected).abs().max().item() < 1e-4
     assert got.argmax(-1).tolist() == expected.argmax(-1).tolist()
+
+
+def test_a_multimodal_checkpoint_serves_its_text_model(reference, loaded, prompt_ids, tmp_path):
+    """`qwen3_5` (Qwen3_5ForConditionalGeneration's layout): the text config nested, the text
+    weights under `model.language_model.`, a vision tower beside them (not served)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    root = write_reference_dir(reference, tmp_path / "text")
+    text_config = json.loads((root / "config.json").read_text())
+    (root / "config.json").write_text(json.dumps({
+        "model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "tie_word_embeddings": True, "text_config": text_config,
+        "vision_config": {"depth": 1}}))
+    weights = {name.replace("model.", "model.language_model.", 1): w.contiguous()
+               for name, w in reference.state_dict().items() if name != "lm_head.weight"}
+    weights["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 3)
+    (root / "model.safetensors").unlink()
+    save_file(weights, str(root / "model.safetensors"))
+    multimodal = load_model_files(str(root))
+    assert multimodal.config == loaded.config
+    a, b = kvpark_model(loaded), kvpark_model(multimodal)
+    assert torch.equal(a.logits(HybridDriver(a).feed({0: prompt_ids})),
+                       b.logits(HybridDriver(b).feed({0: prompt_ids})))
