@@ -4,7 +4,6 @@ directory; and a small driver of kvpark's hybrid model over a paged pool and sta
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -18,6 +17,9 @@ from kvpark.pod.memory.state_pool import StatePool
 from kvpark.pod.model.hybrid import HybridModel
 from kvpark.pod.model.loader import builtin_tokenizer
 from kvpark.pod.model.step_states import StateChunk
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from smollm2_hf_dir import write_tokenizer_files  # noqa: E402
 
 # the published Qwen3.5 layout (3 DeltaNet layers, then gated attention) at a tiny size; two
 # value heads per key head, partial RoPE, tied embeddings as the small Qwen3.5s have
@@ -65,19 +67,13 @@ def build_reference(seed: int = 0):
 def write_reference_dir(model, root: Path) -> Path:
     """The model as a Hugging Face directory kvpark loads (SmolLM2's tokenizer beside it)."""
     model.save_pretrained(str(root))
-    tokenizer = builtin_tokenizer()
-    tokenizer.backend.save(str(root / "tokenizer.json"))
-    (root / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": tokenizer.token_text(tokenizer.bos_token_id),
-        "eos_token": tokenizer.token_text(tokenizer.eos_token_id),
-        "chat_template": tokenizer.chat_template,
-    }))
+    write_tokenizer_files(builtin_tokenizer(), root)
     return root
 
 
 class HybridDriver:
     """kvpark's hybrid model over a paged pool and one state slot per sequence, fed chunk by
-    chunk as the runner feeds it (the C-free torch attention backend)."""
+    chunk as the runner feeds it (the C attention backend the server runs, where it builds)."""
 
     def __init__(self, model: HybridModel, num_seqs: int = 1, page_size: int = 16,
                  num_pages: int = 64) -> None:

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from kvpark.pod.model.loader import LoadedModel
+from kvpark.pod.model.tokenizer import Tokenizer
 
 
 def write_smollm2_hf_dir(loaded: LoadedModel, root: Path) -> Path:
@@ -27,10 +28,15 @@ def write_smollm2_hf_dir(loaded: LoadedModel, root: Path) -> Path:
     }))
     save_file({name: w.to(torch.bfloat16).contiguous() for name, w in loaded.weights.items()},
               str(root / "model.safetensors"))
+    write_tokenizer_files(tokenizer, root)
+    return root
+
+
+def write_tokenizer_files(tokenizer: Tokenizer, root: Path) -> None:
+    """tokenizer.json and tokenizer_config.json (BOS, EOS, the chat template) into `root`."""
     tokenizer.backend.save(str(root / "tokenizer.json"))
     (root / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": tokenizer.token_text(tokenizer.bos_token_id),
         "eos_token": tokenizer.token_text(tokenizer.eos_token_id),
         "chat_template": tokenizer.chat_template,
     }))
-    return root

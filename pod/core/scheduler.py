@@ -197,11 +197,10 @@ class Scheduler:
         self._offer_full_pages(seq)
         plan = self.swapper.plan_park(seq)
         mode = policy.choose_mode(plan.swap_bytes, plan.budget_bytes, plan.held_bytes)
-        if mode is PreemptMode.RECOMPUTE:  # its replay may start from a checkpoint
-            self._offer_checkpoint(seq)
         result = self.swapper.park(seq, plan, mode, wait)
         seq.page_table = []
         if result.mode is PreemptMode.RECOMPUTE:  # a draft model's K/V replay with the target's
+            self._offer_checkpoint(seq)  # (a snapshot, untouched by the park) its replay's start
             seq.parking.replay_until, seq.num_computed = seq.num_computed, 0
             seq.spec.draft_lag = 0
         seq.parking.begin(result.mode, time.monotonic())

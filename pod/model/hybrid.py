@@ -24,8 +24,9 @@ from kvpark.kernels import delta_rule
 from kvpark.kernels.attention import AttentionBackend
 
 from .config import FULL_ATTENTION, DeltaNetConfig, ModelConfig
+from .decoder_base import DecoderBase
 from .layers import apply_rope, rms_norm, rope_cos_sin
-from .linear import MIN_INVARIANT_ROWS, BlockRows, Linear, WeightFormat, linear, pad_rows
+from .linear import BlockRows, Linear, WeightFormat, linear, pad_rows
 from .step_states import StepStates
 
 log = logging.getLogger("kvpark.model")
@@ -128,7 +129,7 @@ class DeltaNetLayer(nn.Module):
         self.conv_weight = weights[f"{mixer}.conv1d.weight"].reshape(self.shape.conv_dim, -1)
         self.neg_a = -weights[f"{mixer}.A_log"].float().exp()  # the decay rate, per value head
         self.dt_bias = weights[f"{mixer}.dt_bias"].float()
-        self.out_norm = weights[f"{mixer}.norm.weight"]  # a plain scale (no offset)
+        self.out_norm = weights[f"{mixer}.norm.weight"].float()  # a plain scale (no offset)
         self.input_norm = offset_norm(weights, f"{prefix}.input_layernorm.weight",
                                       config.norm_offset)
         self.mlp = MLPBlock(config, weights, prefix, fmt)
@@ -149,7 +150,7 @@ class DeltaNetLayer(nn.Module):
                 conv_state.zero_()
                 state.zero_()
             core[rows] = self.mix(mixed[rows], a[rows], b[rows], conv_state, state)
-        gated = rms_norm(core.view(-1, s.v_head_dim), self.out_norm.float(), eps)
+        gated = rms_norm(core.view(-1, s.v_head_dim), self.out_norm, eps)
         gated = gated.view(x.shape[0], -1) * F.silu(z.float())
         return self.mlp(x + linear(gated.to(x.dtype), self.o))
 
@@ -170,7 +171,7 @@ class DeltaNetLayer(nn.Module):
         return self.rule(q, k, v, a, b, self.neg_a, self.dt_bias, state)
 
 
-class HybridModel(nn.Module):
+class HybridModel(DecoderBase):
     """The model interface of `LlamaModel` (forward, logits) plus the step's state slots."""
 
     has_blocks = False  # GGUF blocks for decode rows: llama-family only for now
@@ -201,18 +202,6 @@ class HybridModel(nn.Module):
     def drop_blocks(self) -> None:
         """Nothing to drop: every row is dense."""
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.embed.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.embed.device
-
-    @property
-    def min_rows(self) -> int:
-        return MIN_INVARIANT_ROWS if self.batch_invariant else 1
-
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 backend: AttentionBackend, kv_caches: list[torch.Tensor],
@@ -233,8 +222,3 @@ class HybridModel(nn.Module):
                 conv, recurrent = next(slots)
                 x = layer(x, conv, recurrent, states)
         return rms_norm(x[:num_tokens], self.final_norm, self.config.rms_norm_eps)
-
-    @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor, rows: BlockRows | None = None) -> torch.Tensor:
-        num_rows = hidden.shape[0]
-        return linear(pad_rows(hidden, self.min_rows), self.head)[:num_rows].float()

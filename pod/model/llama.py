@@ -14,18 +14,18 @@ bound by per-op dispatch as much as by the weights.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from kvpark.kernels import layer_ops
 from kvpark.kernels.attention import AttentionBackend
 from kvpark.kernels.quant_linear import QuantizedWeight
 
 from .config import ModelConfig
+from .decoder_base import DecoderBase
 from .layers import DecoderLayer, fused_blocks, rms_norm, rope_cos_sin
-from .linear import MIN_INVARIANT_ROWS, BlockRows, Linear, WeightFormat, linear, pad_rows
+from .linear import BlockRows, Linear, WeightFormat, pad_rows
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(DecoderBase):
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
                  batch_invariant: bool = True,
                  weight_format: WeightFormat = WeightFormat.FP32,
@@ -62,18 +62,6 @@ class LlamaModel(nn.Module):
         self.head.blocks = None
         self.has_blocks = False
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.embed.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.embed.device
-
-    @property
-    def min_rows(self) -> int:
-        return MIN_INVARIANT_ROWS if self.batch_invariant else 1
-
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 backend: AttentionBackend, kv_caches: list[torch.Tensor],
@@ -104,11 +92,3 @@ class LlamaModel(nn.Module):
                 and hasattr(backend, "c_plan")
                 and all(c.dtype == torch.float32 and c.is_contiguous()
                         for c in kv_caches[:len(self.layers)]))
-
-    @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor, rows: BlockRows | None = None) -> torch.Tensor:
-        """hidden: [N, hidden] -> float32 logits [N, vocab]; `rows` as in `forward`."""
-        if self.has_blocks and rows is not None:
-            return linear(hidden, self.head, rows).float()
-        num_rows = hidden.shape[0]
-        return linear(pad_rows(hidden, self.min_rows), self.head)[:num_rows].float()
