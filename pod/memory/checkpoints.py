@@ -80,6 +80,12 @@ class CheckpointStore:
         self._saved.move_to_end(key)
         return self._saved[key]
 
+    def drop(self, key: bytes) -> None:
+        """Forget the checkpoint under `key` (its page is gone: nothing can resume from it)."""
+        buffer = self._saved.pop(key, None)
+        if buffer is not None:
+            self.host.release(buffer)
+
     def drop_oldest(self) -> None:
         _, buffer = self._saved.popitem(last=False)
         self.host.release(buffer)

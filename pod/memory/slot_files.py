@@ -2,13 +2,15 @@
 which names may be used inside DIR, and the file format.
 
 A file holds one slot's saveable state (`SlotState`: the tokens of whole KV pages and those
-pages' bytes) after a header naming the model and the KV layout that computed them, so a server
-with other weights, another dtype or another page layout refuses it instead of continuing from
-K/V it would misread. Layout, all little-endian:
+pages' bytes; for a hybrid model also the DeltaNet state after the last of them, its state
+checkpoint) after a header naming the model and the KV layout that computed them, so a server
+with other weights, another dtype or another page or state layout refuses it instead of
+continuing from K/V it would misread. Layout, all little-endian:
 
     MAGIC (8 bytes) | version u32 | header length u32 | header (JSON, UTF-8)
     | tokens (int64 x num_tokens) | pages (the pool's dtype, [layers, pages, 2, page_size, Hkv, D])
-    | SHA-256 of everything before it (32 bytes)
+    | state (`state_bytes` bytes: the state slot's parts as `StatePool.read` lays them out; none
+      for a model without state slots) | SHA-256 of everything before it (32 bytes)
 
 The digest catches a corrupted file, the size read from the header a truncated one. Names are
 plain file names resolved inside DIR (no separators, no `..`, no leading dot, no symlink that
@@ -33,6 +35,7 @@ from pathlib import Path
 import torch
 
 from .identity import ModelIdentity
+from .state_pool import StatePart, split_state
 
 MAGIC = b"KVPSLOT\0"
 VERSION = 1
@@ -57,6 +60,11 @@ class SlotState:
     tokens: tuple[int, ...]  # of whole pages: len(tokens) == pages x page_size
     num_prompt: int  # of them, rows computed as prompt (the page hashes tell the kinds apart)
     kv: torch.Tensor  # [layers, pages, 2, page_size, Hkv, D] on the CPU
+    state: torch.Tensor | None = None  # a hybrid's state after the last page (flat uint8)
+
+    @property
+    def state_bytes(self) -> int:
+        return 0 if self.state is None else self.state.numel()
 
     @property
     def num_pages(self) -> int:
@@ -84,10 +92,13 @@ def resolve_name(directory: str, name: object) -> Path:
 def encode(identity: ModelIdentity, state: SlotState) -> list[bytes]:
     header = json.dumps({"identity": asdict(identity), "num_tokens": len(state.tokens),
                          "num_prompt": state.num_prompt, "num_pages": state.num_pages,
-                         "kv_shape": list(state.kv.shape)}).encode()
+                         "kv_shape": list(state.kv.shape),
+                         "state_bytes": state.state_bytes}).encode()
     tokens = torch.tensor(state.tokens, dtype=torch.int64).numpy().tobytes()
     pages = state.kv.contiguous().view(torch.uint8).numpy().tobytes()
     parts = [_PREFIX.pack(MAGIC, VERSION, len(header)), header, tokens, pages]
+    if state.state is not None:
+        parts.append(state.state.contiguous().numpy().tobytes())
     digest = hashlib.sha256()
     for part in parts:
         digest.update(part)
@@ -170,20 +181,23 @@ def _is_alive(pid: int) -> bool:
 
 
 # ---- reading ------------------------------------------------------------------------------
-def read(path: Path, identity: ModelIdentity, dtype: torch.dtype) -> tuple[SlotState, int]:
+def read(path: Path, identity: ModelIdentity, dtype: torch.dtype,
+         state_layout: tuple[StatePart, ...] = ()) -> tuple[SlotState, int]:
     """The state a file holds and the file's size; SlotFileError when it is missing, not a slot
     file, damaged, or from another model or KV layout. The header is checked before the rest is
-    read, so a wrong file costs no more than its header."""
+    read, so a wrong file costs no more than its header. `state_layout`: the state slot's parts
+    (a hybrid model's; empty for others)."""
     if not path.is_file():
         raise SlotFileError(f"'filename': no slot file {path.name!r} in --slot-save-path", 404)
     try:
-        return _read(path, identity, dtype)
+        return _read(path, identity, dtype, state_layout)
     except OSError as exc:
         raise SlotFileError(f"the slot file could not be read: {exc.strerror or exc}",
                             500) from None
 
 
-def _read(path: Path, identity: ModelIdentity, dtype: torch.dtype) -> tuple[SlotState, int]:
+def _read(path: Path, identity: ModelIdentity, dtype: torch.dtype,
+          state_layout: tuple[StatePart, ...]) -> tuple[SlotState, int]:
     with path.open("rb") as file:
         size = os.fstat(file.fileno()).st_size
         data = bytearray(file.read(_PREFIX.size + MAX_HEADER_BYTES))
@@ -194,7 +208,8 @@ def _read(path: Path, identity: ModelIdentity, dtype: torch.dtype) -> tuple[Slot
                                 + "; ".join(different))
         num_tokens, num_prompt, shape = _sizes(header, identity)
         kv_bytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
-        expected = body_at + 8 * num_tokens + kv_bytes + _DIGEST_BYTES
+        state_bytes = _state_bytes(header, state_layout)
+        expected = body_at + 8 * num_tokens + kv_bytes + state_bytes + _DIGEST_BYTES
         if size != expected:
             what = "truncated" if size < expected else "longer than its header says"
             raise SlotFileError(f"the slot file is {what} ({size} bytes, {expected} expected)")
@@ -206,7 +221,13 @@ def _read(path: Path, identity: ModelIdentity, dtype: torch.dtype) -> tuple[Slot
     kv = torch.frombuffer(data, dtype=torch.uint8, count=kv_bytes, offset=body_at + 8 * num_tokens)
     kv = kv.view(dtype).reshape(shape)
     check_finite(kv)
-    return SlotState(tuple(tokens.tolist()), num_prompt, kv), size
+    state = None
+    if state_layout:
+        state = torch.frombuffer(data, dtype=torch.uint8, count=state_bytes,
+                                 offset=body_at + 8 * num_tokens + kv_bytes)
+        for part in split_state(state, state_layout):
+            check_finite(part)
+    return SlotState(tuple(tokens.tolist()), num_prompt, kv, state), size
 
 
 def _read_header(data: bytes) -> tuple[dict, int]:
@@ -261,9 +282,20 @@ def _sizes(header: dict, identity: ModelIdentity) -> tuple[int, int, tuple[int, 
     return num_tokens, num_prompt, tuple(shape)
 
 
+def _state_bytes(header: dict, layout: tuple[StatePart, ...]) -> int:
+    """The state's size: a hybrid model's file carries exactly one state slot, others none (the
+    identity's `state_layout` already said which layout; this checks the header agrees)."""
+    expected = sum(part.num_bytes for part in layout)
+    if header.get("state_bytes", 0) != expected:
+        raise SlotFileError("the slot file is corrupted (its header's 'state_bytes' is not "
+                            f"this server's state slot, {expected} bytes)")
+    return expected
+
+
 def check_finite(kv: torch.Tensor) -> None:
-    """K/V a model can have written: a NaN or an infinity there would poison every request that
-    shares these tokens. A file with a valid digest can still hold them (written by hand)."""
+    """K/V (or state) a model can have written: a NaN or an infinity there would poison every
+    request that shares these tokens. A file with a valid digest can still hold them (written
+    by hand)."""
     if kv.is_floating_point() and not bool(torch.isfinite(kv).all()):
-        raise SlotFileError("the slot file holds K/V values that are not finite (NaN or "
-                            "infinite): not what a model writes")
+        raise SlotFileError("the slot file holds K/V or state values that are not finite (NaN "
+                            "or infinite): not what a model writes")

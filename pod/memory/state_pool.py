@@ -10,10 +10,34 @@ recompute drops it, and the replay starts from zeros at position 0 (`step_states
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..model.config import DeltaNetConfig
 from ..model.step_states import StateChunk, StepStates
+
+
+@dataclass(frozen=True)
+class StatePart:
+    """One tensor of a flat state slot, in the order `read` lays them out."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def num_bytes(self) -> int:
+        return torch.Size(self.shape).numel() * torch.empty(0, dtype=self.dtype).element_size()
+
+
+def split_state(flat: torch.Tensor, layout: tuple[StatePart, ...]) -> list[torch.Tensor]:
+    """Views of a flat uint8 state as its typed parts (a slot file's checks read them)."""
+    parts, at = [], 0
+    for part in layout:
+        parts.append(flat[at:at + part.num_bytes].view(part.dtype).reshape(part.shape))
+        at += part.num_bytes
+    assert at == flat.numel(), "a state of another layout"
+    return parts
 
 
 class StatePool:
@@ -46,6 +70,11 @@ class StatePool:
     def read_snapshot_into(self, slot: int, out: torch.Tensor) -> None:
         """The slot's snapshot as flat bytes into `out` (a host buffer of `slot_bytes`)."""
         self._flatten_into(self.snapshots, slot, out)
+
+    @property
+    def layout(self) -> tuple[StatePart, ...]:
+        """The parts of one slot's flat state (what `read` copies out), in order."""
+        return tuple(StatePart(tuple(t.shape[1:]), t.dtype) for t in self.parts)
 
     @property
     def slot_bytes(self) -> int:

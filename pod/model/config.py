@@ -46,6 +46,12 @@ class DeltaNetConfig:
         """The delta rule's state: [value heads, k_head_dim, v_head_dim]."""
         return (self.num_v_heads, self.k_head_dim, self.v_head_dim)
 
+    def state_layout(self, num_layers: int) -> str:
+        """What the bytes of a state slot depend on besides the weights and dtype: a slot
+        file's state is read back only into the same layout."""
+        return f"{num_layers}x(conv {self.conv_state_shape}, recurrent " \
+               f"{self.recurrent_state_shape} float32)"
+
 
 @dataclass(frozen=True)
 class ModelConfig:

@@ -32,7 +32,7 @@ from ..memory.identity import ModelIdentity, get_source_bytes, get_weights_diges
 from ..memory.kv_pool import KVPool
 from ..memory.prefix_cache import PrefixCache
 from ..memory.slot_files import remove_stale_temp_files
-from ..memory.state_pool import StatePool
+from ..memory.state_pool import StatePart, StatePool
 from ..metrics.prometheus import Metrics
 from ..model.config import ModelConfig
 from ..model.llama import LlamaModel
@@ -80,6 +80,7 @@ class ServingStack:
     numerics: str = ""  # ModelIdentity.fingerprint: what decides the output's numbers
     identity: ModelIdentity | None = None  # what a slot file must have been saved by
     kv_dtype: torch.dtype = torch.float32  # the pool's (a slot file's pages)
+    state_layout: tuple[StatePart, ...] = ()  # a hybrid's state slot (a slot file's state)
 
 
 class Stages:
@@ -139,7 +140,14 @@ def identity_of(loaded: LoadedModel, model: LlamaModel, weights_digest: str, dty
                          str(dtype).removeprefix("torch."), model.weight_format.value,
                          model.has_blocks, num_layers, loaded.config.num_kv_heads,
                          loaded.config.head_dim, page_size,
-                         draft=draft.weights_key if draft else "")
+                         draft=draft.weights_key if draft else "",
+                         state_layout=state_layout_of(loaded.config))
+
+
+def state_layout_of(config: ModelConfig) -> str:
+    if not config.is_hybrid:
+        return ""
+    return config.delta_net.state_layout(len(config.delta_net_layers))
 
 
 def make_prefix_cache(args: ServerArgs, model: LlamaModel, identity: ModelIdentity
@@ -220,7 +228,8 @@ def build_stack(args: ServerArgs) -> ServingStack:
                         engine.scheduler.config.max_context, engine.scheduler, engine, metrics,
                         budget, model_path=target.loaded.source, defaults=defaults,
                         numerics=memory.identity.fingerprint(kernels), identity=memory.identity,
-                        kv_dtype=dtype)
+                        kv_dtype=dtype,
+                        state_layout=memory.pool.states.layout if memory.pool.states else ())
 
 
 def prepare_machine(args: ServerArgs, device: torch.device) -> None:

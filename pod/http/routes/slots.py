@@ -90,7 +90,7 @@ class SlotRoutes:
                 size = await asyncio.to_thread(slot_files.write, path, stack.identity, state)
             else:
                 state, size = await asyncio.to_thread(slot_files.read, path, stack.identity,
-                                                      stack.kv_dtype)
+                                                      stack.kv_dtype, stack.state_layout)
                 await slot_outcome(engine.restore_slot(slot_id, state))
         except slot_files.SlotFileError as exc:
             raise ApiError(exc.status, str(exc), param="filename") from None
