@@ -329,7 +329,9 @@ class Scheduler:
         echo_only = sampled is not None and seq.params.scores_only  # nothing generated
         since = seq.num_complete
         self.speculator.draft_model_fed(seq, item.feeds_draft_model, item.num_tokens)
-        self.advance(item, None if sampled is None or echo_only else sampled.token, since)
+        drafted = item.num_rows - item.num_tokens
+        self.advance(item, None if sampled is None or echo_only else sampled.token, since,
+                     state_row=0 if drafted else None)
         if in_prompt:  # before the first token's event
             self.notify(seq, SeqEvent.PROGRESS)
         if echo_only:
@@ -338,21 +340,25 @@ class Scheduler:
             return
         if seq.output.first_token_at is None:
             seq.output.first_token_at = time.monotonic()
-        drafted = item.num_rows - item.num_tokens
         if drafted:
             self.speculator.settle(seq, drafted, len(output.verified))
         if self._emit(seq, sampled) and drafted:
-            self._accept_verified(seq, output.verified)
+            self._accept_verified(seq, output.verified, drafted)
 
-    def _accept_verified(self, seq: Sequence, verified: tuple[Sampled, ...]) -> None:
+    def _accept_verified(self, seq: Sequence, verified: tuple[Sampled, ...], drafted: int
+                         ) -> None:
         """Speculation: each token sampled at a draft row is taken as a decode step of its own
         would take it (the row before it becomes computed, then the same stop checks); once the
         sequence ends the rest are dropped. Then the pages only rejected drafts reached go back:
-        between steps a page table holds its computed tokens' pages only, as without drafts."""
-        for sampled in verified:
-            self.advance(ScheduledSeq(seq, 1), sampled.token, seq.num_complete)
+        between steps a page table holds its computed tokens' pages only, as without drafts. A
+        hybrid model's state goes back to the one after the last accepted row the same way."""
+        for row, sampled in enumerate(verified, start=1):
+            self.advance(ScheduledSeq(seq, 1), sampled.token, seq.num_complete,
+                         state_row=None if row == drafted else row)
             if not self._emit(seq, sampled):
                 return  # finished: every page went back
+        if self.pool.states is not None and len(verified) < drafted:
+            self.pool.states.take_back_to_row(seq.slot_id, len(verified))
         drafts_only = pages_past(seq.num_computed, seq.page_table, self.pool.page_size)
         if drafts_only:
             self.pool.free(drafts_only)
@@ -377,8 +383,11 @@ class Scheduler:
             self.finish(seq, reason)
         return reason is None
 
-    def advance(self, item: ScheduledSeq, sampled: int | None, since: int) -> None:
-        """Count the fed tokens (cache pages complete from token `since` on); add the sample."""
+    def advance(self, item: ScheduledSeq, sampled: int | None, since: int,
+                state_row: int | None = None) -> None:
+        """Count the fed tokens (cache pages complete from token `since` on); add the sample.
+        `state_row`: a hybrid's state after these tokens is not the slot's (a speculative step
+        went further) but the one its chunk kept after that row."""
         seq = item.seq
         seq.num_computed += item.num_tokens
         ps, cache = self.pool.page_size, self.pool.cache
@@ -387,7 +396,10 @@ class Scheduler:
             self._hash_pages(seq, full)
             self.pool.register_complete(seq.page_table, seq.page_hashes[:full], first)
         if self.pool.checkpoints is not None and seq.num_computed % ps == 0:
-            self.pool.states.snapshot(seq.slot_id)  # a page boundary: a checkpoint to be
+            if state_row is None:  # a page boundary: a checkpoint to be
+                self.pool.states.snapshot(seq.slot_id)
+            else:
+                self.pool.states.snapshot_row(seq.slot_id, state_row)
             seq.checkpoint_at = seq.num_computed
             if seq.num_computed == step_plan.prompt_page_end(seq, ps):  # the next turn's
                 self._offer_checkpoint(seq)

@@ -43,9 +43,12 @@ def split_state(flat: torch.Tensor, layout: tuple[StatePart, ...]) -> list[torch
 class StatePool:
     def __init__(self, num_slots: int, num_layers: int, shape: DeltaNetConfig,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 snapshots: bool = False) -> None:
+                 snapshots: bool = False, draft_rows: int = 0) -> None:
         """`snapshots`: a second copy of every slot, where the state at the sequence's latest
-        page boundary waits to become a checkpoint (`checkpoints.py`)."""
+        page boundary waits to become a checkpoint (`checkpoints.py`). `draft_rows`: the
+        longest draft of speculative decoding; a speculative step keeps the state after each
+        of a chunk's rows but its last (`row_states`), so the rows past the last accepted
+        draft can be taken back."""
         assert num_slots > 0 and num_layers > 0
         self.num_slots = num_slots
         self.device = torch.device(device)
@@ -57,6 +60,11 @@ class StatePool:
                           for _ in range(num_layers)]
         self.snapshots = ([torch.zeros_like(t) for t in (*self.conv, *self.recurrent)]
                           if snapshots else [])
+        self.draft_rows = draft_rows
+        # per part: [slots, draft_rows, *part] (conv parts first, as `parts`)
+        self.row_states = [torch.zeros(num_slots, draft_rows, *t.shape[1:], dtype=t.dtype,
+                                       device=self.device) for t in self.parts] \
+            if draft_rows else []
 
     @property
     def parts(self) -> list[torch.Tensor]:
@@ -66,6 +74,18 @@ class StatePool:
         """Keep the slot's state as it is now (a page boundary) beside it."""
         for saved, live in zip(self.snapshots, self.parts, strict=True):
             saved[slot].copy_(live[slot])
+
+    def snapshot_row(self, slot: int, row: int) -> None:
+        """Keep the state after row `row` of the slot's last speculative step as its
+        snapshot (a page boundary fell there)."""
+        for saved, rows in zip(self.snapshots, self.row_states, strict=True):
+            saved[slot].copy_(rows[slot, row])
+
+    def take_back_to_row(self, slot: int, row: int) -> None:
+        """The slot's state becomes the one after row `row` of its last speculative step: the
+        rows after it fed drafts that were rejected."""
+        for live, rows in zip(self.parts, self.row_states, strict=True):
+            live[slot].copy_(rows[slot, row])
 
     def read_snapshot_into(self, slot: int, out: torch.Tensor) -> None:
         """The slot's snapshot as flat bytes into `out` (a host buffer of `slot_bytes`)."""
@@ -83,11 +103,14 @@ class StatePool:
 
     @property
     def total_bytes(self) -> int:
-        """The slots and their snapshots."""
-        return self.slot_bytes * self.num_slots * (2 if self.snapshots else 1)
+        """The slots, their snapshots and their draft rows' states."""
+        copies = 1 + (1 if self.snapshots else 0) + self.draft_rows
+        return self.slot_bytes * self.num_slots * copies
 
     def step_states(self, chunks: tuple[StateChunk, ...]) -> StepStates:
-        return StepStates(self.conv, self.recurrent, chunks)
+        layers = len(self.conv)
+        return StepStates(self.conv, self.recurrent, chunks, self.row_states[:layers],
+                          self.row_states[layers:])
 
     def read(self, slot: int) -> torch.Tensor:
         """A copy of the slot's state on the CPU as one flat byte tensor."""

@@ -136,7 +136,10 @@ class DeltaNetLayer(nn.Module):
         self.gate_up, self.down = self.mlp.gate_up, self.mlp.down
 
     def forward(self, x: torch.Tensor, conv_states: torch.Tensor, states: torch.Tensor,
-                step: StepStates) -> torch.Tensor:
+                step: StepStates, kept: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor:
+        """`kept`: this layer's [slots, draft rows, *state] conv and recurrent buffers, where a
+        speculative chunk keeps the state after each of its rows but the last."""
         s, eps = self.shape, self.config.rms_norm_eps
         projected = linear(rms_norm(x, self.input_norm, eps), self.qkv)
         mixed, z, b, a = projected.split(
@@ -144,12 +147,20 @@ class DeltaNetLayer(nn.Module):
         core = torch.zeros(x.shape[0], s.num_v_heads, s.v_head_dim, dtype=torch.float32,
                            device=x.device)
         for chunk in step.chunks:
-            rows = slice(chunk.start_row, chunk.start_row + chunk.num_rows)
             conv_state, state = conv_states[chunk.slot], states[chunk.slot]
             if chunk.fresh:
                 conv_state.zero_()
                 state.zero_()
-            core[rows] = self.mix(mixed[rows], a[rows], b[rows], conv_state, state)
+            # a speculative chunk goes a row at a time (the same bits: every row is the same
+            # per-token recurrence) and keeps the state after each row
+            per_row = chunk.keep_rows and chunk.num_rows > 1
+            for start, num_rows in (((r, 1) for r in range(chunk.num_rows)) if per_row
+                                    else ((0, chunk.num_rows),)):
+                rows = slice(chunk.start_row + start, chunk.start_row + start + num_rows)
+                core[rows] = self.mix(mixed[rows], a[rows], b[rows], conv_state, state)
+                if per_row and start < chunk.num_rows - 1:
+                    kept[0][chunk.slot, start].copy_(conv_state)
+                    kept[1][chunk.slot, start].copy_(state)
         gated = rms_norm(core.view(-1, s.v_head_dim), self.out_norm, eps)
         gated = gated.view(x.shape[0], -1) * F.silu(z.float())
         return self.mlp(x + linear(gated.to(x.dtype), self.o))
@@ -215,10 +226,11 @@ class HybridModel(DecoderBase):
         cos, sin = rope_cos_sin(pad_rows(positions[:, None], self.min_rows)[:, 0],
                                 self.config.rotary_dim, self.config.rope_theta, x.dtype)
         caches, slots = iter(kv_caches), iter(zip(states.conv, states.recurrent))
+        kept = iter(zip(states.row_conv, states.row_recurrent))
         for layer in self.layers:
             if isinstance(layer, GatedAttentionLayer):
                 x = layer(x, cos, sin, backend, next(caches), num_tokens)
             else:
                 conv, recurrent = next(slots)
-                x = layer(x, conv, recurrent, states)
+                x = layer(x, conv, recurrent, states, next(kept, None))
         return rms_norm(x[:num_tokens], self.final_norm, self.config.rms_norm_eps)

@@ -2,11 +2,13 @@
 
 The state pool (`memory/state_pool.py`) owns the tensors; the runner says, per planned chunk,
 which slot its sequence holds and whether it starts from nothing (a chunk at position 0, so a
-recompute replay starts from the zero state as the first pass did)."""
+recompute replay starts from the zero state as the first pass did), and where a speculative
+chunk keeps the state after each of its rows (the scheduler takes back the rows of rejected
+drafts)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,6 +19,7 @@ class StateChunk:
     start_row: int  # the chunk's first row in the step
     num_rows: int
     fresh: bool  # at position 0: conv and recurrent state start at zero
+    keep_rows: bool = False  # a speculative chunk: keep the state after each row but its last
 
 
 @dataclass(frozen=True)
@@ -24,3 +27,6 @@ class StepStates:
     conv: list[torch.Tensor]  # per delta-net layer: [slots, conv_dim, kernel - 1]
     recurrent: list[torch.Tensor]  # per delta-net layer: [slots, heads, k_dim, v_dim] float32
     chunks: tuple[StateChunk, ...]
+    # per delta-net layer: [slots, draft rows, *state]: where a `keep_rows` chunk's states go
+    row_conv: list[torch.Tensor] = field(default_factory=list)
+    row_recurrent: list[torch.Tensor] = field(default_factory=list)

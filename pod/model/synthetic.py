@@ -56,6 +56,11 @@ SYNTHETIC_CONFIGS: dict[str, ModelConfig] = {
         delta_net=DeltaNetConfig(num_k_heads=4, num_v_heads=16, k_head_dim=64, v_head_dim=64),
         partial_rotary_factor=0.25, attention_output_gate=True, norm_offset=1.0, qk_norm=True,
     ),
+    # A dense draft for the tiny hybrids: their K/V heads and vocabulary, two layers
+    "tiny-hybrid-draft": ModelConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=32, rope_theta=10000.0,
+    ),
     "llama-8b": ModelConfig(
         vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
         num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0,

@@ -124,16 +124,6 @@ def pick_cpu_backend(args: ServerArgs, dtype: torch.dtype) -> AttentionBackend:
         return TorchPagedAttention("cpu")
 
 
-def check_hybrid(args: ServerArgs, config: ModelConfig) -> None:
-    """What a hybrid model cannot run with yet: a ValueError (one log line, exit code 2)."""
-    if not config.is_hybrid:
-        return
-    if args.spec_type != "none" or args.model_draft is not None:
-        raise ValueError("speculative decoding of a hybrid model needs its recurrent state "
-                         "rolled back past rejected drafts, which kvpark does not do yet: drop "
-                         "--spec-type / --model-draft")
-
-
 def pick_num_pages(args: ServerArgs, config: ModelConfig, num_layers: int, dtype: torch.dtype,
                    device: torch.device, reserved_bytes: int = 0) -> int:
     """-c in pages; on CUDA without -c, what the free memory allows once `reserved_bytes` (a

@@ -52,7 +52,6 @@ from ..worker.cuda_graphs import DecodeGraphRunner
 from ..worker.draft_model import Drafter, check_draft
 from ..worker.runner import ModelRunner
 from .choices import (
-    check_hybrid,
     make_model,
     pick_backend,
     pick_blocks,
@@ -213,7 +212,6 @@ def build_stack(args: ServerArgs) -> ServingStack:
     prepare_machine(args, device)
     dtype = pick_dtype(args, device)
     target = load_target(args, device, dtype, stages)
-    check_hybrid(args, target.loaded.config)
     draft = build_draft(args, target.loaded, device, dtype)
     if draft is not None:
         stages.done(f"draft model built ({draft.loaded.config.num_layers} layers)")
@@ -302,12 +300,17 @@ def make_state_pool(args: ServerArgs, config: ModelConfig, dtype: torch.dtype,
     """A hybrid model's state slots: one per --parallel slot, beside the pages."""
     if not config.is_hybrid:
         return None
+    draft_rows = args.spec_draft_n_max if args.spec_type != "none" else 0
     states = StatePool(args.parallel, len(config.delta_net_layers), config.delta_net, dtype,
-                       device, snapshots=args.prefix_cache)
+                       device, snapshots=args.prefix_cache, draft_rows=draft_rows)
     log.info("state slots: %d x %.2f MiB (conv + recurrent state of %d DeltaNet layers)%s",
              states.num_slots, states.slot_bytes / MIB, len(config.delta_net_layers),
              ", each with a snapshot at its latest page boundary (prefix cache: checkpoints)"
              if args.prefix_cache else "")
+    if draft_rows:
+        log.info("state slots keep the state after each of up to %d draft rows (%.2f MiB): a "
+                 "rejected draft's rows are taken back", draft_rows,
+                 draft_rows * states.num_slots * states.slot_bytes / MIB)
     return states
 
 

@@ -150,7 +150,11 @@ def check_draft(target: ModelConfig, draft: ModelConfig, target_tokens: Tokenize
                 draft_tokens: Tokenizer) -> str | None:
     """Why this draft cannot serve this target, or None: the same vocabulary (every token's
     text, and the end-of-generation ids), and the same K/V head count and head size (its pages
-    are the pool's pages)."""
+    are the pool's pages); a dense draft (a hybrid one would need state slots of its own)."""
+    if draft.is_hybrid:
+        return ("it is a hybrid model (Gated DeltaNet layers): a draft model's recurrent state "
+                "is not kept yet; draft for a hybrid target by lookup (--spec-type "
+                "ngram-simple) or with a dense draft model")
     if draft.vocab_size != target.vocab_size:
         return (f"its vocabulary has {draft.vocab_size} tokens, the target's "
                 f"{target.vocab_size}")

@@ -124,11 +124,12 @@ class ModelRunner:
 
     def step_states(self, plan: list[PlannedChunk]) -> StepStates:
         """Each chunk's state slot (its sequence's slot) and rows; a chunk at position 0
-        starts from the zero state."""
+        starts from the zero state; a chunk with drafts keeps the state after each row."""
         chunks, row = [], 0
         for item in plan:
             chunks.append(StateChunk(item.seq.slot_id, row, item.num_rows,
-                                     fresh=item.seq.num_computed == 0))
+                                     fresh=item.seq.num_computed == 0,
+                                     keep_rows=bool(item.draft)))
             row += item.num_rows
         return self.pool.states.step_states(tuple(chunks))
 
