@@ -390,11 +390,14 @@ def add_preemption_flags(g: argparse._ArgumentGroup) -> None:
 
 
 def add_speculation_flags(g: argparse._ArgumentGroup) -> None:
-    _add(g, "--spec-type", dest="spec_type", choices=["none", "ngram-simple", "draft-simple"],
+    _add(g, "--spec-type", dest="spec_type",
+         choices=["none", "ngram-simple", "draft-simple", "draft-mtp"],
          text="ngram-simple: draft the tokens that followed the latest earlier occurrence of "
          "the sequence's last 3..1 tokens (prompt lookup, no second model); draft-simple: the "
-         "draft model's greedy tokens (--model-draft). Drafts are verified in one step; the "
-         "output is byte-identical to none", default="none, or draft-simple with --model-draft")
+         "draft model's greedy tokens (--model-draft); draft-mtp: the model's own "
+         "multi-token-prediction head (Qwen3.5 checkpoints that carry one). Drafts are "
+         "verified in one step; the output is byte-identical to none",
+         default="none, or draft-simple with --model-draft")
     _add(g, "--model-draft", "-md", dest="model_draft", metavar="PATH",
          text="draft model for speculative decoding, as --model takes one: the target's "
          "tokenizer and K/V head count and size (checked at start); its K/V live in the same "

@@ -115,18 +115,39 @@ class HybridDriver:
 
 
 def write_reference_gguf(model, path: Path, half: bool = False) -> Path:
-    """The model as llama.cpp's converter writes a Qwen3.5 (`qwen35`): norms stored as their
-    (1 + w) scale, ssm_a = -exp(A_log), dt_bias as ssm_dt.bias, conv1d squeezed, and the value
-    heads of every DeltaNet tensor in its tiled order (`conversion/qwen.py`,
-    `_LinearAttentionVReorderBase`); SmolLM2's tokenizer metadata."""
+    """The model as llama.cpp's converter writes a Qwen3.5 (`qwen35`)."""
+    return write_qwen35_gguf(model.state_dict(), model.config, path, half)
+
+
+# an MTP head's own tensors as the converter renames them (`_QwenMtpMixin`: before its norm
+# check, so enorm and hnorm are stored as scales too), then their GGUF names (llama.cpp's
+# nextn names, newer than the gguf package's tensor map)
+MTP_RENAMED = {"mtp.fc.weight": "eh_proj.weight",
+               "mtp.pre_fc_norm_embedding.weight": "enorm.weight",
+               "mtp.pre_fc_norm_hidden.weight": "hnorm.weight",
+               "mtp.norm.weight": "shared_head.norm.weight"}
+NEXTN_NAMES = {"eh_proj.weight": "nextn.eh_proj.weight", "enorm.weight": "nextn.enorm.weight",
+               "hnorm.weight": "nextn.hnorm.weight",
+               "shared_head.norm.weight": "nextn.shared_head_norm.weight"}
+
+
+def write_qwen35_gguf(state: dict[str, torch.Tensor], c, path: Path, half: bool = False
+                      ) -> Path:
+    """Hugging Face tensors as llama.cpp's converter writes a Qwen3.5 (`qwen35`): norms stored
+    as their (1 + w) scale, ssm_a = -exp(A_log), dt_bias as ssm_dt.bias, conv1d squeezed, and
+    the value heads of every DeltaNet tensor in its tiled order (`conversion/qwen.py`,
+    `_LinearAttentionVReorderBase`); an MTP head (`mtp.*`) as blocks after the decoder's with
+    `nextn_predict_layers`; SmolLM2's tokenizer metadata. `c`: the config's fields."""
     import gguf
 
     from kvpark.pod.model.gguf_file import read_gguf
     from kvpark.pod.model.loader import builtin_gguf_path
 
-    c = model.config
+    num_mtp = len({n.split(".")[2] for n in state if n.startswith("mtp.layers.")})
     writer = gguf.GGUFWriter(str(path), arch="qwen35")
-    writer.add_block_count(c.num_hidden_layers)
+    writer.add_block_count(c.num_hidden_layers + num_mtp)
+    if num_mtp:
+        writer.add_uint32("qwen35.nextn_predict_layers", num_mtp)
     writer.add_context_length(c.max_position_embeddings)
     writer.add_embedding_length(c.hidden_size)
     writer.add_feed_forward_length(c.intermediate_size)
@@ -143,7 +164,7 @@ def write_reference_gguf(model, path: Path, half: bool = False) -> Path:
     writer.add_ssm_inner_size(c.linear_value_head_dim * c.linear_num_value_heads)
     # add_recurrent_layers is newer than some gguf releases: the key as it writes it
     writer.add_array("qwen35.attention.recurrent_layers",
-                     [t == "linear_attention" for t in c.layer_types])
+                     [t == "linear_attention" for t in c.layer_types] + [False] * num_mtp)
     writer.add_full_attention_interval(4)
     writer.add_rope_dimension_count(int(c.head_dim * c.rope_parameters["partial_rotary_factor"]))
     writer.add_rope_dimension_sections([11, 11, 10, 0])
@@ -157,15 +178,21 @@ def write_reference_gguf(model, path: Path, half: bool = False) -> Path:
     writer.add_eos_token_id(meta["tokenizer.ggml.eos_token_id"])
     writer.add_add_bos_token(meta["tokenizer.ggml.add_bos_token"])
     writer.add_chat_template(meta["tokenizer.chat_template"])
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35, c.num_hidden_layers)
-    for name, w in model.state_dict().items():
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35, c.num_hidden_layers + num_mtp)
+    for name, w in state.items():
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue
+        name = MTP_RENAMED.get(name, name)
+        if name.startswith("mtp.layers."):
+            _, _, index, rest = name.split(".", 3)
+            name = f"model.layers.{c.num_hidden_layers + int(index)}.{rest}"
         name, w = as_converted(name, w.detach().float(), c)
         # the converter keeps vectors and the conv kernel in float32 (ggml's ssm_conv needs it)
         half_ok = half and w.ndim == 2 and ".conv1d." not in name
         array = w.numpy().astype("float16" if half_ok else "float32")
-        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), array)
+        gguf_name = (f"blk.{c.num_hidden_layers}.{NEXTN_NAMES[name]}" if name in NEXTN_NAMES
+                     else names.get_name(name, try_suffixes=(".weight", ".bias")))
+        writer.add_tensor(gguf_name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

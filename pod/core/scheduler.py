@@ -325,6 +325,8 @@ class Scheduler:
         if in_prompt:
             seq.output.prompt_seconds += seconds
         seq.output.prompt_logprobs.extend(output.prompt_logprobs)  # before any event: all there
+        if output.mtp_seed is not None:  # draft-mtp: the head's guess for the next step
+            seq.spec.mtp_seed = output.mtp_seed
         sampled = output.sampled
         echo_only = sampled is not None and seq.params.scores_only  # nothing generated
         since = seq.num_complete

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..sampling.sampler import SamplingParams, TokenLogprob, make_generator
+from ..sampling.sampler import DraftSeed, SamplingParams, TokenLogprob, make_generator
 from .messages import FinishReason, Submission
 
 if TYPE_CHECKING:  # the GPU check imports this module without the tokenizer's dependencies
@@ -103,6 +103,7 @@ class SpecState:
     # accepted draft, the last draft token; during a pause, the pause's tokens); its next pass
     # over the sequence feeds them first
     draft_lag: int = 0
+    mtp_seed: DraftSeed | None = None  # draft-mtp: made at the end of the last step
 
 
 @dataclass
@@ -199,6 +200,10 @@ class Sequence:
     @property
     def draft_lag(self) -> int:
         return self.spec.draft_lag
+
+    @property
+    def mtp_seed(self) -> DraftSeed | None:
+        return self.spec.mtp_seed
 
     @property
     def num_prompt_logprobs(self) -> int:

@@ -64,8 +64,9 @@ class SlotMemory:
         if checkpoints is not None:
             pages = pages[:usable_pages(checkpoints, list(record.hashes), len(pages))]
         if not pages:
+            kept = " with a state checkpoint" if checkpoints is not None else ""
             return f"slot {slot_id} holds nothing to save (no finished sequence whose pages " \
-                   "are still cached" + (" with a state checkpoint)" if checkpoints else ")")
+                   f"are still cached{kept})"
         num_tokens = len(pages) * self.pool.page_size
         state = None if checkpoints is None else checkpoints.get(record.hashes[len(pages) - 1])
         return SlotState(record.tokens[:num_tokens], min(record.num_prompt, num_tokens),

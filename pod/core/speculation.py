@@ -56,7 +56,8 @@ RUN_TO_RESUME = 2
 class SpecConfig:
     """`--spec-type`, `--spec-draft-n-max`, `--spec-draft-n-min`."""
 
-    kind: str = "none"  # "none", "ngram-simple" or "draft-simple" (a draft model)
+    # "none", "ngram-simple", "draft-simple" (a draft model) or "draft-mtp" (the model's MTP head)
+    kind: str = "none"
     draft_max: int = 3  # tokens drafted per step at most
     draft_min: int = 0  # a shorter proposal is not verified (llama.cpp's n-min)
     # a step's rows at most with drafts in it (0: no cap). On the CPU the C kernels stream the
@@ -70,8 +71,18 @@ class SpecConfig:
 
     @property
     def uses_model(self) -> bool:
-        """Drafts come from a draft model when the step runs, not from the plan."""
+        """Drafts come from a model when the step runs (a draft model or the MTP head), not
+        from the plan: the plan grants a length."""
+        return self.enabled and self.kind in ("draft-simple", "draft-mtp")
+
+    @property
+    def uses_draft_model(self) -> bool:
+        """A separate draft model, which may lag behind its target (`SpecState.draft_lag`)."""
         return self.enabled and self.kind == "draft-simple"
+
+    @property
+    def uses_mtp(self) -> bool:
+        return self.enabled and self.kind == "draft-mtp"
 
     @property
     def n_spec(self) -> int:
@@ -130,7 +141,15 @@ class Speculator:
         self.stats = SpecStats()
 
     def can_draft(self, seq: Sequence) -> bool:
-        return self.drafts_when_not_paused(seq) and not self.is_paused(seq)
+        return self.drafts_when_not_paused(seq) and not self.is_paused(seq) \
+            and (not self.config.uses_mtp or self.has_mtp_seed(seq))
+
+    @staticmethod
+    def has_mtp_seed(seq: Sequence) -> bool:
+        """The MTP head's first guess is for the token after the last computed one: made at
+        the end of the step that computed it (a replay's last step makes none)."""
+        seed = seq.spec.mtp_seed
+        return seed is not None and seed.position == seq.num_computed - 1
 
     def drafts_when_not_paused(self, seq: Sequence) -> bool:
         return (self.config.enabled and seq.num_pending == 1 and not seq.is_replaying
@@ -144,7 +163,7 @@ class Speculator:
         """A draft model need not see a paused sequence's decode rows: it falls behind by them
         (`SpecState.draft_lag`, at most a pause) and takes them in one pass when the sequence
         drafts again. Everything else it feeds as the target does (prompts and replays too)."""
-        return self.config.uses_model and self.drafts_when_not_paused(seq) \
+        return self.config.uses_draft_model and self.drafts_when_not_paused(seq) \
             and self.is_paused(seq)
 
     def draft_length(self, seq: Sequence, room: int) -> int:
@@ -170,14 +189,14 @@ class Speculator:
     def draft_model_fed(self, seq: Sequence, fed: bool, num_tokens: int) -> None:
         """A step's `num_tokens` rows are computed: a draft model's pass fed them (and its lag),
         or it falls behind by them."""
-        if self.config.uses_model:
+        if self.config.uses_draft_model:
             seq.spec.draft_lag = 0 if fed else seq.spec.draft_lag + num_tokens
 
     def settle(self, seq: Sequence, drafted: int, accepted: int) -> None:
         """Count a verification of `drafted` tokens, `accepted` of them matched. A draft model
         never fed its last draft token: when all were accepted its next pass does, first."""
         state = seq.spec
-        if self.config.uses_model:
+        if self.config.uses_draft_model:
             state.draft_lag = int(accepted == drafted)
         state.num_drafts += 1
         state.num_drafted += drafted

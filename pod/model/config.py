@@ -75,6 +75,7 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0  # RoPE turns the first head_dim x this dims only
     attention_output_gate: bool = False  # q_proj also yields a sigmoid gate on the output
     norm_offset: float = 0.0  # RMSNorm scales by (offset + weight): Qwen3.5 stores w - 1
+    num_mtp_layers: int = 0  # Qwen3.5's multi-token-prediction head (`mtp.*`), a drafter
 
     def __post_init__(self) -> None:
         assert self.num_heads % self.num_kv_heads == 0, (

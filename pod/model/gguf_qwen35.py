@@ -8,7 +8,9 @@ does to a Qwen3.5 checkpoint, undone here:
 - where value heads outnumber key heads, the value-head axis of every DeltaNet tensor is stored
   *tiled* by key head (v0 of each group, then v1 of each, ...) instead of *grouped* (all of a key
   head's value heads together), so that ggml can broadcast by repeating: undone per tensor;
-- an MTP head adds `nextn_predict_layers` blocks after the decoder's: not served (skipped).
+- an MTP head adds `nextn_predict_layers` blocks after the decoder's: a full-attention block
+  plus `nextn.eh_proj` (`mtp.fc`), `nextn.enorm` / `hnorm` (the pre-fc norms) and
+  `nextn.shared_head_norm` (`mtp.norm`), read back into the `mtp.*` names.
 Metadata: `ssm.state_size` is the key head dim, `ssm.group_count` the key heads,
 `ssm.time_step_rank` the value heads, `ssm.inner_size` value heads x value head dim,
 `rope.dimension_count` the rotary dims, `attention.recurrent_layers` (or
@@ -17,14 +19,11 @@ Metadata: `ssm.state_size` is the key head dim, `ssm.group_count` the key heads,
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 
 from .config import FULL_ATTENTION, LINEAR_ATTENTION, DeltaNetConfig, ModelConfig
-
-log = logging.getLogger("kvpark.loader")
 
 ARCH = "qwen35"
 
@@ -74,8 +73,6 @@ def qwen35_config(field: Any, vocab_size: int, tensor_names: set[str]) -> ModelC
         interval = field(f"{a}.full_attention_interval", 4)
         kinds = tuple(LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION
                       for i in range(num_layers))
-    if num_mtp:
-        log.info("GGUF qwen35: its MTP head (%d block) is not served", num_mtp)
     num_heads = field(f"{a}.attention.head_count")
     head_dim = field(f"{a}.attention.key_length")
     num_v_heads = field(f"{a}.ssm.time_step_rank")
@@ -95,24 +92,45 @@ def qwen35_config(field: Any, vocab_size: int, tensor_names: set[str]) -> ModelC
         qk_norm=True, architecture="qwen3_5_text", layer_types=kinds,
         delta_net=delta_net if LINEAR_ATTENTION in kinds else None,
         partial_rotary_factor=field(f"{a}.rope.dimension_count", head_dim) / head_dim,
-        attention_output_gate=True, norm_offset=0.0)  # the file stores the norms' scales
+        attention_output_gate=True, norm_offset=0.0,  # the file stores the norms' scales
+        num_mtp_layers=num_mtp)
+
+
+MTP_NAMES = {
+    "nextn.eh_proj.weight": "fc.weight",
+    "nextn.enorm.weight": "pre_fc_norm_embedding.weight",
+    "nextn.hnorm.weight": "pre_fc_norm_hidden.weight",
+    "nextn.shared_head_norm.weight": "norm.weight",
+}
 
 
 def hf_name(gguf_name: str, config: ModelConfig) -> str | None:
-    """The Hugging Face name of a `qwen35` tensor; None for an MTP block's."""
+    """The Hugging Face name of a `qwen35` tensor (an MTP block's under `mtp.`); None for one
+    not used (an MTP block's own copy of the embedding or head: Qwen3.5 shares the model's)."""
     if gguf_name in GLOBAL_NAMES:
         return GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".", 2)
     if len(parts) != 3 or parts[0] != "blk":
         raise ValueError(f"GGUF tensor {gguf_name!r} is not part of a qwen35 model")
     layer, rest = int(parts[1]), parts[2]
-    if layer >= config.num_layers:
-        return None  # the MTP head's blocks come after the decoder's
+    if layer >= config.num_layers:  # the MTP head's blocks come after the decoder's
+        return mtp_name(gguf_name, layer - config.num_layers, rest)
     table = {**LAYER_NAMES, **(DELTA_NET_NAMES if config.kinds[layer] == LINEAR_ATTENTION
                                else ATTENTION_NAMES)}
     if rest not in table:
         raise ValueError(f"GGUF tensor {gguf_name!r} is not part of a qwen35 model")
     return f"model.layers.{layer}.{table[rest]}"
+
+
+def mtp_name(gguf_name: str, index: int, rest: str) -> str | None:
+    if rest in MTP_NAMES:
+        return f"mtp.{MTP_NAMES[rest]}" if index == 0 else None
+    if rest in ("nextn.embed_tokens.weight", "nextn.shared_head_head.weight"):
+        return None
+    table = {**LAYER_NAMES, **ATTENTION_NAMES}
+    if rest not in table:
+        raise ValueError(f"GGUF tensor {gguf_name!r} is not part of a qwen35 MTP block")
+    return f"mtp.layers.{index}.{table[rest]}"
 
 
 def to_hf(name: str, weight: torch.Tensor, config: ModelConfig) -> torch.Tensor:

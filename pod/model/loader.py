@@ -342,7 +342,8 @@ def hf_qwen35_config(cfg: dict[str, Any]) -> ModelConfig:
         delta_net=delta_net if LINEAR_ATTENTION in layer_types else None,
         partial_rotary_factor=float(rope.get("partial_rotary_factor",
                                              cfg.get("partial_rotary_factor", 0.25))),
-        attention_output_gate=True, norm_offset=1.0)
+        attention_output_gate=True, norm_offset=1.0,
+        num_mtp_layers=int(cfg.get("mtp_num_hidden_layers", 0)))
 
 
 def _hf_max_position(cfg: dict[str, Any]) -> int:
@@ -370,14 +371,15 @@ def _hf_weights(
 
 def _hf_text_name(key: str, config: ModelConfig) -> str | None:
     """The name a checkpoint's tensor has in the text model, or None for what is not served:
-    RoPE buffers (computed), a multimodal checkpoint's vision tower, Qwen3.5's MTP head."""
+    RoPE buffers (computed), a multimodal checkpoint's vision tower. Qwen3.5's MTP head keeps
+    its `mtp.` names (`model/mtp.py`)."""
     if key.endswith("rotary_emb.inv_freq"):
         return None  # a buffer some old checkpoints saved; we compute it
     if not config.is_hybrid:
         return key
     if key.startswith(LANGUAGE_MODEL_PREFIX):
         return "model." + key.removeprefix(LANGUAGE_MODEL_PREFIX)
-    if key.startswith(("model.visual.", "mtp.")):
+    if key.startswith("model.visual."):
         return None
     return key
 

@@ -56,6 +56,16 @@ SYNTHETIC_CONFIGS: dict[str, ModelConfig] = {
         delta_net=DeltaNetConfig(num_k_heads=4, num_v_heads=16, k_head_dim=64, v_head_dim=64),
         partial_rotary_factor=0.25, attention_output_gate=True, norm_offset=1.0, qk_norm=True,
     ),
+    # tiny-hybrid with an MTP head (one full-attention block after the decoder's): draft-mtp
+    "tiny-hybrid-mtp": ModelConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_layers=8,
+        num_heads=4, num_kv_heads=2, head_dim=32, rope_theta=10000000.0, rms_norm_eps=1e-6,
+        architecture="qwen3_5_text",
+        layer_types=((LINEAR_ATTENTION,) * 3 + (FULL_ATTENTION,)) * 2,
+        delta_net=DeltaNetConfig(num_k_heads=2, num_v_heads=4, k_head_dim=16, v_head_dim=16),
+        partial_rotary_factor=0.25, attention_output_gate=True, norm_offset=1.0, qk_norm=True,
+        num_mtp_layers=1,
+    ),
     # A dense draft for the tiny hybrids: their K/V heads and vocabulary, two layers
     "tiny-hybrid-draft": ModelConfig(
         vocab_size=49152, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -88,6 +98,13 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         else:
             shapes |= _attention_shapes(config, p + "self_attn.")
     shapes["model.norm.weight"] = (hidden,)
+    for i in range(config.num_mtp_layers):  # Qwen3.5's MTP head: full-attention blocks
+        shapes |= _mlp_shapes(config, f"mtp.layers.{i}.")
+        shapes |= _attention_shapes(config, f"mtp.layers.{i}.self_attn.")
+    if config.num_mtp_layers:
+        shapes |= {"mtp.fc.weight": (hidden, 2 * hidden), "mtp.norm.weight": (hidden,),
+                   "mtp.pre_fc_norm_embedding.weight": (hidden,),
+                   "mtp.pre_fc_norm_hidden.weight": (hidden,)}
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, hidden)
     return shapes

@@ -254,6 +254,15 @@ def get_prompt_logprob(raw_logprobs: torch.Tensor, token: int, k: int) -> TokenL
     return dataclasses.replace(get_logprob(raw_logprobs, token, k), rank=rank)
 
 
+class DraftSeed(NamedTuple):
+    """The MTP head's output at a sequence's last computed position: its guess of the token
+    after the next, and the hidden state the next link of its chain reads (`model/mtp.py`)."""
+
+    position: int
+    token: int
+    hidden: torch.Tensor  # [hidden] on the model's device
+
+
 class ChunkOutput(NamedTuple):
     """What the runner hands the engine for one planned chunk of a sequence."""
 
@@ -263,3 +272,4 @@ class ChunkOutput(NamedTuple):
     # speculation: the tokens sampled after `sampled` at its draft rows, in order; all but the
     # last matched the draft (len(verified) draft tokens were accepted)
     verified: tuple[Sampled, ...] = ()
+    mtp_seed: DraftSeed | None = None  # draft-mtp: the head's first guess for the next step

@@ -4,6 +4,7 @@ target and a draft model alike)."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 
@@ -23,6 +24,7 @@ from ..model.hybrid import HybridModel
 from ..model.linear import WeightFormat
 from ..model.llama import LlamaModel
 from ..model.loader import LoadedModel
+from ..model.mtp import MTPHead, has_mtp_weights
 
 log = logging.getLogger("kvpark.server")
 
@@ -122,6 +124,24 @@ def pick_cpu_backend(args: ServerArgs, dtype: torch.dtype) -> AttentionBackend:
             raise
         log.warning("C paged attention unavailable (%s); using the torch backend", exc)
         return TorchPagedAttention("cpu")
+
+
+def make_mtp_head(args: ServerArgs, loaded: LoadedModel, model: LlamaModel | HybridModel
+                  ) -> tuple[MTPHead | None, str]:
+    """`--spec-type draft-mtp`: the model's MTP head and its part of the identity (a digest of
+    its weights); a ValueError (one log line, exit code 2) where the model has none."""
+    if args.spec_type != "draft-mtp":
+        return None, ""
+    if not isinstance(model, HybridModel) or not has_mtp_weights(loaded.config, loaded.weights):
+        raise ValueError(f"--spec-type draft-mtp: {loaded.name} has no multi-token-prediction "
+                         "head (Qwen3.5 checkpoints with mtp.* weights, or qwen35 GGUF files "
+                         "with nextn blocks, have one): use ngram-simple or --model-draft")
+    digest = hashlib.sha256()
+    for name in sorted(n for n in loaded.weights if n.startswith("mtp.")):
+        digest.update(loaded.weights[name].detach().float().cpu()[:64].numpy().tobytes())
+    log.info("MTP head: %d block after the model's %d layers drafts (--spec-type draft-mtp)",
+             loaded.config.num_mtp_layers, loaded.config.num_layers)
+    return MTPHead(model, loaded.weights), f"mtp|{digest.hexdigest()}"
 
 
 def pick_num_pages(args: ServerArgs, config: ModelConfig, num_layers: int, dtype: torch.dtype,

@@ -37,6 +37,7 @@ from ..metrics.prometheus import Metrics
 from ..model.config import ModelConfig
 from ..model.llama import LlamaModel
 from ..model.loader import LoadedModel, load_model_files
+from ..model.mtp import MTPHead
 from ..model.tokenizer import Tokenizer
 from ..requests.generation_defaults import GenerationDefaults, defaults_for
 from ..requests.parsers import check_defaults
@@ -50,9 +51,11 @@ from ..worker.autotune import (
 from ..worker.batch_invariance import cap_onednn, check_gemm_kernels
 from ..worker.cuda_graphs import DecodeGraphRunner
 from ..worker.draft_model import Drafter, check_draft
+from ..worker.mtp_drafter import MTPDrafter
 from ..worker.runner import ModelRunner
 from .choices import (
     make_model,
+    make_mtp_head,
     pick_backend,
     pick_blocks,
     pick_device,
@@ -131,15 +134,14 @@ def build_draft(args: ServerArgs, target: LoadedModel, device: torch.device,
 
 
 def identity_of(loaded: LoadedModel, model: LlamaModel, weights_digest: str, dtype: torch.dtype,
-                num_layers: int, page_size: int, draft: DraftStack | None = None
-                ) -> ModelIdentity:
+                num_layers: int, page_size: int, draft_key: str = "") -> ModelIdentity:
     """The one identity of what computed the pool's K/V (the target's, with a draft model's
-    weights when there is one)."""
+    or the MTP head's weights when there is one: `draft_key`)."""
     return ModelIdentity(loaded.name, get_source_bytes(loaded.source), weights_digest,
                          str(dtype).removeprefix("torch."), model.weight_format.value,
                          model.has_blocks, num_layers, loaded.config.num_kv_heads,
                          loaded.config.head_dim, page_size,
-                         draft=draft.weights_key if draft else "",
+                         draft=draft_key,
                          state_layout=state_layout_of(loaded.config))
 
 
@@ -190,6 +192,8 @@ class Target:
     loaded: LoadedModel
     model: LlamaModel
     weights_digest: str
+    mtp: MTPHead | None = None  # --spec-type draft-mtp: the model's own drafter
+    mtp_key: str = ""  # its weights: its part of the identity
 
 
 @dataclass(frozen=True)
@@ -258,6 +262,7 @@ def load_target(args: ServerArgs, device: torch.device, dtype: torch.dtype,
     blocks = pick_blocks(args, loaded, device, dtype)  # builds the C kernel on first use
     stages.done(f"blocks for decode rows: {len(blocks)} linears" if blocks else "weights checked")
     model = make_model(args, loaded, device, dtype, blocks)
+    mtp, mtp_key = make_mtp_head(args, loaded, model)
     choose_decode_weights(args, model)  # may lower the kernel threads
     choose_torch_threads(args, model)  # may raise the torch threads (prompt GEMMs)
     log.info("threads: %d torch (prompt GEMMs), %d C kernel (decode linears, attention)",
@@ -265,16 +270,18 @@ def load_target(args: ServerArgs, device: torch.device, dtype: torch.dtype,
     warn_if_oversubscribed(torch.get_num_threads(), worker_pool.get_num_threads())
     check_gemm_kernels(model, args.batch_size)  # at the threads the steps will run with
     stages.done(f"model built ({model.weight_format.value} linears)")
-    return Target(loaded, model, weights_digest)
+    return Target(loaded, model, weights_digest, mtp, mtp_key)
 
 
 def build_memory(args: ServerArgs, target: Target, draft: DraftStack | None,
                  device: torch.device, dtype: torch.dtype, stages: Stages) -> Memory:
     config = target.loaded.config
     num_attention = len(config.attention_layers)  # a hybrid's DeltaNet layers have no pages
-    num_layers = num_attention + (draft.loaded.config.num_layers if draft else 0)
+    num_drafting = (draft.loaded.config.num_layers if draft else 0) + (1 if target.mtp else 0)
+    num_layers = num_attention + num_drafting  # a draft model's or the MTP head's after them
     identity = identity_of(target.loaded, target.model, target.weights_digest, dtype,
-                           num_layers, args.page_size, draft)
+                           num_layers, args.page_size,
+                           draft.weights_key if draft else target.mtp_key)
     states = make_state_pool(args, config, dtype, device)
     pool = KVPool(num_layers, pick_num_pages(args, config, num_layers, dtype, device,
                                              states.total_bytes if states else 0),
@@ -282,9 +289,13 @@ def build_memory(args: ServerArgs, target: Target, draft: DraftStack | None,
                   device=device, cache=make_prefix_cache(args, target.model, identity))
     pool.states = states
     backend = pick_backend(args, device, config, dtype)
-    drafter = None if draft is None else Drafter(
-        draft.model, pick_backend(args, device, draft.loaded.config, dtype),
-        pool.caches[num_attention:], args.page_size)
+    drafter: Drafter | MTPDrafter | None = None
+    if draft is not None:
+        drafter = Drafter(draft.model, pick_backend(args, device, draft.loaded.config, dtype),
+                          pool.caches[num_attention:], args.page_size)
+    elif target.mtp is not None:
+        drafter = MTPDrafter(target.mtp, pick_backend(args, device, config, dtype),
+                             pool.caches[num_attention], args.page_size)
     stages.done(f"attention kernel ready ({backend.name}; a C kernel is compiled on first use)")
     graphs = None
     if (args.cuda_graph and device.type == "cuda" and backend.can_capture_graphs

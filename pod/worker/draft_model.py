@@ -29,6 +29,7 @@ from kvpark.kernels.attention import AttentionBackend, StepLayout
 
 from ..model.config import ModelConfig
 from ..model.linear import BlockRows
+from ..sampling.sampler import DraftSeed, Sampled
 from .step_input import PlannedChunk
 
 if TYPE_CHECKING:  # the runner imports this file on a GPU machine without the tokenizer's deps
@@ -128,6 +129,11 @@ class Drafter:
         for n, i in enumerate(drafting):
             filled[i] = plan[i].with_draft(tuple(drafts[n]))
         return filled
+
+    def after_step(self, plan: list[PlannedChunk], hidden: torch.Tensor,
+                   emitted: dict[int, tuple[Sampled, ...]]) -> dict[int, DraftSeed]:
+        """Nothing: a draft model drafts from tokens alone, when the next step runs."""
+        return {}
 
     def run(self, rows: Rows, argmax_rows: list[int]) -> list[int]:
         """One pass over `rows`; the greedy next token at each of `argmax_rows`."""

@@ -12,6 +12,7 @@ from ..model.llama import LlamaModel
 from ..model.step_states import StateChunk, StepStates
 from ..sampling.sampler import (
     ChunkOutput,
+    DraftSeed,
     Sampled,
     SamplingParams,
     TokenLogprob,
@@ -24,6 +25,7 @@ from ..sampling.sampler import (
 from ..sampling.verification import verify
 from .cuda_graphs import DecodeGraphRunner
 from .draft_model import Drafter
+from .mtp_drafter import MTPDrafter
 from .step_input import PlannedChunk
 
 
@@ -36,22 +38,22 @@ class StateLost(RuntimeError):
     slots in place: rerunning the step would feed those tokens twice."""
 
 
-def get_chunk_output(emitted: tuple[Sampled, ...],
-                     prompt_logprobs: tuple[TokenLogprob, ...]) -> ChunkOutput:
+def get_chunk_output(emitted: tuple[Sampled, ...], prompt_logprobs: tuple[TokenLogprob, ...],
+                     seed: DraftSeed | None = None) -> ChunkOutput:
     """`emitted`: the chunk's sampled token, then its verified draft rows' tokens; empty when
     the chunk does not reach the end of what its sequence has fed."""
-    return ChunkOutput(emitted[0] if emitted else None, prompt_logprobs, emitted[1:])
+    return ChunkOutput(emitted[0] if emitted else None, prompt_logprobs, emitted[1:], seed)
 
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, pool: KVPool, backend: AttentionBackend,
                  graphs: DecodeGraphRunner | None = None, fault_token: int | None = None,
-                 drafter: Drafter | None = None) -> None:
+                 drafter: Drafter | MTPDrafter | None = None) -> None:
         self.model = model
         self.pool = pool
         self.backend = backend
         self.graphs = graphs  # CUDA graphs for decode-only steps
-        self.drafter = drafter  # a draft model (--model-draft): its K/V and drafts
+        self.drafter = drafter  # a draft model (--model-draft) or an MTP head: K/V and drafts
         # --inject-fault-token (tests of fault isolation): a step fails while a sequence whose
         # prompt holds this token id is in it
         self.fault_token = fault_token
@@ -85,8 +87,10 @@ class ModelRunner:
         hidden = self.forward(plan, rows)
         prompt_logprobs = self.prompt_logprobs(plan, hidden, rows)
         sampled = self.sample_ends(plan, hidden, from_blocks)
-        return [get_chunk_output(sampled.get(id(item), ()), prompt_logprobs.get(id(item), ()))
-                for item in plan]
+        # an MTP head: level with the target over the rows this step made valid, and its seeds
+        seeds = self.drafter.after_step(plan, hidden, sampled) if self.drafter else {}
+        return [get_chunk_output(sampled.get(id(item), ()), prompt_logprobs.get(id(item), ()),
+                                 seeds.get(id(item))) for item in plan]
 
     def get_block_mask(self, plan: list[PlannedChunk]) -> list[bool] | None:
         """Per fed row: does it read the GGUF's quantised blocks? Generated-token rows do, a

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from ..sampling.sampler import SamplingParams
+from ..sampling.sampler import DraftSeed, SamplingParams
 
 if TYPE_CHECKING:
     from ..sampling.constraint import TokenConstraint
@@ -52,6 +52,9 @@ class FedSequence(Protocol):
 
     @property
     def draft_lag(self) -> int: ...
+
+    @property
+    def mtp_seed(self) -> DraftSeed | None: ...
 
 
 class PlannedChunk(Protocol):
