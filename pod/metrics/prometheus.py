@@ -123,6 +123,7 @@ class SchedulerCollector(Collector):
                      "together (never past the budget)", self.host.peak_bytes)
         yield from _host_cache_families(tier)
         yield from _spec_decode_families(s.speculator.stats, self.model_name)
+        yield _spec_type_family(s.speculator.config.kind)
         yield _counter("n_preempt", "Parks, swap and recompute", stats.n_preempt)
         yield _counter("n_resume", "Resumes of parked sequences", stats.n_resume)
         yield _counter("n_preempt_swap", "Parks by copying pages to host RAM",
@@ -178,6 +179,14 @@ def _spec_decode_families(stats: SpecStats, model_name: str) -> Iterator[Counter
         family = CounterMetricFamily(f"vllm:spec_decode_{name}", doc, labels=["model_name"])
         family.add_metric([model_name], value)
         yield family
+
+
+def _spec_type_family(kind: str) -> GaugeMetricFamily:
+    """Which drafter the spec_decode_* counters count (one per server): its `--spec-type`."""
+    family = GaugeMetricFamily("kvpark:spec_decode_type", "The drafter: --spec-type (1 for the "
+                               "one this server runs)", labels=["spec_type"])
+    family.add_metric([kind], 1)
+    return family
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

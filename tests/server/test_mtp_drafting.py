@@ -69,6 +69,7 @@ def test_a_random_head_leaves_the_output_byte_identical(plain, park):
     got, m = answers("synthetic:tiny-hybrid-mtp", MTP + flags, env)
     assert_same(got, plain["random"])
     assert m["kvpark:spec_decode_num_draft_tokens_total"] > 0
+    assert m['kvpark:spec_decode_type{spec_type="draft-mtp"}'] == 1
     if park != "none":
         assert m[f"kvpark:n_preempt_{park}_total"] >= 10
 
