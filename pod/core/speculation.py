@@ -144,6 +144,13 @@ class Speculator:
         return self.drafts_when_not_paused(seq) and not self.is_paused(seq) \
             and (not self.config.uses_mtp or self.has_mtp_seed(seq))
 
+    def may_draft_next(self, seq: Sequence, drafted: int) -> bool:
+        """draft-mtp: whether the sequence may draft in the step after this one (which drafts
+        `drafted` tokens and so generates at least one token more): a paused sequence needs no
+        guess until its pause is about to end."""
+        return (self.config.uses_mtp and seq.params.is_plain and seq.constraint is None
+                and seq.num_generated + 1 + drafted >= seq.spec.paused_until)
+
     @staticmethod
     def has_mtp_seed(seq: Sequence) -> bool:
         """The MTP head's first guess is for the token after the last computed one: made at

@@ -22,6 +22,9 @@ class ScheduledSeq:
     # whether the draft model feeds this step's rows (and what it lags behind): not while the
     # sequence's drafting is paused (`Speculator.skips_draft_model`)
     feeds_draft_model: bool = True
+    # draft-mtp: the MTP head's end-of-step pass also makes the next step's first guess (its
+    # logits cost an LM head), for a sequence that may draft next step
+    wants_seed: bool = False
 
     @property
     def num_rows(self) -> int:
@@ -113,6 +116,8 @@ def add_drafts(plan: list[ScheduledSeq], speculator: Speculator, batch_size: int
             item = with_draft(item, speculator, room)
             free -= item.new_pages(page_size) - own
             budget -= item.num_rows - item.num_tokens
+        if item.samples and speculator.may_draft_next(seq, item.num_rows - item.num_tokens):
+            item = dataclasses.replace(item, wants_seed=True)
         drafted.append(item)
     return drafted
 

@@ -82,7 +82,8 @@ class MTPDrafter:
     def after_step(self, plan: list[PlannedChunk], hidden: torch.Tensor,
                    emitted: dict[int, tuple[Sampled, ...]]) -> dict[int, DraftSeed]:
         """Run the head over the rows this step made valid (`hidden`: the target's final
-        hidden state of every fed row); the seed of each sequence that sampled."""
+        hidden state of every fed row); the seed of each sequence that sampled and may draft
+        next (`wants_seed`)."""
         rows = HeadRows([], [], [], [], [], [])
         seeded: list[tuple[int, int, int]] = []  # (item key, row in the pass, position)
         at_row = 0
@@ -96,7 +97,7 @@ class MTPDrafter:
             count = min(len(nexts), item.num_rows)
             if count:
                 add(rows, nexts[:count], start, hidden[at_row:at_row + count], seq.page_table)
-                if sampled:
+                if sampled and item.wants_seed:
                     seeded.append((id(item), len(rows.ids) - 1, start + count - 1))
             at_row += item.num_rows
         if not rows.ids:

@@ -77,6 +77,9 @@ class PlannedChunk(Protocol):
     def feeds_draft_model(self) -> bool: ...
 
     @property
+    def wants_seed(self) -> bool: ...
+
+    @property
     def num_rows(self) -> int: ...
 
     @property
