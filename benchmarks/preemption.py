@@ -59,7 +59,8 @@ def mean_ms(metrics: dict[str, float], histogram: str) -> float | None:
 def results_run(model: str, ctx: int, budget: str, cache: str, args) -> dict:
     flag = "--prefix-cache" if cache == "on" else "--no-prefix-cache"
     with ServerProcess(["-np", "4", "-c", str(ctx), "--preempt-ram", budget, flag,
-                        "--threads", str(args.threads)], model=model) as server:
+                        "--threads", str(args.threads), *args.server_flags], model=model
+                       ) as server:
         prompts = [long_prompt(i, args.prompt_tokens) for i in range(4)]
         started = time.perf_counter()
         with cf.ThreadPoolExecutor(4) as pool:
@@ -85,6 +86,9 @@ def results_run(model: str, ctx: int, budget: str, cache: str, args) -> dict:
         "peak_host_bytes": int(m.get("kvpark:host_ram_peak_bytes", 0)),
         "swap_park_ms": mean_ms(m, "kvpark:preempt_park_seconds"),
         "swap_resume_ms": mean_ms(m, "kvpark:preempt_resume_seconds"),
+        # speculative decoding (--server-flags "--spec-type ..."): drafts verified, accepted
+        "draft_tokens": int(m.get("kvpark:spec_decode_num_draft_tokens_total", 0)),
+        "accepted_tokens": int(m.get("kvpark:spec_decode_num_accepted_tokens_total", 0)),
     }
     shown = {k: v for k, v in run.items() if k not in ("ttft", "itl")}  # samples: JSON only
     print(f"  -c {ctx} --preempt-ram {budget} cache {cache}: {shown}", flush=True)
@@ -94,12 +98,12 @@ def results_run(model: str, ctx: int, budget: str, cache: str, args) -> dict:
 def exactness(model: str, args) -> list[dict]:
     prompts = [long_prompt(0, 200), long_prompt(3, 400)]
     rows = []
-    with ServerProcess(["-np", "1", "-c", "4096", "--threads", str(args.threads)],
-                       model=model) as plain:
+    with ServerProcess(["-np", "1", "-c", "4096", "--threads", str(args.threads),
+                        *args.server_flags], model=model) as plain:
         reference = [stream_chat(plain.url, p, args.exact_tokens).text for p in prompts]
     for budget in ("8192", "0"):
         with ServerProcess(["-np", "1", "-c", "4096", "--preempt-ram", budget,
-                            "--threads", str(args.threads)], model=model,
+                            "--threads", str(args.threads), *args.server_flags], model=model,
                            env={"KVPARK_PREEMPT_EVERY": str(args.every)}) as server:
             got = [stream_chat(server.url, p, args.exact_tokens).text for p in prompts]
             parks = int(server.metric("kvpark:n_preempt_total"))
@@ -222,6 +226,9 @@ def main() -> None:
     p.add_argument("--fair-tokens", type=int, default=1500)
     p.add_argument("--fair-runs", type=int, default=3)
     p.add_argument("--out", default="benchmarks/results/preemption.json")
+    p.add_argument("--server-flags", default="", type=str.split,
+                   help='more kvpark flags for the tables\' servers, e.g. "--spec-type draft-mtp '
+                   '--spec-draft-n-max 2" (the design\'s configuration)')
     args = p.parse_args()
     report: dict = {"args": vars(args)}
 

@@ -20,6 +20,7 @@ from kvpark.kernels.worker_pool import MAX_THREADS as MAX_KERNEL_THREADS
 ALIASES = {
     "preempt_ram": ("LLAMA_ARG_PREEMPT_RAM",),
     "cache_ram": ("LLAMA_ARG_CACHE_RAM",),
+    "ctx_checkpoints": ("LLAMA_ARG_CTX_CHECKPOINTS",),
     "preempt": ("LLAMA_ARG_PREEMPT",),
     "preempt_every": ("LLAMA_SERVER_PREEMPT_EVERY",),
     "spec_type": ("LLAMA_ARG_SPEC_TYPE",),
@@ -50,6 +51,7 @@ class ServerArgs:
     prefix_cache: bool = True  # keep full KV pages across requests, shared by hash
     host_cache: bool = True  # evicted prefix-cache pages to host RAM, inside --preempt-ram
     cache_ram: int = -1  # MiB the host cache may hold at most; -1: what parks leave, 0: off
+    ctx_checkpoints: int = 2  # a hybrid's state checkpoints per slot in the pool's memory
     sse_keepalive: float = 2.0  # seconds between ": keepalive" comments: parked or queued
     api_key: str | None = None
     admin_key: str | None = None  # POST /slots actions; they are off without this or api_key
@@ -373,6 +375,11 @@ def add_preemption_flags(g: argparse._ArgumentGroup) -> None:
     _add(g, "--host-cache", dest="host_cache", action=argparse.BooleanOptionalAction,
          text="keep pages the prefix cache evicts in host RAM (inside --preempt-ram, parks "
          "first) and copy them back instead of computing them again")
+    _add(g, "--ctx-checkpoints", "-ctxcp", "--swa-checkpoints", dest="ctx_checkpoints",
+         type=_non_negative, metavar="N",
+         text="a hybrid model's (Qwen3.5) state checkpoints kept in the pool's memory per slot, "
+         "beside its state slots; more move to host RAM inside --preempt-ram (a cached prefix "
+         "is usable up to one)")
     _add(g, "--cache-ram", dest="cache_ram", type=_cache_ram, metavar="MIB",
          text="host RAM the host cache may hold at most, in MiB, inside --preempt-ram: -1 = "
          "what parked sequences leave, 0 = off (as llama-server's --cache-ram)")

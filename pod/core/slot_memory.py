@@ -70,7 +70,8 @@ class SlotMemory:
         num_tokens = len(pages) * self.pool.page_size
         state = None if checkpoints is None else checkpoints.get(record.hashes[len(pages) - 1])
         return SlotState(record.tokens[:num_tokens], min(record.num_prompt, num_tokens),
-                         self.pool.read_pages(pages), None if state is None else state.clone())
+                         self.pool.read_pages(pages),
+                         None if state is None else state.to("cpu", copy=True))
 
     def restore(self, slot_id: int, state: SlotState) -> str | None:
         """Put the state's pages into the prefix cache (and a hybrid's state checkpoint beside

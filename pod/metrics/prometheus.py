@@ -93,16 +93,25 @@ class SchedulerCollector(Collector):
                      "gave its up)", len(s.running) if s.pool.states is not None else 0)
         checkpoints = s.pool.checkpoints
         yield _gauge("state_checkpoints", "State checkpoints kept (a hybrid model's cached "
-                     "prefixes are usable up to one)", len(checkpoints) if checkpoints else 0)
+                     "prefixes are usable up to one)",
+                     len(checkpoints) if checkpoints is not None else 0)
         yield _gauge("state_checkpoint_bytes", "Host bytes the state checkpoints hold (inside "
-                     "--preempt-ram)", checkpoints.bytes if checkpoints else 0)
-        taken = checkpoints.stats if checkpoints else None
+                     "--preempt-ram)", checkpoints.bytes if checkpoints is not None else 0)
+        yield _gauge("state_checkpoints_in_pool", "State checkpoints in the pool's memory "
+                     "(--ctx-checkpoints per slot)",
+                     checkpoints.num_in_pool if checkpoints is not None else 0)
+        yield _gauge("state_checkpoint_pool_bytes", "Pool memory set aside for state "
+                     "checkpoints", checkpoints.pool_bytes if checkpoints is not None else 0)
+        taken = checkpoints.stats if checkpoints is not None else None
         yield _counter("state_checkpoint_hits", "Admissions and resumes that started from a "
                        "state checkpoint", taken.hits if taken else 0)
         yield _counter("state_checkpoint_tokens", "Tokens those did not compute (K/V from the "
                        "prefix cache, state from the checkpoint)", taken.tokens if taken else 0)
         yield _counter("state_checkpoint_evictions", "State checkpoints dropped for room",
                        taken.evictions if taken else 0)
+        yield _counter("state_checkpoint_moves_to_host", "State checkpoints moved out of the "
+                       "pool's memory to host RAM for a newer one",
+                       taken.moved_to_host if taken else 0)
         yield _gauge("kv_cache_pages_cached", "Pages nobody holds, kept for the prefix cache "
                      "(evictable: counted free)", s.pool.num_cached_pages)
         cache = s.pool.cache.stats if s.pool.cache is not None else None

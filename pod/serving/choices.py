@@ -132,6 +132,9 @@ def make_mtp_head(args: ServerArgs, loaded: LoadedModel, model: LlamaModel | Hyb
     its weights); a ValueError (one log line, exit code 2) where the model has none."""
     if args.spec_type != "draft-mtp":
         return None, ""
+    if args.spec_draft_n_max == 0:
+        log.info("--spec-type draft-mtp: the MTP head is not used, --spec-draft-n-max is 0")
+        return None, ""
     if not isinstance(model, HybridModel) or not has_mtp_weights(loaded.config, loaded.weights):
         raise ValueError(f"--spec-type draft-mtp: {loaded.name} has no multi-token-prediction "
                          "head (Qwen3.5 checkpoints with mtp.* weights, or qwen35 GGUF files "

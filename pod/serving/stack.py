@@ -283,8 +283,10 @@ def build_memory(args: ServerArgs, target: Target, draft: DraftStack | None,
                            num_layers, args.page_size,
                            draft.weights_key if draft else target.mtp_key)
     states = make_state_pool(args, config, dtype, device)
+    state_bytes = states.total_bytes + checkpoint_pool_slots(args) * states.slot_bytes \
+        if states else 0
     pool = KVPool(num_layers, pick_num_pages(args, config, num_layers, dtype, device,
-                                             states.total_bytes if states else 0),
+                                             state_bytes),
                   args.page_size, config.num_kv_heads, config.head_dim, dtype=dtype,
                   device=device, cache=make_prefix_cache(args, target.model, identity))
     pool.states = states
@@ -306,6 +308,11 @@ def build_memory(args: ServerArgs, target: Target, draft: DraftStack | None,
     return Memory(identity, pool, backend, drafter, graphs)
 
 
+def checkpoint_pool_slots(args: ServerArgs) -> int:
+    """A hybrid's state checkpoints the pool's memory holds (none without a prefix cache)."""
+    return args.ctx_checkpoints * args.parallel if args.prefix_cache else 0
+
+
 def make_state_pool(args: ServerArgs, config: ModelConfig, dtype: torch.dtype,
                     device: torch.device) -> StatePool | None:
     """A hybrid model's state slots: one per --parallel slot, beside the pages."""
@@ -318,6 +325,10 @@ def make_state_pool(args: ServerArgs, config: ModelConfig, dtype: torch.dtype,
              states.num_slots, states.slot_bytes / MIB, len(config.delta_net_layers),
              ", each with a snapshot at its latest page boundary (prefix cache: checkpoints)"
              if args.prefix_cache else "")
+    if checkpoint_pool_slots(args):
+        log.info("state checkpoints: %d in the pool's memory (%.2f MiB, --ctx-checkpoints %d "
+                 "per slot), more in host RAM inside --preempt-ram", checkpoint_pool_slots(args),
+                 checkpoint_pool_slots(args) * states.slot_bytes / MIB, args.ctx_checkpoints)
     if draft_rows:
         log.info("state slots keep the state after each of up to %d draft rows (%.2f MiB): a "
                  "rejected draft's rows are taken back", draft_rows,
@@ -336,7 +347,8 @@ def build_engine(args: ServerArgs, target: Target, memory: Memory, budget: Budge
     copy = make_copy_engine(pool, args.preempt_async)
     pool.tier = make_host_tier(args, pool, host, copy)
     if pool.states is not None and pool.cache is not None:
-        pool.checkpoints = CheckpointStore(host, pool.states.slot_bytes)
+        pool.checkpoints = CheckpointStore(host, pool.states.slot_bytes,
+                                           checkpoint_pool_slots(args), pool.device)
     swapper = Swapper(pool, host, copy)
     scheduler = Scheduler(config, pool, swapper, loaded.tokenizer.eos_token_ids)
     lock = threading.RLock()  # the engine's: the metrics collector reads state under it

@@ -177,9 +177,26 @@ def test_a_returning_conversation_resumes_from_a_state_checkpoint(history):
     assert got_two["timings"]["cache_n"] == turn_one // 16 * 16
     assert m["kvpark:state_checkpoint_hits_total"] == 1
     assert m["kvpark:state_checkpoint_tokens_total"] == turn_one // 16 * 16
-    assert m["kvpark:state_checkpoints"] >= 1
-    assert m["kvpark:state_checkpoint_bytes"] == m["kvpark:state_checkpoints"] * 6 * (
-        128 * 3 + 4 * 16 * 16) * 4
+    # in the pool's memory (--ctx-checkpoints 2 per slot: 4), none in host RAM yet
+    slot_bytes = 6 * (128 * 3 + 4 * 16 * 16) * 4
+    assert 1 <= m["kvpark:state_checkpoints"] == m["kvpark:state_checkpoints_in_pool"] <= 4
+    assert m["kvpark:state_checkpoint_pool_bytes"] == 4 * slot_bytes
+    assert m["kvpark:state_checkpoint_bytes"] == 0
+
+
+@pytest.mark.parametrize("per_slot,hits", [("2", 1), ("0", 0)])
+def test_without_a_host_budget_the_pools_checkpoints_keep_the_prefix_usable(
+        history, per_slot, hits):
+    """--preempt-ram 0 leaves no host RAM for checkpoints: those in the pool's memory
+    (--ctx-checkpoints) still let turn 2 start from turn 1's last page boundary; with none,
+    it computes everything again. The bytes are the same either way."""
+    first, more, (one, two), _ = history
+    with hybrid(["-c", "4096", "--preempt-ram", "0", "--ctx-checkpoints", per_slot]) as server:
+        got_one, got_two = conversation(server, first, more)
+        m = server.metrics()
+    assert got_one["tokens"] == one["tokens"] and got_two["tokens"] == two["tokens"]
+    assert m["kvpark:state_checkpoint_hits_total"] == hits
+    assert (got_two["timings"]["cache_n"] > 0) == bool(hits)
 
 
 def test_a_conversation_that_shares_only_the_prompt_resumes_from_its_last_page(history):

@@ -75,3 +75,27 @@ def test_a_restored_checkpoint_is_also_the_slot_s_snapshot():
     assert torch.equal(out, saved)
     pool.states.read_snapshot_into(1, out)
     assert torch.equal(out, saved)
+
+
+def test_the_pool_holds_the_newest_and_moves_the_oldest_to_host_ram():
+    host = HostStore(budget_bytes=SLOT)
+    store = CheckpointStore(host, SLOT, pool_slots=2)
+    for value, key in enumerate((b"a", b"b", b"c", b"d")):
+        assert store.put(key, state(value))
+    # the pool keeps c and d; a went to host RAM for c, then made room there for b
+    assert store.num_in_pool == 2 and len(store) == 3
+    assert (store.has(b"a"), store.has(b"b")) == (False, True)
+    assert store.stats.moved_to_host == 2 and store.stats.evictions == 1
+    assert host.held_bytes == store.bytes == SLOT
+    assert [int(store.get(k)[0]) for k in (b"b", b"c", b"d")] == [1, 2, 3]
+
+
+def test_without_a_budget_the_pools_checkpoints_still_serve():
+    store = CheckpointStore(HostStore(budget_bytes=0), SLOT, pool_slots=1)
+    assert store.put(b"a", state(1)) and store.put(b"b", state(2))
+    assert (store.has(b"a"), store.has(b"b")) == (False, True) and store.bytes == 0
+    assert store.stats.evictions == 1
+    store.reclaim(10 * SLOT)  # a park takes host bytes only
+    assert store.has(b"b") and torch.equal(store.get(b"b"), state(2))
+    store.drop(b"b")
+    assert len(store) == 0 and store.put(b"c", state(3)) and store.num_in_pool == 1
