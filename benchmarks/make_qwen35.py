@@ -66,6 +66,8 @@ def main() -> None:
     p.add_argument("--f32", action="store_true", help="float32 matrices (default float16)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mtp", action="store_true", help="with an MTP head (nextn blocks)")
+    p.add_argument("--q8_0", action="store_true",
+                   help="matrices as Q8_0 blocks (default float16), as llama-quantize writes")
     args = p.parse_args()
     causal_lm, text_config = import_qwen35()
     started = time.perf_counter()
@@ -81,7 +83,7 @@ def main() -> None:
         state |= mtp_weights(model.config, gen)
     count = sum(t.numel() for name, t in state.items()
                 if not (name == "lm_head.weight" and model.config.tie_word_embeddings))
-    write_qwen35_gguf(state, model.config, Path(args.out), half=not args.f32)
+    write_qwen35_gguf(state, model.config, Path(args.out), half=not args.f32, q8_0=args.q8_0)
     print(f"{args.out}: {count / 1e6:.0f}M parameters, {time.perf_counter() - started:.0f} s")
 
 

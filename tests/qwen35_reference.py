@@ -131,13 +131,14 @@ NEXTN_NAMES = {"eh_proj.weight": "nextn.eh_proj.weight", "enorm.weight": "nextn.
                "shared_head.norm.weight": "nextn.shared_head_norm.weight"}
 
 
-def write_qwen35_gguf(state: dict[str, torch.Tensor], c, path: Path, half: bool = False
-                      ) -> Path:
+def write_qwen35_gguf(state: dict[str, torch.Tensor], c, path: Path, half: bool = False,
+                      q8_0: bool = False) -> Path:
     """Hugging Face tensors as llama.cpp's converter writes a Qwen3.5 (`qwen35`): norms stored
     as their (1 + w) scale, ssm_a = -exp(A_log), dt_bias as ssm_dt.bias, conv1d squeezed, and
     the value heads of every DeltaNet tensor in its tiled order (`conversion/qwen.py`,
     `_LinearAttentionVReorderBase`); an MTP head (`mtp.*`) as blocks after the decoder's with
-    `nextn_predict_layers`; SmolLM2's tokenizer metadata. `c`: the config's fields."""
+    `nextn_predict_layers`; SmolLM2's tokenizer metadata. `c`: the config's fields. `half`:
+    matrices as float16; `q8_0`: as Q8_0 blocks (llama.cpp's `quantize_row_q8_0`, gguf-py)."""
     import gguf
 
     from kvpark.pod.model.gguf_file import read_gguf
@@ -188,11 +189,15 @@ def write_qwen35_gguf(state: dict[str, torch.Tensor], c, path: Path, half: bool 
             name = f"model.layers.{c.num_hidden_layers + int(index)}.{rest}"
         name, w = as_converted(name, w.detach().float(), c)
         # the converter keeps vectors and the conv kernel in float32 (ggml's ssm_conv needs it)
-        half_ok = half and w.ndim == 2 and ".conv1d." not in name
-        array = w.numpy().astype("float16" if half_ok else "float32")
+        matrix = w.ndim == 2 and ".conv1d." not in name
+        array = w.numpy().astype("float16" if half and matrix else "float32")
+        raw_dtype = None
+        if q8_0 and matrix and w.shape[1] % 32 == 0:
+            raw_dtype = gguf.GGMLQuantizationType.Q8_0
+            array = gguf.quants.quantize(w.numpy(), raw_dtype)
         gguf_name = (f"blk.{c.num_hidden_layers}.{NEXTN_NAMES[name]}" if name in NEXTN_NAMES
                      else names.get_name(name, try_suffixes=(".weight", ".bias")))
-        writer.add_tensor(gguf_name, array)
+        writer.add_tensor(gguf_name, array, raw_dtype=raw_dtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -16,18 +16,23 @@ import torch
 
 from kvpark.kernels.quant_linear import BLOCK, QuantizedWeight
 
-from .config import ModelConfig
+from .config import LINEAR_ATTENTION, ModelConfig
 
 LAYER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+# a hybrid's Gated DeltaNet layer (the conv and the delta rule are not linears)
+DELTA_NET_LINEARS = ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.in_proj_b",
+                     "linear_attn.in_proj_a", "linear_attn.out_proj", "mlp.gate_proj",
+                     "mlp.up_proj", "mlp.down_proj")
 
 
 def decode_linear_names(config: ModelConfig, weights: dict[str, torch.Tensor]) -> list[str]:
     """Every weight a decode row multiplies by: each layer's projections and the output head
     (the embedding where the head is tied to it)."""
     head = "lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"
-    return [f"model.layers.{i}.{linear}.weight" for i in range(config.num_layers)
-            for linear in LAYER_LINEARS] + [head]
+    return [f"model.layers.{i}.{linear}.weight" for i, kind in enumerate(config.kinds)
+            for linear in (DELTA_NET_LINEARS if kind == LINEAR_ATTENTION else LAYER_LINEARS)
+            ] + [head]
 
 
 def q8_0_blocks(weight: torch.Tensor) -> QuantizedWeight:

@@ -7,8 +7,9 @@ turns only the first `rotary_dim` dims of a head; q/k norms. A DeltaNet layer pr
 (through a causal depthwise conv), z (the output gate), b (beta) and a (the decay step), runs the
 gated delta rule (`kernels/delta_rule.py`) and a gated RMSNorm, then projects out.
 
-Linears are the llama model's `Linear` (padded to `MIN_INVARIANT_ROWS` for batch invariance);
-the recurrences go one sequence and one token at a time, so no row depends on its neighbours.
+Linears are the llama model's `Linear` (padded to `MIN_INVARIANT_ROWS` for batch invariance;
+generated-token rows read Q8_0 blocks where the model has them, as the llama model's do); the
+recurrences go one sequence and one token at a time, so no row depends on its neighbours.
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ from torch import nn
 
 from kvpark.kernels import delta_rule
 from kvpark.kernels.attention import AttentionBackend
+from kvpark.kernels.quant_linear import QuantizedWeight
 
 from .config import FULL_ATTENTION, DeltaNetConfig, ModelConfig
 from .decoder_base import DecoderBase
-from .layers import apply_rope, rms_norm, rope_cos_sin
+from .layers import apply_rope, fused_blocks, rms_norm, rope_cos_sin
 from .linear import BlockRows, Linear, WeightFormat, linear, pad_rows
 from .step_states import StepStates
 
@@ -50,47 +52,62 @@ def offset_norm(weights: dict[str, torch.Tensor], name: str, offset: float) -> t
     return weights[name] + offset if offset else weights[name]
 
 
+Blocks = dict[str, QuantizedWeight] | None  # a linear's quantised blocks by weight name
+
+
+def make_linear(weights: dict[str, torch.Tensor], names: list[str], fmt: WeightFormat,
+                quantized: Blocks) -> Linear:
+    """One linear over these weights stacked (and their blocks, where each has them)."""
+    return Linear(torch.cat([weights[n] for n in names]) if len(names) > 1 else weights[names[0]],
+                  None, fmt, fused_blocks(quantized, names))
+
+
 class MLPBlock(nn.Module):
     """The gated MLP and the residual around it, shared by both layer kinds."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], prefix: str,
-                 fmt: WeightFormat) -> None:
+                 fmt: WeightFormat, quantized: Blocks = None) -> None:
         super().__init__()
         mlp = f"{prefix}.mlp"
-        self.gate_up = Linear(torch.cat([weights[f"{mlp}.gate_proj.weight"],
-                                         weights[f"{mlp}.up_proj.weight"]]), None, fmt)
-        self.down = Linear(weights[f"{mlp}.down_proj.weight"], None, fmt)
+        self.gate_up = make_linear(weights, [f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"],
+                                   fmt, quantized)
+        self.down = make_linear(weights, [f"{mlp}.down_proj.weight"], fmt, quantized)
         self.post_norm = offset_norm(weights, f"{prefix}.post_attention_layernorm.weight",
                                      config.norm_offset)
         self.eps = config.rms_norm_eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(rms_norm(x, self.post_norm, self.eps), self.gate_up).chunk(2, dim=-1)
-        return x + linear(F.silu(gate) * up, self.down)
+    def forward(self, x: torch.Tensor, rows: BlockRows | None = None) -> torch.Tensor:
+        gate, up = linear(rms_norm(x, self.post_norm, self.eps), self.gate_up, rows
+                          ).chunk(2, dim=-1)
+        return x + linear(F.silu(gate) * up, self.down, rows)
 
 
 class GatedAttentionLayer(nn.Module):
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], prefix: str,
-                 fmt: WeightFormat) -> None:
+                 fmt: WeightFormat, quantized: Blocks = None) -> None:
         super().__init__()
         self.config = config
         attn = f"{prefix}.self_attn"
-        self.qkv = Linear(torch.cat([weights[f"{attn}.{p}_proj.weight"] for p in "qkv"]), None,
-                          fmt)
-        self.o = Linear(weights[f"{attn}.o_proj.weight"], None, fmt)
+        self.qkv = make_linear(weights, [f"{attn}.{p}_proj.weight" for p in "qkv"], fmt,
+                               quantized)
+        self.o = make_linear(weights, [f"{attn}.o_proj.weight"], fmt, quantized)
         self.input_norm = offset_norm(weights, f"{prefix}.input_layernorm.weight",
                                       config.norm_offset)
         self.q_norm = offset_norm(weights, f"{attn}.q_norm.weight", config.norm_offset)
         self.k_norm = offset_norm(weights, f"{attn}.k_norm.weight", config.norm_offset)
-        self.mlp = MLPBlock(config, weights, prefix, fmt)
+        self.mlp = MLPBlock(config, weights, prefix, fmt, quantized)
         self.gate_up, self.down = self.mlp.gate_up, self.mlp.down
 
+    @property
+    def linears(self) -> tuple[Linear, ...]:
+        return self.qkv, self.o, self.gate_up, self.down
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                backend: AttentionBackend, kv_cache: torch.Tensor, num_tokens: int
-                ) -> torch.Tensor:
+                backend: AttentionBackend, kv_cache: torch.Tensor, num_tokens: int,
+                rows: BlockRows | None = None) -> torch.Tensor:
         c = self.config
         num_rows, dim, heads = x.shape[0], c.head_dim, c.num_heads
-        qkv = linear(rms_norm(x, self.input_norm, c.rms_norm_eps), self.qkv)
+        qkv = linear(rms_norm(x, self.input_norm, c.rms_norm_eps), self.qkv, rows)
         q_gate = qkv[:, :2 * heads * dim].view(num_rows, heads, 2 * dim)
         q, gate = q_gate[..., :dim], q_gate[..., dim:].reshape(num_rows, heads * dim)
         k_end = 2 * heads * dim + c.num_kv_heads * dim
@@ -102,7 +119,7 @@ class GatedAttentionLayer(nn.Module):
         backend.append_kv(kv_cache, k, v)
         attn = backend.attend(q, kv_cache).reshape(num_tokens, heads * dim)
         attn = pad_rows(attn, num_rows) * torch.sigmoid(gate)
-        return self.mlp(x + linear(attn, self.o))
+        return self.mlp(x + linear(attn, self.o, rows), rows)
 
     def partial_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                      ) -> torch.Tensor:
@@ -116,32 +133,37 @@ class GatedAttentionLayer(nn.Module):
 
 class DeltaNetLayer(nn.Module):
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], prefix: str,
-                 fmt: WeightFormat, rule: DeltaRule = delta_rule.gated_delta_rule) -> None:
+                 fmt: WeightFormat, rule: DeltaRule = delta_rule.gated_delta_rule,
+                 quantized: Blocks = None) -> None:
         super().__init__()
         self.config = config
         self.rule = rule
         self.shape: DeltaNetConfig = config.delta_net
         mixer = f"{prefix}.linear_attn"
         # q, k, v (the conv's channels), z, b, a: one GEMM
-        self.qkv = Linear(torch.cat([weights[f"{mixer}.in_proj_{p}.weight"]
-                                     for p in ("qkv", "z", "b", "a")]), None, fmt)
-        self.o = Linear(weights[f"{mixer}.out_proj.weight"], None, fmt)
+        self.qkv = make_linear(weights, [f"{mixer}.in_proj_{p}.weight"
+                                         for p in ("qkv", "z", "b", "a")], fmt, quantized)
+        self.o = make_linear(weights, [f"{mixer}.out_proj.weight"], fmt, quantized)
         self.conv_weight = weights[f"{mixer}.conv1d.weight"].reshape(self.shape.conv_dim, -1)
         self.neg_a = -weights[f"{mixer}.A_log"].float().exp()  # the decay rate, per value head
         self.dt_bias = weights[f"{mixer}.dt_bias"].float()
         self.out_norm = weights[f"{mixer}.norm.weight"].float()  # a plain scale (no offset)
         self.input_norm = offset_norm(weights, f"{prefix}.input_layernorm.weight",
                                       config.norm_offset)
-        self.mlp = MLPBlock(config, weights, prefix, fmt)
+        self.mlp = MLPBlock(config, weights, prefix, fmt, quantized)
         self.gate_up, self.down = self.mlp.gate_up, self.mlp.down
 
+    @property
+    def linears(self) -> tuple[Linear, ...]:
+        return self.qkv, self.o, self.gate_up, self.down
+
     def forward(self, x: torch.Tensor, conv_states: torch.Tensor, states: torch.Tensor,
-                step: StepStates, kept: tuple[torch.Tensor, torch.Tensor] | None = None
-                ) -> torch.Tensor:
+                step: StepStates, kept: tuple[torch.Tensor, torch.Tensor] | None = None,
+                rows: BlockRows | None = None) -> torch.Tensor:
         """`kept`: this layer's [slots, draft rows, *state] conv and recurrent buffers, where a
         speculative chunk keeps the state after each of its rows but the last."""
         s, eps = self.shape, self.config.rms_norm_eps
-        projected = linear(rms_norm(x, self.input_norm, eps), self.qkv)
+        projected = linear(rms_norm(x, self.input_norm, eps), self.qkv, rows)
         mixed, z, b, a = projected.split(
             (s.conv_dim, s.value_dim, s.num_v_heads, s.num_v_heads), dim=-1)
         core = torch.zeros(x.shape[0], s.num_v_heads, s.v_head_dim, dtype=torch.float32,
@@ -156,14 +178,14 @@ class DeltaNetLayer(nn.Module):
             per_row = chunk.keep_rows and chunk.num_rows > 1
             for start, num_rows in (((r, 1) for r in range(chunk.num_rows)) if per_row
                                     else ((0, chunk.num_rows),)):
-                rows = slice(chunk.start_row + start, chunk.start_row + start + num_rows)
-                core[rows] = self.mix(mixed[rows], a[rows], b[rows], conv_state, state)
+                span = slice(chunk.start_row + start, chunk.start_row + start + num_rows)
+                core[span] = self.mix(mixed[span], a[span], b[span], conv_state, state)
                 if per_row and start < chunk.num_rows - 1:
                     kept[0][chunk.slot, start].copy_(conv_state)
                     kept[1][chunk.slot, start].copy_(state)
         gated = rms_norm(core.view(-1, s.v_head_dim), self.out_norm, eps)
         gated = gated.view(x.shape[0], -1) * F.silu(z.float())
-        return self.mlp(x + linear(gated.to(x.dtype), self.o))
+        return self.mlp(x + linear(gated.to(x.dtype), self.o, rows), rows)
 
     def mix(self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
             conv_state: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
@@ -185,14 +207,14 @@ class DeltaNetLayer(nn.Module):
 class HybridModel(DecoderBase):
     """The model interface of `LlamaModel` (forward, logits) plus the step's state slots."""
 
-    has_blocks = False  # GGUF blocks for decode rows: llama-family only for now
     stack = None
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
                  batch_invariant: bool = True,
                  weight_format: WeightFormat = WeightFormat.FP32,
-                 rule: DeltaRule | None = None) -> None:
-        """`rule`: the delta rule's implementation (default: `pick_delta_rule`)."""
+                 rule: DeltaRule | None = None, quantized: Blocks = None) -> None:
+        """`rule`: the delta rule's implementation (default: `pick_delta_rule`); `quantized`:
+        blocks by weight name (Q8_0 made at load): generated-token rows then read them."""
         super().__init__()
         self.config = config
         self.batch_invariant = batch_invariant
@@ -200,18 +222,25 @@ class HybridModel(DecoderBase):
         self.embed = weights["model.embed_tokens.weight"]
         self.final_norm = offset_norm(weights, "model.norm.weight", config.norm_offset)
         head_name = "lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"
-        self.head = Linear(weights[head_name], None, weight_format)
+        self.head = make_linear(weights, [head_name], weight_format, quantized)
         self.lm_head = self.head.weight
         self.rule = rule or pick_delta_rule(self.embed.device)
         self.layers = [
-            GatedAttentionLayer(config, weights, f"model.layers.{i}", weight_format)
+            GatedAttentionLayer(config, weights, f"model.layers.{i}", weight_format, quantized)
             if kind == FULL_ATTENTION else
-            DeltaNetLayer(config, weights, f"model.layers.{i}", weight_format, self.rule)
+            DeltaNetLayer(config, weights, f"model.layers.{i}", weight_format, self.rule,
+                          quantized)
             for i, kind in enumerate(config.kinds)
         ]
+        # generated-token rows read quantised blocks where the runner says so (`BlockRows`)
+        self.has_blocks = self.head.blocks is not None or any(
+            lin.blocks is not None for layer in self.layers for lin in layer.linears)
 
     def drop_blocks(self) -> None:
-        """Nothing to drop: every row is dense."""
+        """Every row dense from now on (`--weights auto` measured float32 faster here)."""
+        for lin in (self.head, *(lin for layer in self.layers for lin in layer.linears)):
+            lin.blocks = None
+        self.has_blocks = False
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -222,15 +251,19 @@ class HybridModel(DecoderBase):
         `states` says where each chunk's recurrent state lives."""
         assert states is not None, "a hybrid model's step needs its state slots"
         num_tokens = input_ids.shape[0]
-        x = pad_rows(self.embed[input_ids], self.min_rows)
-        cos, sin = rope_cos_sin(pad_rows(positions[:, None], self.min_rows)[:, 0],
+        if not self.has_blocks:
+            rows = None
+        # pad once here for the dense GEMMs; with `rows`, `Linear` pads only the dense rows
+        min_rows = 1 if rows is not None else self.min_rows
+        x = pad_rows(self.embed[input_ids], min_rows)
+        cos, sin = rope_cos_sin(pad_rows(positions[:, None], min_rows)[:, 0],
                                 self.config.rotary_dim, self.config.rope_theta, x.dtype)
         caches, slots = iter(kv_caches), iter(zip(states.conv, states.recurrent))
         kept = iter(zip(states.row_conv, states.row_recurrent))
         for layer in self.layers:
             if isinstance(layer, GatedAttentionLayer):
-                x = layer(x, cos, sin, backend, next(caches), num_tokens)
+                x = layer(x, cos, sin, backend, next(caches), num_tokens, rows)
             else:
                 conv, recurrent = next(slots)
-                x = layer(x, conv, recurrent, states, next(kept, None))
+                x = layer(x, conv, recurrent, states, next(kept, None), rows)
         return rms_norm(x[:num_tokens], self.final_norm, self.config.rms_norm_eps)

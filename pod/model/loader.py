@@ -136,7 +136,7 @@ def load_gguf(
     quantized: dict[str, QuantizedWeight] = {}
     for hf_name, tensor, blocks in _gguf_tensors(reader, config):
         if hf_name is None:
-            continue  # not served (a qwen35 MTP head)
+            continue  # not used (an MTP block's own copy of the embedding or head)
         weights[hf_name] = tensor.to(device=device, dtype=dtype)
         if blocks is not None:
             quantized[hf_name] = blocks
@@ -212,7 +212,7 @@ def _gguf_tensors(reader: GGUFFile, config: ModelConfig):
         blocks = None
         if tensor.tensor_type.name in QUANT_KINDS and len(shape) == 2:
             blocks = QuantizedWeight.from_gguf(tensor.tensor_type.name, tensor.data, shape[0])
-        if hybrid:
+        if hybrid:  # value heads reordered across the input too: Q8_0 is made at load instead
             yield hf_name, gguf_qwen35.to_hf(hf_name, weight, config), None
             continue
         if config.architecture == "llama":

@@ -58,12 +58,11 @@ def pick_weight_format(args: ServerArgs, device: torch.device, dtype: torch.dtyp
 def pick_blocks(args: ServerArgs, loaded: LoadedModel, device: torch.device,
                 dtype: torch.dtype) -> dict[str, QuantizedWeight] | None:
     """Blocks for decode rows on a float32 CPU model (`--weights auto|gguf`): a GGUF's own
-    Q4_1 / Q8_0 matrices, and Q8_0 made at load for each linear stored without them."""
+    Q4_1 / Q8_0 matrices, and Q8_0 made at load for each linear stored without them (every
+    linear of a hybrid: its loader keeps no blocks)."""
     if args.weights not in ("auto", "gguf"):
         return None
     reason = None
-    if loaded.config.is_hybrid:
-        reason = "decode from blocks is for llama-family models (a hybrid runs dense linears)"
     if device.type != "cpu" or dtype != torch.float32:
         reason = "decode from blocks is a float32 CPU path"
     elif not quant_linear.is_available():
@@ -170,7 +169,8 @@ def make_model(args: ServerArgs, loaded: LoadedModel, device: torch.device, dtyp
     if loaded.config.is_hybrid:
         return HybridModel(loaded.config, loaded.weights,
                            batch_invariant=args.batch_invariant and device.type == "cpu",
-                           weight_format=pick_weight_format(args, device, dtype))
+                           weight_format=pick_weight_format(args, device, dtype),
+                           quantized=blocks)
     return LlamaModel(loaded.config, loaded.weights,
                       batch_invariant=args.batch_invariant and device.type == "cpu",
                       weight_format=pick_weight_format(args, device, dtype), quantized=blocks)

@@ -57,6 +57,21 @@ def test_forced_recomputes_replay_to_the_same_bytes(unforced):
 
 
 @pytest.mark.parametrize("budget", ["8192", "0"], ids=["swap", "recompute"])
+def test_decode_rows_from_blocks_park_and_replay_to_the_same_bytes(budget):
+    """`--weights gguf`: generated-token rows read Q8_0 blocks made at load, prompt rows dense;
+    a recompute replay reads them as the first pass did, so a replayed state is bit for bit."""
+    with hybrid(["-c", "4096", "--weights", "gguf"]) as server:
+        expected = tokens_of(server)
+        assert "made Q8_0 blocks at load" in server.log()
+    with hybrid(["-c", "4096", "--weights", "gguf", "--preempt-ram", budget],
+                {"KVPARK_PREEMPT_EVERY": "8"}) as server:
+        got = tokens_of(server)
+        m = server.metrics()
+    assert got == expected
+    assert m["kvpark:n_preempt_total"] >= 20
+
+
+@pytest.mark.parametrize("budget", ["8192", "0"], ids=["swap", "recompute"])
 def test_two_requests_that_overflow_the_pool_both_finish(budget):
     with hybrid(["-c", "512", "--preempt-ram", budget]) as server:
         with cf.ThreadPoolExecutor(2) as pool:
