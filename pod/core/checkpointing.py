@@ -31,6 +31,15 @@ def cut_to_checkpoint(pool: KVPool, store: CheckpointStore, slot: int, hashes: l
     return pages[:keep]
 
 
+def snapshot(pool: KVPool, slot: int, state_row: int | None) -> None:
+    """Keep the slot's state at a page boundary as its snapshot: the live state, or the one a
+    speculative chunk kept after row `state_row` (the step went further than the boundary)."""
+    if state_row is None:
+        pool.states.snapshot(slot)
+    else:
+        pool.states.snapshot_row(slot, state_row)
+
+
 def offer(pool: KVPool, store: CheckpointStore, slot: int, checkpoint_at: int,
           hashes: list[bytes]) -> None:
     """The slot's snapshot (the state at token `checkpoint_at`, a page boundary) kept as the

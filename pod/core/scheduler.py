@@ -13,7 +13,6 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from ..memory.kv_pool import KVPool
 from ..sampling.sampler import ChunkOutput, Sampled
@@ -21,26 +20,14 @@ from . import checkpointing, step_plan
 from . import preemption as policy
 from .messages import CONTEXT_EXCEEDED, FinishReason, SeqEvent
 from .reporting import report
+from .scheduler_config import SchedulerConfig
 from .sequence import Phase, PreemptMode, Sequence
-from .speculation import SpecConfig, Speculator, pages_past
+from .speculation import Speculator, pages_past
 from .step_plan import ScheduledSeq, add_drafts, grant_pages, step_order, step_pages
 from .stopping import stop_reason
 from .swap import Resumed, Swapper
 
 log = logging.getLogger("kvpark.scheduler")
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    num_slots: int
-    batch_size: int = 512  # tokens per step, prefill chunks included
-    preempt: bool = True
-    preempt_every: int = 0  # force a park + resume every N generated tokens (0: off)
-    max_context: int = 1 << 30  # tokens one sequence may reach (finish_reason "length")
-    preempt_high: float = 0.94  # park proactively when the next step would pass this share
-    preempt_low: float = 0.80  # restore only while the pool stays below this share
-    resume_order: str = "spec"  # or "fair" (head-of-line by park time)
-    spec: SpecConfig = SpecConfig()  # speculative decoding (off by default)
 
 
 class Scheduler:
@@ -398,10 +385,7 @@ class Scheduler:
             self._hash_pages(seq, full)
             self.pool.register_complete(seq.page_table, seq.page_hashes[:full], first)
         if self.pool.checkpoints is not None and seq.num_computed % ps == 0:
-            if state_row is None:  # a page boundary: a checkpoint to be
-                self.pool.states.snapshot(seq.slot_id)
-            else:
-                self.pool.states.snapshot_row(seq.slot_id, state_row)
+            checkpointing.snapshot(self.pool, seq.slot_id, state_row)  # a checkpoint to be
             seq.checkpoint_at = seq.num_computed
             if seq.num_computed == step_plan.prompt_page_end(seq, ps):  # the next turn's
                 self._offer_checkpoint(seq)

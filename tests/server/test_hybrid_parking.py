@@ -18,7 +18,11 @@ PROMPTS = ["the delta rule keeps one state per sequence",
 
 def hybrid(flags: list[str], env: dict[str, str] | None = None,
            model: str = "synthetic:tiny-hybrid") -> ServerProcess:
-    return ServerProcess(["-np", "2", *flags], env=env or {}, model=model)
+    """Dense float32 linears unless the flags say otherwise: `--weights auto` measures blocks
+    against them at start, and with blocks a generated token's page is not a prompt's (the
+    prefix cache tells them apart), which the checkpoint tests here do not ask about."""
+    weights = [] if "--weights" in flags else ["--weights", "fp32"]
+    return ServerProcess(["-np", "2", *weights, *flags], env=env or {}, model=model)
 
 
 def complete(server, prompt, n_predict):

@@ -38,14 +38,16 @@ def ok(response: httpx.Response) -> dict:
 
 
 def saver(slot_dir, model=HYBRID) -> ServerProcess:
-    return ServerProcess(["-np", "1", "-c", "4096", "--slot-save-path", str(slot_dir),
+    return ServerProcess(["-np", "1", "-c", "4096", "--weights", "fp32",  # as the reference
+                          "--slot-save-path", str(slot_dir),
                           "--admin-key", KEY], model=model)
 
 
 @pytest.fixture(scope="module")
 def reference():
     """The conversation and its next turn computed from scratch (no cache, no files)."""
-    with ServerProcess(["-np", "1", "-c", "512", "--no-prefix-cache"], model=HYBRID) as server:
+    with ServerProcess(["-np", "1", "-c", "512", "--no-prefix-cache", "--weights", "fp32"],
+                       model=HYBRID) as server:
         history = PROMPT + complete(server, PROMPT, 40)["tokens"]
         yield history, complete(server, history + NEW_TURN, 20)
 

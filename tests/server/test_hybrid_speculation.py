@@ -21,7 +21,8 @@ DRAFT_MODEL = ["--model-draft", "synthetic:tiny-hybrid-draft"]
 
 
 def hybrid(flags: list[str], env: dict[str, str] | None = None) -> ServerProcess:
-    return ServerProcess(["-np", "2", "-c", "4096", *flags], env=env or {},
+    # dense linears (`auto` could pick blocks, whose generated pages a next turn cannot share)
+    return ServerProcess(["-np", "2", "-c", "4096", "--weights", "fp32", *flags], env=env or {},
                          model="synthetic:tiny-hybrid")
 
 

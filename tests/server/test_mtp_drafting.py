@@ -27,7 +27,8 @@ PARKS = {"none": ([], {}),
 
 def answers(model: str, flags: list[str], env: dict[str, str] | None = None,
             sampling: dict | None = None) -> tuple[list[dict], dict]:
-    with ServerProcess(["-np", "2", "-c", "4096", *flags], env=env or {}, model=model) as server:
+    with ServerProcess(["-np", "2", "-c", "4096", "--weights", "fp32", *flags], env=env or {},
+                       model=model) as server:
         got = []
         for prompt in PROMPTS:
             body = {"prompt": prompt, "n_predict": 80, **(sampling or GREEDY)}
@@ -73,9 +74,27 @@ def test_a_random_head_leaves_the_output_byte_identical(plain, park):
         assert m[f"kvpark:n_preempt_{park}_total"] >= 10
 
 
-def test_seeded_sampling_is_byte_identical_with_the_head(plain):
-    got, _ = answers("synthetic:tiny-hybrid-mtp", MTP, sampling=SEEDED)
+@pytest.mark.parametrize("park", list(PARKS))
+def test_seeded_sampling_is_byte_identical_with_the_head(plain, park):
+    flags, env = PARKS[park]
+    got, _ = answers("synthetic:tiny-hybrid-mtp", MTP + flags, env, sampling=SEEDED)
     assert_same(got, plain["seeded"])
+
+
+@pytest.mark.parametrize("park", list(PARKS))
+def test_a_head_that_predicts_exactly_has_every_draft_accepted(tmp_path_factory, park):
+    """Its attention block silenced, the head guesses token p + 2 exactly as the model will
+    compute it: every draft is accepted, with parks as without (a seed made for the wrong
+    position, or from the wrong token, would be rejected)."""
+    model = str(write_dir(predicting_weights(attention_scale=0.0),
+                          tmp_path_factory.mktemp("exact") / "model"))
+    flags, env = PARKS[park]
+    got, m = answers(model, MTP + flags, env)
+    made, accepted = (m[f"kvpark:spec_decode_num_{k}_total"] for k in ("draft_tokens",
+                                                                        "accepted_tokens"))
+    assert made >= 60 and accepted == made
+    if park != "none":
+        assert m[f"kvpark:n_preempt_{park}_total"] >= 10
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +103,8 @@ def predicted(predicting, plain, tmp_path_factory):
     found = {}
     for park, (flags, env) in PARKS.items():
         slots = tmp_path_factory.mktemp(f"slots-{park}")
-        with ServerProcess(["-np", "1", "-c", "4096", "--slot-save-path", str(slots),
+        with ServerProcess(["-np", "1", "-c", "4096", "--weights", "fp32",
+                            "--slot-save-path", str(slots),
                             "--admin-key", "k", *MTP, *flags], env=env, model=predicting
                            ) as server:
             got = server.post("/completion", {"prompt": PROMPTS[1], "n_predict": 80,
