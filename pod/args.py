@@ -101,6 +101,7 @@ class ServerArgs:
     # test only (hidden from --help): faults injected on purpose
     preempt_fail_swap: bool = False  # every host allocation is refused: swaps fall to recompute
     inject_fault_token: int | None = None  # a step holding this prompt token id fails
+    inject_fault_late: bool = False  # ... after its forward (a hybrid's state written)
 
     def __repr__(self) -> str:  # the keys never reach a log
         shown = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -255,6 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
     hidden.add_argument("--preempt-fail-swap", action=argparse.BooleanOptionalAction,
                         help=argparse.SUPPRESS)
     hidden.add_argument("--inject-fault-token", type=_non_negative, help=argparse.SUPPRESS)
+    hidden.add_argument("--inject-fault-late", action=argparse.BooleanOptionalAction,
+                        help=argparse.SUPPRESS)
     return p
 
 

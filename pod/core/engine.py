@@ -21,6 +21,7 @@ from ..memory.paging import pages_for
 from ..memory.slot_files import SlotState
 from ..sampling.sampler import ChunkOutput
 from ..worker.runner import ModelRunner, StateLost
+from . import step_failure
 from .messages import FinishReason, SlotView, Submission
 from .reporting import slot_view
 from .scheduler import Scheduler
@@ -270,11 +271,12 @@ class Engine:
         started = time.perf_counter()
         try:
             sampled = self.runner.run(plan)
-        except StateLost:  # no rerun: it would feed the tokens twice
+        except StateLost as exc:  # no rerun: it would feed the tokens twice
             log.exception("step of %d sequences of a hybrid model failed after writing state; "
-                          "ending them", len(plan))
-            plan, sampled = self._end_all(plan, "internal error: the step failed after "
-                                                "updating the sequence's recurrent state"), []
+                          "parking them by recompute", len(plan))
+            with self.lock:
+                step_failure.recover(self.scheduler, plan, f"internal error: {exc}")
+            plan, sampled = [], []
         except Exception:  # one bad request must not take the others down with it
             log.exception("step of %d sequences failed; retrying them one by one", len(plan))
             plan, sampled = self._isolate_failure(plan)
@@ -283,12 +285,6 @@ class Engine:
             self.scheduler.update_from_output(plan, sampled, seconds)
             self.on_step(plan, seconds)
         return True
-
-    def _end_all(self, plan: list[ScheduledSeq], error: str) -> list[ScheduledSeq]:
-        with self.lock:
-            for item in plan:
-                self.scheduler.finish(item.seq, FinishReason.ENGINE_ERROR, error)
-        return []
 
     def _isolate_failure(self, plan: list[ScheduledSeq]
                          ) -> tuple[list[ScheduledSeq], list[ChunkOutput]]:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from ..memory.kv_pool import KVPool
 from ..sampling.sampler import ChunkOutput, Sampled
-from . import checkpointing, step_plan
+from . import checkpointing, step_failure, step_plan
 from . import preemption as policy
 from .messages import CONTEXT_EXCEEDED, FinishReason, SeqEvent
 from .reporting import report
@@ -170,6 +170,7 @@ class Scheduler:
             # time, the latest arrival first; its pages may be what the others were missing
             latest = max(blocked, key=lambda s: (s.arrival, s.seq_id))
             self.finish(latest, FinishReason.CONTEXT_EXCEEDED, CONTEXT_EXCEEDED)
+        plan = step_failure.isolate(plan)
         if self.config.spec.enabled:  # drafts take unused pages only: they evict nothing
             unused = self.pool.num_free_pages - self.pool.num_cached_pages
             plan = add_drafts(plan, self.speculator, self.config.batch_size, unused, ps)
@@ -178,12 +179,13 @@ class Scheduler:
         return plan
 
     # ---- parking -----------------------------------------------------------------------------
-    def park(self, seq: Sequence, wait: bool = True) -> PreemptMode:
-        """Park a running sequence: swap or recompute, the policy's choice on the swap's cost."""
+    def park(self, seq: Sequence, wait: bool = True, recompute: bool = False) -> PreemptMode:
+        """Park a running sequence: swap or recompute, by policy (`recompute`: a failed step's)."""
         assert seq.phase is Phase.RUNNING, f"cannot park a {seq.phase.value} sequence"
         self._offer_full_pages(seq)
         plan = self.swapper.plan_park(seq)
-        mode = policy.choose_mode(plan.swap_bytes, plan.budget_bytes, plan.held_bytes)
+        mode = PreemptMode.RECOMPUTE if recompute else policy.choose_mode(
+            plan.swap_bytes, plan.budget_bytes, plan.held_bytes)
         result = self.swapper.park(seq, plan, mode, wait)
         seq.page_table = []
         if result.mode is PreemptMode.RECOMPUTE:  # a draft model's K/V replay with the target's
@@ -312,6 +314,7 @@ class Scheduler:
         if in_prompt:
             seq.output.prompt_seconds += seconds
         seq.output.prompt_logprobs.extend(output.prompt_logprobs)  # before any event: all there
+        seq.failed_steps = 0  # a step of its own succeeded
         if output.mtp_seed is not None:  # draft-mtp: the head's guess for the next step
             seq.spec.mtp_seed = output.mtp_seed
         sampled = output.sampled

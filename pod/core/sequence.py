@@ -143,6 +143,7 @@ class Sequence:
     num_cached: int = 0  # prompt tokens found in the prefix cache at admission
     # a hybrid model with a prefix cache: the page boundary its slot's state snapshot is at
     checkpoint_at: int = 0
+    failed_steps: int = 0  # a hybrid's steps that failed in a row (`step_failure.py`)
     slot_id: int | None = None
     phase: Phase = Phase.WAITING
     arrival: float = field(default_factory=time.monotonic)

@@ -362,7 +362,8 @@ def build_engine(args: ServerArgs, target: Target, memory: Memory, budget: Budge
 
     scheduler.on_finish = on_finish
     runner = ModelRunner(target.model, pool, memory.backend, graphs=memory.graphs,
-                         fault_token=args.inject_fault_token, drafter=memory.drafter)
+                         fault_token=args.inject_fault_token, drafter=memory.drafter,
+                         fault_late=args.inject_fault_late)
     engine = Engine(scheduler, runner, on_step=metrics.on_step, lock=lock, memory=slots,
                     tokenizer=loaded.tokenizer)
     return engine, metrics

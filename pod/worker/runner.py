@@ -48,7 +48,7 @@ def get_chunk_output(emitted: tuple[Sampled, ...], prompt_logprobs: tuple[TokenL
 class ModelRunner:
     def __init__(self, model: LlamaModel, pool: KVPool, backend: AttentionBackend,
                  graphs: DecodeGraphRunner | None = None, fault_token: int | None = None,
-                 drafter: Drafter | MTPDrafter | None = None) -> None:
+                 drafter: Drafter | MTPDrafter | None = None, fault_late: bool = False) -> None:
         self.model = model
         self.pool = pool
         self.backend = backend
@@ -57,6 +57,7 @@ class ModelRunner:
         # --inject-fault-token (tests of fault isolation): a step fails while a sequence whose
         # prompt holds this token id is in it
         self.fault_token = fault_token
+        self.fault_late = fault_late  # ... after the forward (a hybrid's state written)
 
     def get_layout(self, plan: list[PlannedChunk]) -> StepLayout:
         return StepLayout(
@@ -71,7 +72,8 @@ class ModelRunner:
         logprobs, if asked for) for the rows that reach the end, the tokens its verified draft
         rows add, and the prompt rows' logprobs where asked for.
         Changes no sequence: a failed step is rerun."""
-        self.check_fault(plan)  # before anything is written: the step can be rerun
+        if not self.fault_late:
+            self.check_fault(plan)  # before anything is written: the step can be rerun
         if self.pool.states is not None:
             try:
                 return self.run_checked(plan)
@@ -85,6 +87,8 @@ class ModelRunner:
         from_blocks = self.get_block_mask(plan)
         rows = None if from_blocks is None else BlockRows.from_mask(from_blocks)
         hidden = self.forward(plan, rows)
+        if self.fault_late:
+            self.check_fault(plan)
         prompt_logprobs = self.prompt_logprobs(plan, hidden, rows)
         sampled = self.sample_ends(plan, hidden, from_blocks)
         # an MTP head: level with the target over the rows this step made valid, and its seeds

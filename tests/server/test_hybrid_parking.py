@@ -159,6 +159,29 @@ def test_a_failing_request_ends_alone_and_the_others_state_is_untouched(unforced
     assert good.status_code == 200 and good.json()["tokens"] == unforced[0]
 
 
+def test_a_step_failing_after_the_state_was_written_costs_only_the_faulty_request(unforced):
+    """The fault strikes after the step's forward: every state slot in it has advanced. Its
+    sequences are parked by recompute (state dropped, replayed), each then runs alone: the
+    faulty one fails again and ends, the other finishes to the bytes it gives alone."""
+    poison = 49151
+    key = {"Authorization": "Bearer k-fault"}
+    with hybrid(["-c", "4096", "--api-key", "k-fault"],
+                {"KVPARK_INJECT_FAULT_TOKEN": str(poison), "KVPARK_INJECT_FAULT_LATE": "1"}
+                ) as server, cf.ThreadPoolExecutor(1) as pool:
+        ids = server.post("/tokenize", {"content": PROMPTS[1]}, headers=key).json()["tokens"]
+        good = pool.submit(server.post, "/completion",
+                           {"prompt": PROMPTS[0], "n_predict": 96, **GREEDY}, headers=key)
+        poll(lambda: [s for s in server.slots(key) if s["n_generated"] > 4], "decoding")
+        bad = server.post("/completion", {"prompt": [*ids[:5], poison, *ids[5:]],
+                                          "n_predict": 20, **GREEDY}, headers=key)
+        good = good.result()
+        m = server.metrics()
+    assert bad.status_code == 500 and "injected fault" in bad.json()["error"]["message"]
+    assert good.status_code == 200 and good.json()["tokens"] == unforced[0]
+    assert m["kvpark:n_preempt_recompute_total"] == 2  # both, from the step they shared
+    assert m["kvpark:kv_cache_pages_free"] == m["kvpark:kv_cache_pages_total"]
+
+
 def conversation(server, first: list[int], more: list[int]) -> tuple[dict, dict]:
     """Turn 1, then turn 2 re-sending turn 1 (prompt and answer) with more tokens: token ids,
     so both servers see the same history whatever the tokenizer would merge."""
