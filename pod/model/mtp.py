@@ -49,10 +49,6 @@ class MTPHead(nn.Module):
     def device(self) -> torch.device:
         return self.target.device
 
-    @property
-    def has_blocks(self) -> bool:
-        return False
-
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
                 backend: AttentionBackend, kv_cache: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ would not fit in this machine's RAM, and on a GPU host we want it in bf16 on the
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import zlib
 
@@ -15,6 +16,14 @@ from .config import FULL_ATTENTION, LINEAR_ATTENTION, DeltaNetConfig, ModelConfi
 
 INIT_STD = 0.02
 DEFAULT_SEED = 0
+
+TINY_HYBRID = ModelConfig(
+    vocab_size=49152, hidden_size=64, intermediate_size=128, num_layers=8,
+    num_heads=4, num_kv_heads=2, head_dim=32, rope_theta=10000000.0, rms_norm_eps=1e-6,
+    architecture="qwen3_5_text", layer_types=((LINEAR_ATTENTION,) * 3 + (FULL_ATTENTION,)) * 2,
+    delta_net=DeltaNetConfig(num_k_heads=2, num_v_heads=4, k_head_dim=16, v_head_dim=16),
+    partial_rotary_factor=0.25, attention_output_gate=True, norm_offset=1.0, qk_norm=True,
+)
 
 SYNTHETIC_CONFIGS: dict[str, ModelConfig] = {
     # Our fast test model: SmolLM2's vocabulary and GQA ratio (9 over 3), everything else tiny.
@@ -38,34 +47,13 @@ SYNTHETIC_CONFIGS: dict[str, ModelConfig] = {
     ),
     # A tiny Qwen3.5 (three Gated DeltaNet layers, then gated attention; twice), SmolLM2's
     # vocabulary: hybrid parking and prefix tests without transformers
-    "tiny-hybrid": ModelConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_layers=8,
-        num_heads=4, num_kv_heads=2, head_dim=32, rope_theta=10000000.0, rms_norm_eps=1e-6,
-        architecture="qwen3_5_text",
-        layer_types=((LINEAR_ATTENTION,) * 3 + (FULL_ATTENTION,)) * 2,
-        delta_net=DeltaNetConfig(num_k_heads=2, num_v_heads=4, k_head_dim=16, v_head_dim=16),
-        partial_rotary_factor=0.25, attention_output_gate=True, norm_offset=1.0, qk_norm=True,
-    ),
+    "tiny-hybrid": TINY_HYBRID,
     # The same with a state slot of 1.5 MiB (16 value heads of 64 x 64): budgets that hold a
     # sequence's pages but not its pages and state
-    "tiny-hybrid-wide": ModelConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_layers=8,
-        num_heads=4, num_kv_heads=2, head_dim=32, rope_theta=10000000.0, rms_norm_eps=1e-6,
-        architecture="qwen3_5_text",
-        layer_types=((LINEAR_ATTENTION,) * 3 + (FULL_ATTENTION,)) * 2,
-        delta_net=DeltaNetConfig(num_k_heads=4, num_v_heads=16, k_head_dim=64, v_head_dim=64),
-        partial_rotary_factor=0.25, attention_output_gate=True, norm_offset=1.0, qk_norm=True,
-    ),
+    "tiny-hybrid-wide": dataclasses.replace(TINY_HYBRID, delta_net=DeltaNetConfig(
+        num_k_heads=4, num_v_heads=16, k_head_dim=64, v_head_dim=64)),
     # tiny-hybrid with an MTP head (one full-attention block after the decoder's): draft-mtp
-    "tiny-hybrid-mtp": ModelConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_layers=8,
-        num_heads=4, num_kv_heads=2, head_dim=32, rope_theta=10000000.0, rms_norm_eps=1e-6,
-        architecture="qwen3_5_text",
-        layer_types=((LINEAR_ATTENTION,) * 3 + (FULL_ATTENTION,)) * 2,
-        delta_net=DeltaNetConfig(num_k_heads=2, num_v_heads=4, k_head_dim=16, v_head_dim=16),
-        partial_rotary_factor=0.25, attention_output_gate=True, norm_offset=1.0, qk_norm=True,
-        num_mtp_layers=1,
-    ),
+    "tiny-hybrid-mtp": dataclasses.replace(TINY_HYBRID, num_mtp_layers=1),
     # A dense draft for the tiny hybrids: their K/V heads and vocabulary, two layers
     "tiny-hybrid-draft": ModelConfig(
         vocab_size=49152, hidden_size=64, intermediate_size=128, num_layers=2,

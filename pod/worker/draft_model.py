@@ -125,10 +125,7 @@ class Drafter:
                 rows.add([drafts[n][-1]], at, seq.num_prompt, seq.page_table)
             for n, token in zip(going, self.run(rows, list(range(len(going))))):
                 drafts[n].append(token)
-        filled = list(plan)
-        for n, i in enumerate(drafting):
-            filled[i] = plan[i].with_draft(tuple(drafts[n]))
-        return filled
+        return with_drafts(plan, drafting, drafts)
 
     def after_step(self, plan: list[PlannedChunk], hidden: torch.Tensor,
                    emitted: dict[int, tuple[Sampled, ...]]) -> dict[int, DraftSeed]:
@@ -150,6 +147,15 @@ class Drafter:
         head_rows = None if blocks is None else BlockRows.from_mask(
             [rows.from_blocks[r] for r in argmax_rows])
         return self.model.logits(picked, head_rows).argmax(dim=-1).tolist()
+
+
+def with_drafts(plan: list[PlannedChunk], drafting: list[int], drafts: list[list[int]]
+                ) -> list[PlannedChunk]:
+    """The plan with item `drafting[n]` given `drafts[n]` (a drafter's guesses, in its room)."""
+    filled = list(plan)
+    for n, i in enumerate(drafting):
+        filled[i] = plan[i].with_draft(tuple(drafts[n]))
+    return filled
 
 
 def check_draft(target: ModelConfig, draft: ModelConfig, target_tokens: Tokenizer,

@@ -28,6 +28,7 @@ from kvpark.kernels.attention import AttentionBackend, StepLayout
 
 from ..model.mtp import MTPHead
 from ..sampling.sampler import DraftSeed, Sampled
+from .draft_model import with_drafts
 from .step_input import PlannedChunk
 
 
@@ -73,10 +74,7 @@ class MTPDrafter:
             for k, n in enumerate(going):
                 drafts[n].append(tokens[k])
                 hidden[n] = out[k:k + 1]
-        filled = list(plan)
-        for n, i in enumerate(drafting):
-            filled[i] = plan[i].with_draft(tuple(drafts[n]))
-        return filled
+        return with_drafts(plan, drafting, drafts)
 
     # ---- after the step: the head level with its target, and the next seeds ---------------
     def after_step(self, plan: list[PlannedChunk], hidden: torch.Tensor,
