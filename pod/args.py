@@ -53,6 +53,7 @@ class ServerArgs:
     cache_ram: int = -1  # MiB the host cache may hold at most; -1: what parks leave, 0: off
     ctx_checkpoints: int = 2  # a hybrid's state checkpoints per slot in the pool's memory
     sse_keepalive: float = 2.0  # seconds between ": keepalive" comments: parked or queued
+    max_stream_backlog: int = 256  # events a stream's client may leave unread, a sequence
     api_key: str | None = None
     admin_key: str | None = None  # POST /slots actions; they are off without this or api_key
     threads: int = 0  # 0: pick from the machine
@@ -397,6 +398,10 @@ def add_preemption_flags(g: argparse._ArgumentGroup) -> None:
          text="CUDA: swap copies run on their own stream while other slots decode")
     _add(g, "--sse-keepalive", dest="sse_keepalive", type=_seconds, metavar="SECONDS",
          text="seconds between ': keepalive' comments to a parked or queued stream")
+    _add(g, "--max-stream-backlog", dest="max_stream_backlog", type=_non_negative,
+         metavar="N", text="park a stream's sequences while its client leaves more than N "
+         "events a sequence unread (a slow or stalled reader), until it has read half of "
+         "them; 0: never")
 
 
 def add_speculation_flags(g: argparse._ArgumentGroup) -> None:

@@ -1,7 +1,8 @@
 """The step loop, in its own thread: schedule -> run -> hand the outputs to the scheduler.
 
-The HTTP side talks to this facade only: `submit`, `cancel`, `park_slot`, `unpark_slot`,
-`save_slot`, `restore_slot`, `erase_slot`, `abort_all`, `snapshot`. Everything that changes
+The HTTP side talks to this facade only: `submit`, `cancel`, `hold_for_reader`,
+`let_go_for_reader`, `park_slot`, `unpark_slot`, `save_slot`, `restore_slot`, `erase_slot`,
+`abort_all`, `snapshot`. Everything that changes
 the pool, the scheduler or the model happens on the engine thread, holding `lock` except while
 the model runs; other threads read scheduler state only under `lock` (`snapshot`, `busy`, the
 metrics collector).
@@ -21,7 +22,7 @@ from ..memory.paging import pages_for
 from ..memory.slot_files import SlotState
 from ..sampling.sampler import ChunkOutput
 from ..worker.runner import ModelRunner, StateLost
-from . import step_failure
+from . import reader_holds, step_failure
 from .messages import FinishReason, SlotView, Submission
 from .reporting import slot_view
 from .scheduler import Scheduler
@@ -150,6 +151,15 @@ class Engine:
             self._closed = True
             self._calls.append(lambda: self.scheduler.abort_all(reason, error))
             self._cond.notify()
+
+    def hold_for_reader(self, request_ids: Collection[str]) -> None:
+        """Their client fell behind reading: park them until `let_go_for_reader`."""
+        ids = frozenset(request_ids)
+        self.call_soon(lambda: reader_holds.hold(self.scheduler, ids))
+
+    def let_go_for_reader(self, request_ids: Collection[str]) -> None:
+        ids = frozenset(request_ids)
+        self.call_soon(lambda: reader_holds.let_go(self.scheduler, ids))
 
     def park_slot(self, slot_id: int) -> concurrent.futures.Future[str | None]:
         """POST /slots/{id}?action=park; the future holds why not, or None."""

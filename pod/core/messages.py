@@ -165,6 +165,7 @@ class SlotView:
     n_recompute: int
     preempt_mode: str | None
     manual: bool
+    for_reader: bool  # parked until its client reads what it was sent
     num_computed: int
     num_prompt: int
     num_generated: int

@@ -38,6 +38,7 @@ class PreemptStats:
     n_swap_fallbacks: int = 0  # host allocation refused, parked by recompute instead
     n_watermark_parks: int = 0  # parked before the wall: the next step passed the high mark
     n_restore_refused_watermark: int = 0  # a restore that fit, held back by the low mark
+    n_reader_parks: int = 0  # parked because their client fell behind reading (reader_holds.py)
 
     def count_park(self, mode: PreemptMode, fell_back: bool) -> None:
         self.n_preempt += 1

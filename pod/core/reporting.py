@@ -63,5 +63,5 @@ def slot_view(seq: Sequence) -> SlotView:
     mode = seq.parking.mode
     return SlotView(seq.request_id, seq.is_parked, seq.parking.n_preempt,
                     seq.parking.n_recompute, mode.value if mode else None, seq.parking.manual,
-                    seq.num_computed, seq.num_prompt, seq.num_generated, seq.priority, phase,
-                    seq.parking.resumed_from)
+                    seq.parking.for_reader, seq.num_computed, seq.num_prompt,
+                    seq.num_generated, seq.priority, phase, seq.parking.resumed_from)

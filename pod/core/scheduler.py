@@ -224,7 +224,7 @@ class Scheduler:
     def unpark(self, seq: Sequence) -> None:
         """POST /slots/{id}?action=unpark: resume now if it fits, else join the restore queue."""
         seq.parking.manual = False
-        if seq.phase is not Phase.PARKED or self.swapper.is_busy(seq):
+        if seq.phase is not Phase.PARKED or seq.parking.waits or self.swapper.is_busy(seq):
             return
         need = self.pool.pages_for(policy.restore_need_tokens(seq, self.config.batch_size))
         if self.pool.can_allocate(need):
@@ -238,7 +238,7 @@ class Scheduler:
 
     # ---- restoring ---------------------------------------------------------------------------
     def _restore_parked(self) -> None:
-        parked = [s for s in self.parked if not s.parking.manual and not self.swapper.is_busy(s)]
+        parked = [s for s in self.parked if not s.parking.waits and not self.swapper.is_busy(s)]
         running = self.running
         promised = policy.promised_pages(running, self.pool.page_size, self.config.batch_size)
         room = policy.PoolRoom(self.pool.num_free_pages - promised,

@@ -69,7 +69,13 @@ class ParkState:
     held_pages: list[int] = field(default_factory=list)
     tokens_since_forced: int = 0  # for KVPARK_PREEMPT_EVERY
     manual: bool = False  # parked through POST /slots/{id}?action=park; waits for unpark
+    for_reader: bool = False  # parked while its client reads far behind; waits for it
     seconds: float = 0.0  # total time parked
+
+    @property
+    def waits(self) -> bool:
+        """Parked on purpose: the restore loop leaves it until what parked it lets go."""
+        return self.manual or self.for_reader
 
     def begin(self, mode: PreemptMode, now: float) -> None:
         """A park starts: its mode and clock; the history counts it."""

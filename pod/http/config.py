@@ -22,6 +22,7 @@ class HttpConfig:
     timeout_body: float  # seconds between two chunks of a request body
     sse_keepalive: float  # seconds between ": keepalive" comments of a quiet stream
     slot_save_path: str | None
+    max_stream_backlog: int  # unread events before a stream's sequences are parked; 0: never
     speculative: bool  # /props says whether drafts are verified (--spec-type)
 
     @classmethod
@@ -29,4 +30,4 @@ class HttpConfig:
         return cls(args.host, args.port, args.api_key, args.admin_key, args.served_model_name,
                    args.max_queue, args.max_messages, args.max_prompt_chars, args.max_body_bytes,
                    args.timeout_body, args.sse_keepalive, args.slot_save_path,
-                   args.spec_type != "none")
+                   args.max_stream_backlog, args.spec_type != "none")

@@ -14,11 +14,13 @@ is not exempt by name; requests in progress are bounded by --max-queue and the s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import json
 import logging
 import math
 import resource
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +36,11 @@ log = logging.getLogger("kvpark.connections")
 LOG_EVERY_SECONDS = 10.0  # one report per this long for floods of the same trouble
 FD_RESERVE = 256  # model files, pipes, threads, the listening socket, log files
 MAX_BACKLOG = 2048  # uvicorn's default; accepted-but-unseen connections hold fds too
+# what the kernel may hold of a connection's unread output (Linux doubles it for bookkeeping):
+# with autotuning a client that stops reading parks up to 4 MiB there, ~20,000 streamed tokens
+# before the server could notice (--max-stream-backlog counts what is queued behind it).
+# Token streams need little bandwidth; a large body still flows at this over the round trip.
+SEND_BUFFER_BYTES = 256 << 10
 OUT_OF_FDS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 REDACTED = "[redacted]"
 
@@ -97,6 +104,13 @@ def refusal(max_connections: int) -> bytes:
             % (len(body), body))
 
 
+def bound_send_buffer(transport: asyncio.Transport) -> None:
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        with contextlib.suppress(OSError):  # a platform that refuses keeps its default
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+
+
 class GuardedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol plus a header read timeout and the connection cap."""
 
@@ -115,6 +129,7 @@ class GuardedH11Protocol(H11Protocol):
             transport.close()
             return
         self.idle[self] = None
+        bound_send_buffer(transport)
         self._watch_header()
 
     def connection_lost(self, exc: Exception | None) -> None:

@@ -25,14 +25,37 @@ QUIET = frozenset({StreamEvent.QUEUED, StreamEvent.PARKED})
 
 
 class EventSink:
-    """A request's channel from the engine thread: each event is put on the stream's queue by
-    the event loop (the engine thread only schedules that)."""
+    """A request's channel from the engine thread: each event is handed to its stream by the
+    event loop (the engine thread only schedules that)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[Event]) -> None:
-        self.loop, self.queue = loop, queue
+    def __init__(self, loop: asyncio.AbstractEventLoop, put: Callable[[Event], None]) -> None:
+        self.loop, self.put = loop, put
 
     def __call__(self, event: Event) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        self.loop.call_soon_threadsafe(self.put, event)
+
+
+@dataclass
+class ReaderWatch:
+    """A stream whose client reads slower than its sequences generate: past `limit` unread
+    events they are parked (`hold`), and once the client has read down to half of that they
+    may run again (`let_go`). So a client's read speed reaches neither the engine, whose steps
+    never wait on a socket anyway, nor anybody else's share of the steps."""
+
+    limit: int  # --max-stream-backlog; 0: never
+    hold: Callable[[], None]
+    let_go: Callable[[], None]
+    holding: bool = False
+
+    def after_put(self, unread: int) -> None:
+        if self.limit and not self.holding and unread > self.limit:
+            self.holding = True
+            self.hold()
+
+    def after_take(self, unread: int) -> None:
+        if self.holding and unread <= self.limit // 2:
+            self.holding = False
+            self.let_go()
 
 
 @dataclass
@@ -69,6 +92,7 @@ class RequestStream:
     queue: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     echoes: dict[int, str] = field(default_factory=dict)  # choice -> its echoed prompt
     choices: list[Choice] = field(default_factory=list)
+    reader: ReaderWatch | None = None  # a streamed response's: how far its client reads behind
 
     def __post_init__(self) -> None:
         self.choices = [Choice() for _ in range(self.num_seqs)]
@@ -88,6 +112,11 @@ class RequestStream:
         return self.prompts[index // self.request.params.n]
 
     # asyncio side
+    def put(self, event: Event) -> None:
+        self.queue.put_nowait(event)
+        if self.reader is not None:
+            self.reader.after_put(self.queue.qsize())
+
     async def events(self, keepalive: float | None = None) -> AsyncIterator[Event]:
         """The sequences' events until all finished; a KEEPALIVE every `keepalive` seconds of
         silence while one of them waits for a slot or is parked (known from the events
@@ -101,6 +130,8 @@ class RequestStream:
             except asyncio.TimeoutError:  # noqa: UP041 (a distinct class before Python 3.11)
                 yield Event(StreamEvent.KEEPALIVE, -1)
                 continue
+            if self.reader is not None:
+                self.reader.after_take(self.queue.qsize())
             if event.kind in QUIET:
                 quiet.add(event.index)
             elif event.kind is not StreamEvent.RECOMPUTED:
@@ -136,7 +167,7 @@ def open_stream(loop: asyncio.AbstractEventLoop, tokenizer: Tokenizer,
     first = requests[0]
     stream = RequestStream(tokenizer, first, request_id,
                            [tuple(r.prompt_ids) for r in requests])
-    sink = EventSink(loop, stream.queue)
+    sink = EventSink(loop, stream.put)
     params, n = first.params, first.params.n
     submissions = []
     for p, request in enumerate(requests):

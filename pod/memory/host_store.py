@@ -42,10 +42,12 @@ class HostStore:
         """Room for `num_bytes` more, as charged (callers pass what they will charge)."""
         return fits_budget(num_bytes, self.budget_bytes, self.held_bytes)
 
-    def allocate(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A host buffer charged to the budget; raises HostAllocationError when refused."""
+    def allocate(self, shape: tuple[int, ...], dtype: torch.dtype, bookkeeping: int = 0
+                 ) -> torch.Tensor:
+        """A host buffer charged to the budget, with `bookkeeping` bytes more for what its
+        owner keeps beside it; raises HostAllocationError when refused."""
         size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        num_bytes = self.charged_bytes(size)
+        num_bytes = self.charged_bytes(size) + bookkeeping
         assert self.can_hold(num_bytes), "caller must check the budget before allocating"
         if self.fail_allocations:
             raise HostAllocationError("host allocation refused (--preempt-fail-swap)")
@@ -57,9 +59,10 @@ class HostStore:
         self.peak_bytes = max(self.peak_bytes, self.held_bytes)
         return buffer
 
-    def release(self, buffer: torch.Tensor) -> None:
-        """Give back a whole buffer `allocate` returned (a view of it gives back all of it)."""
-        num_bytes = self.charged_bytes(buffer.untyped_storage().nbytes())
+    def release(self, buffer: torch.Tensor, bookkeeping: int = 0) -> None:
+        """Give back a whole buffer `allocate` returned (a view of it gives back all of it),
+        with the `bookkeeping` it was allocated with."""
+        num_bytes = self.charged_bytes(buffer.untyped_storage().nbytes()) + bookkeeping
         assert num_bytes <= self.held_bytes, "released more than was held"
         self.held_bytes -= num_bytes
 

@@ -11,6 +11,10 @@ bytes never pass the budget. Cached pages are the first thing given up: a park t
 drops them, least recently used first, before it would fall through to recompute
 (`reclaim`), and `--cache-ram` caps the cached part on its own. A held page is never dropped.
 
+A page costs the budget its bytes and its bookkeeping (`PAGE_BOOKKEEPING_BYTES`: the tensor
+object and allocation header of its buffer, its entries here and its hash), so the tier's RSS
+stays inside the budget even where pages are small.
+
 Each page keeps the *origin* of its bytes (`prefix_cache.py`): a swap trusts a host page only if
 it holds exactly its own bytes, a recompute any page with the same hash.
 """
@@ -32,8 +36,12 @@ from .budget import UNLIMITED_BYTES
 from .host_store import HostAllocationError, HostStore
 from .prefix_cache import Evicted, longest_run
 
+# RSS a host page costs beyond its bytes, rounded up: measured with torch's CPU allocator and
+# CPython 3.11 (`tests/unit/test_host_tier_rss.py` holds the tier to it)
+PAGE_BOOKKEEPING_BYTES = 1024
 
-@dataclass(eq=False)
+
+@dataclass(eq=False, slots=True)
 class HostPage:
     """One page's K/V in host RAM, under its chained hash."""
 
@@ -66,7 +74,8 @@ class HostTier:
         self.cap_bytes = cap_bytes  # --cache-ram: cached bytes at most (-1: what parks leave)
         # what one page costs the budget (a pinned block is rounded up: host_store.py)
         self.page_bytes = store.charged_bytes(
-            torch.Size(page_shape).numel() * torch.empty((), dtype=dtype).element_size())
+            torch.Size(page_shape).numel() * torch.empty((), dtype=dtype).element_size()
+        ) + PAGE_BOOKKEEPING_BYTES
         self.stats = TierStats()
         self._pages: dict[bytes, HostPage] = {}
         self._lru: OrderedDict[bytes, None] = OrderedDict()  # pages nobody holds, oldest first
@@ -106,7 +115,7 @@ class HostTier:
             if page.holders == 0 and self._pages.get(page.hash) is page:
                 self._lru[page.hash] = None
             elif page.holders == 0:  # replaced while held: nobody can find it any more
-                self.store.release(page.kv)
+                self.store.release(page.kv, PAGE_BOOKKEEPING_BYTES)
         self._trim_to_cap()
 
     # ---- room --------------------------------------------------------------------------------
@@ -150,7 +159,7 @@ class HostTier:
 
     def _drop(self, h: bytes) -> None:
         del self._lru[h]
-        self.store.release(self._pages.pop(h).kv)
+        self.store.release(self._pages.pop(h).kv, PAGE_BOOKKEEPING_BYTES)
         self.stats.drops += 1
 
     # ---- copies ------------------------------------------------------------------------------
@@ -189,10 +198,11 @@ class HostTier:
                  if page is None or page.origin != origin]
         buffers: list[torch.Tensor] = []
         try:
-            buffers = [self.store.allocate(self.page_shape, self.dtype) for _ in fresh]
+            buffers = [self.store.allocate(self.page_shape, self.dtype, PAGE_BOOKKEEPING_BYTES)
+                       for _ in fresh]
         except HostAllocationError:
             for kv in buffers:
-                self.store.release(kv)
+                self.store.release(kv, PAGE_BOOKKEEPING_BYTES)
             raise
         for i, kv in zip(fresh, buffers, strict=True):
             found[i] = self._replace(hashes[i], origins[i], kv)
@@ -228,13 +238,13 @@ class HostTier:
         old = self._pages.get(h)
         if old is not None and old.holders == 0:
             del self._lru[h]
-            self.store.release(old.kv)
+            self.store.release(old.kv, PAGE_BOOKKEEPING_BYTES)
         page = HostPage(h, origin, kv)
         self._pages[h] = page
         return page
 
     def _allocate(self) -> torch.Tensor | None:
         try:
-            return self.store.allocate(self.page_shape, self.dtype)
+            return self.store.allocate(self.page_shape, self.dtype, PAGE_BOOKKEEPING_BYTES)
         except HostAllocationError:
             return None

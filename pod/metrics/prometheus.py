@@ -152,6 +152,8 @@ class SchedulerCollector(Collector):
                      s.low_pages * ps)
         yield _counter("n_preempt_watermark", "Parks made before the wall (high watermark)",
                        stats.n_watermark_parks)
+        yield _counter("n_preempt_reader", "Parks of streams whose client fell behind reading "
+                       "(--max-stream-backlog)", stats.n_reader_parks)
         yield _counter("n_restore_refused_watermark",
                        "Restores that fit but were held back by the low watermark",
                        stats.n_restore_refused_watermark)

@@ -13,7 +13,7 @@ from kvpark.pod.core.scheduler import Scheduler, SchedulerConfig
 from kvpark.pod.core.sequence import Phase, PreemptMode
 from kvpark.pod.core.swap import Swapper
 from kvpark.pod.memory.host_store import HostStore
-from kvpark.pod.memory.host_tier import HostTier
+from kvpark.pod.memory.host_tier import PAGE_BOOKKEEPING_BYTES, HostTier
 from kvpark.pod.memory.kv_pool import KVPool
 from kvpark.pod.memory.prefix_cache import PrefixCache
 
@@ -22,9 +22,10 @@ def make(num_pages=8, budget_pages=-1, cap_pages=-1, copy_engine=SyncCopyEngine)
     cache = PrefixCache("model", PS)
     pool = KVPool(num_layers=2, num_pages=num_pages, page_size=PS, num_kv_heads=1, head_dim=2,
                   cache=cache)
-    host = HostStore(budget_pages if budget_pages < 0 else budget_pages * pool.page_bytes)
+    page_cost = pool.page_bytes + PAGE_BOOKKEEPING_BYTES  # what a host page costs the budget
+    host = HostStore(budget_pages if budget_pages < 0 else budget_pages * page_cost)
     copy = copy_engine(pool)
-    cap = cap_pages if cap_pages < 0 else cap_pages * pool.page_bytes
+    cap = cap_pages if cap_pages < 0 else cap_pages * page_cost
     pool.tier = HostTier(host, copy, pool.host_page_shape, pool.dtype, cap)
     config = SchedulerConfig(num_slots=3, batch_size=64, preempt_high=1.0, preempt_low=1.0)
     return Scheduler(config, pool, Swapper(pool, host, copy)), pool, pool.tier
@@ -84,7 +85,8 @@ def test_a_swap_park_keeps_its_full_pages_in_the_tier_and_copies_them_once():
     assert scheduler.park(seq) is PreemptMode.SWAP
     assert len(seq.parking.tier_pages) == 3 and seq.parking.host_kv.shape[1] == 1
     assert tier.parked_bytes == 3 * tier.page_bytes and tier.cached_bytes == 0
-    assert scheduler.swapper.host.held_bytes == 4 * pool.page_bytes  # nothing counted twice
+    # nothing counted twice: three pages in the tier, the tail in the park's own buffer
+    assert scheduler.swapper.host.held_bytes == 3 * tier.page_bytes + pool.page_bytes
     flush_pool(pool)  # its released pool pages are evicted: the tier has them, no new copy
     assert tier.stats.saves == 0 and tier.num_pages == 3
     scheduler.resume(seq)
@@ -93,7 +95,7 @@ def test_a_swap_park_keeps_its_full_pages_in_the_tier_and_copies_them_once():
     assert seq.parking.restored_from_host == 3 and seq.parking.mode is PreemptMode.SWAP
     assert slot_view(seq).resumed_from == ("host",)  # what /slots shows
     assert tier.parked_bytes == 0 and tier.cached_bytes == 3 * tier.page_bytes
-    assert scheduler.swapper.host.held_bytes == 3 * pool.page_bytes  # the tail buffer is gone
+    assert scheduler.swapper.host.held_bytes == 3 * tier.page_bytes  # the tail buffer is gone
     # parked again: the tier has those three pages with its own bytes, none is copied again
     saves = len(tier.stats.save_seconds)
     scheduler.park(seq)
@@ -110,7 +112,7 @@ def test_a_park_drops_cached_host_pages_before_it_would_recompute():
     run_to(scheduler, seq, 14)  # needs 3 tier pages + 1 of its own: the budget is 4
     assert scheduler.park(seq) is PreemptMode.SWAP
     assert tier.stats.drops == 3 and scheduler.stats.n_swap_fallbacks == 0
-    assert scheduler.swapper.host.held_bytes == 4 * pool.page_bytes
+    assert scheduler.swapper.host.held_bytes == 3 * tier.page_bytes + pool.page_bytes
 
 
 def test_a_park_that_cannot_fit_even_after_dropping_the_cache_recomputes():

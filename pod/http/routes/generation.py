@@ -15,7 +15,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ...core.engine import EngineClosed
+from ...core.engine import Engine, EngineClosed
 from ...requests import parsers as protocol
 from ...requests.errors import ApiError
 from ...serving.stack import ServingStack
@@ -28,7 +28,7 @@ from ..formats.results import failure
 from ..lifecycle import SHUT_DOWN, Server
 from ..request_body import read_body
 from ..sse import stream_events
-from ..stream import RequestStream, SSEResponse, open_stream, wait_disconnect
+from ..stream import ReaderWatch, RequestStream, SSEResponse, open_stream, wait_disconnect
 
 
 class GenerationRoutes:
@@ -78,6 +78,9 @@ class GenerationRoutes:
             request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
             stream, submissions = open_stream(asyncio.get_running_loop(), stack.tokenizer, gens,
                                               request_id)
+            if stream.request.stream:
+                stream.reader = watch_reader(stack.engine, stream.seq_ids,
+                                             server.config.max_stream_backlog)
             try:
                 stack.engine.submit(submissions)
             except EngineClosed:
@@ -107,3 +110,10 @@ class GenerationRoutes:
         return stream_events(stream, stack.engine, self.server.model_name(stack),
                              fingerprint(stack.numerics), self.server.config.sse_keepalive)
 
+
+
+def watch_reader(engine: Engine, seq_ids: list[str], limit: int) -> ReaderWatch:
+    """`limit` unread events a sequence: `n` choices and batched prompts each send theirs."""
+    ids = tuple(seq_ids)
+    return ReaderWatch(limit * len(ids), lambda: engine.hold_for_reader(ids),
+                       lambda: engine.let_go_for_reader(ids))
