@@ -20,7 +20,6 @@ from .http.connections import (
     redact_access_log,
 )
 from .http.lifecycle import DRAIN_GRACE_SECONDS, Server
-from .memory.heap import fix_mmap_threshold
 
 log = logging.getLogger("kvpark")
 
@@ -76,7 +75,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log.info("%r", args)
-    fix_mmap_threshold()
     app = create_app(args)
     api: Server = app.state.server
     fd_limit = raise_fd_limit()

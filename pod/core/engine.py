@@ -18,6 +18,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
+from ..memory.heap import HeapTrimmer
 from ..memory.paging import pages_for
 from ..memory.slot_files import SlotState
 from ..sampling.sampler import ChunkOutput
@@ -81,6 +82,7 @@ class Engine:
         self.memory = memory or SlotMemory(pool, scheduler.config.num_slots)  # slot files
         # the hand-over queues: submit and cancel never wait for a step to end
         self._cond = threading.Condition()
+        self.heap = HeapTrimmer()
         self._incoming: list[Sequence] = []
         self._cancels: list[str] = []  # request ids
         self._calls: list[Callable[[], None]] = []
@@ -226,6 +228,8 @@ class Engine:
     # ---- the engine thread --------------------------------------------------------------------
     def _loop(self) -> None:
         while True:
+            if not self.scheduler.has_work:  # going idle: freed heap memory back to the OS
+                self.heap.on_idle()
             with self._cond:
                 while not self._has_input() and not self.scheduler.has_work:
                     if self._stopping:

@@ -1,13 +1,14 @@
-"""Long-lived host buffers must not pin the heap.
+"""Long-lived host buffers must not keep freed heap memory resident.
 
 glibc's malloc raises its mmap threshold each time a large block is freed (up to 32 MiB), so
 after the first big step the model's temporaries come from the heap, and the host tier's pages
-and parked buffers, allocated between them and kept for minutes, stop the heap from shrinking:
-RSS grew several times what the tier held. A fixed threshold keeps every large temporary in its
-own mapping, returned whole when freed; what the budget charges is then what RSS holds.
+and parked buffers, allocated between them and kept for minutes, stop the heap from shrinking at
+its top: RSS grew several times what the tier held. Fixing the threshold instead cost steps
+their speed (every large temporary a fresh mapping), so the engine gives the free memory back
+each time it goes idle (`malloc_trim`, which releases free pages anywhere in the heap; a
+millisecond or less while nothing waits).
 
-Only where the C library is glibc (detected at start; elsewhere one log line says so), and not
-when the environment sets the threshold itself (`MALLOC_MMAP_THRESHOLD_`).
+Only where the C library is glibc (detected once; elsewhere one log line says so).
 """
 
 from __future__ import annotations
@@ -15,24 +16,31 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-import os
 import platform
+import time
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-MMAP_THRESHOLD_BYTES = 128 << 10  # glibc's default before it starts to move
 
-
-def fix_mmap_threshold() -> bool:
-    """True when glibc's threshold is now fixed (or the environment fixed it)."""
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
-        return True
+def get_trim() -> Callable[[], None] | None:
+    """glibc's `malloc_trim(0)`, or None where the C library has none."""
     if platform.libc_ver()[0] != "glibc":
-        log.info("C library is not glibc: its malloc's mmap threshold is left as it is")
-        return False
+        log.info("C library is not glibc: freed heap memory is left to its malloc")
+        return None
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    if not libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES):
-        log.warning("glibc refused a fixed mmap threshold: host buffers may pin the heap")
-        return False
-    return True
+    return lambda: libc.malloc_trim(0)
+
+
+class HeapTrimmer:
+    """Called by the engine thread when it goes idle."""
+
+    def __init__(self) -> None:
+        self._trim = get_trim()
+        self.seconds = 0.0  # spent trimming, all told
+
+    def on_idle(self) -> None:
+        if self._trim is not None:
+            started = time.perf_counter()
+            self._trim()
+            self.seconds += time.perf_counter() - started
