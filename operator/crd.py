@@ -561,6 +561,7 @@ def get_crd() -> dict[str, Any]:
                                 "spec": get_spec_schema(),
                                 "status": get_status_schema(),
                             },
+                            "x-kubernetes-validations": [get_name_rule()],
                         })
                     },
                     "subresources": {
@@ -587,6 +588,22 @@ def get_crd() -> dict[str, Any]:
             ],
         },
     }
+
+
+# the children (Deployment, Service, PodDisruptionBudget, autoscalers, InferencePool) take the
+# PreemptServer's name, and its labels carry it: a Service name is a DNS-1035 label
+NAME_PATTERN = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
+MAX_NAME_LENGTH = 63
+
+
+def get_name_rule() -> dict[str, str]:
+    return _rule(
+        f"self.metadata.name.size() <= {MAX_NAME_LENGTH} && "
+        f"self.metadata.name.matches('{NAME_PATTERN}')",
+        "metadata.name must be a DNS-1035 label: lowercase letters, digits and '-', starting "
+        f"with a letter and ending with a letter or digit, at most {MAX_NAME_LENGTH} characters "
+        "(its Service and labels carry the name)",
+        reason="FieldValueInvalid")
 
 
 def get_openapi_schema() -> dict[str, Any]:

@@ -214,7 +214,7 @@ def check_rules(schema: Mapping[str, Any], root: str) -> list[Finding]:
                                         f"{e}"))
                 continue
             try:
-                cost = estimate_cost(tree, node)
+                cost = estimate_cost(tree, with_object_meta(node) if path == root else node)
             except TypeCheckError as e:
                 findings.append(Finding(f"{where}.rule", f"Invalid value: compilation failed: "
                                         f"{e}"))
@@ -231,6 +231,19 @@ def check_rules(schema: Mapping[str, Any], root: str) -> list[Finding]:
         findings.append(Finding(root, f"Forbidden: x-kubernetes-validations estimated rule cost "
                                 f"total {total} exceeds budget {PER_CRD_COST_LIMIT}"))
     return findings
+
+
+# What a rule at the root sees of `metadata` on kube-apiserver: name and generateName, strings
+# (checked there: a rule on self.metadata.name compiles within the cost budget; a fieldPath
+# naming it is refused, "must be a valid path")
+OBJECT_META = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 253},
+    "generateName": {"type": "string", "maxLength": 253}}}
+
+
+def with_object_meta(schema: Mapping[str, Any]) -> dict[str, Any]:
+    properties = {**schema.get("properties", {}), "metadata": OBJECT_META}
+    return {**schema, "properties": properties}
 
 
 class TypeCheckError(Exception):
@@ -461,8 +474,8 @@ def cel_findings(schema: Mapping[str, Any], value: Any, path: str,
             yield Finding(path, f"Invalid value: rule {rule['rule']!r} gave {result!r}")
         elif not result:  # reported on the rule's fieldPath where it names one
             where = f"{path}{rule['fieldPath']}" if rule.get("fieldPath") else path
-            yield Finding(where, f'Invalid value: "object": {message}' if server_style
-                          else message)
+            yield Finding(where or "<nil>",  # the server's word for the object's root
+                          f'Invalid value: "object": {message}' if server_style else message)
     if isinstance(value, dict):
         extra = schema.get("additionalProperties")
         for key, item in value.items():

@@ -409,3 +409,17 @@ def test_every_field_reference_states_its_api_version() -> None:
     refs = [*field_refs(documents)]
     assert refs and all(ref.get("apiVersion") == "v1" for ref in refs)
     assert template.count("fieldRef:") == template.count("apiVersion: v1  # as the API server")
+
+
+NAME_REFUSAL = "<nil>: " + crd.get_name_rule()["message"]
+
+
+@pytest.mark.parametrize("name, refused", [
+    ("my.llm", True), ("a" * 64, True), ("Big", True), ("9lives", True), ("end-", True),
+    ("a" * 63, False), ("ok-name", False), ("x", False)])
+def test_names_that_children_cannot_carry_are_refused(name: str, refused: bool) -> None:
+    """Dots (a Service name is a DNS-1035 label), more than 63 characters (labels), capitals, a
+    leading digit: refused by a rule on metadata.name (kube-apiserver v1.36.2 answered these
+    alike, reporting at the root: a fieldPath naming metadata.name is refused there)."""
+    obj = resource({}) | {"metadata": {"name": name}}
+    assert all_errors(obj) == ({NAME_REFUSAL} if refused else set())
