@@ -248,7 +248,9 @@ def get_children(body: Mapping[str, Any], spec: Mapping[str, Any], sizing: Sizin
                  config: OperatorConfig, served: Set[str]) -> Children:
     """What to apply and what to delete; `served` holds the optional APIs the cluster serves."""
     name = body["metadata"]["name"]
-    problems = validation.get_spec_problems(spec, get_selector_labels(name), CONTAINER)
+    problems = validation.get_namespace_problems(body["metadata"]["namespace"],
+                                                 config.protected_namespaces)
+    problems += validation.get_spec_problems(spec, get_selector_labels(name), CONTAINER)
     problems += [sizing.problem] if sizing.problem else []
     apply = [get_deployment(body, spec, sizing, config), get_service(body)]
     delete: list[tuple[str, str, str]] = []

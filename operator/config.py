@@ -13,6 +13,8 @@ MANAGER = "kvpark-operator"  # app.kubernetes.io/managed-by on children; the fie
 class OperatorConfig:
     image: str = "kvpark/kvpark:0.1.0"  # the server image when a CR names none
     namespaces: tuple[str, ...] = ()  # watched namespaces; empty: all
+    # never served there, even when watched: the cluster's own, with its privileged accounts
+    protected_namespaces: tuple[str, ...] = ("kube-system", "kube-public", "kube-node-lease")
     reconcile_seconds: float = 60.0  # the timer that re-creates deleted children
     pod_monitor: str = "auto"  # auto: when the CRD is served; false: never
     # labels on every PodMonitor (e.g. release=kube-prometheus-stack); a CR's own win
@@ -26,10 +28,11 @@ class OperatorConfig:
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> OperatorConfig:
         default = cls()
-        namespaces = tuple(n.strip() for n in env.get("KVPARK_WATCH_NAMESPACES", "").split(","))
         return cls(
             image=env.get("KVPARK_SERVER_IMAGE", default.image),
-            namespaces=tuple(n for n in namespaces if n),
+            namespaces=parse_names(env.get("KVPARK_WATCH_NAMESPACES", "")),
+            protected_namespaces=parse_names(env.get("KVPARK_PROTECTED_NAMESPACES",
+                                                     ",".join(default.protected_namespaces))),
             reconcile_seconds=float(env.get("KVPARK_RECONCILE_SECONDS", default.reconcile_seconds)),
             pod_monitor=env.get("KVPARK_POD_MONITOR", default.pod_monitor).lower(),
             pod_monitor_labels=parse_labels(env.get("KVPARK_POD_MONITOR_LABELS", "")),
@@ -38,6 +41,11 @@ class OperatorConfig:
             liveness=env.get("KVPARK_LIVENESS", default.liveness),
             peering=env.get("KVPARK_PEERING", default.peering),
         )
+
+
+def parse_names(text: str) -> tuple[str, ...]:
+    """`a, b` -> ("a", "b"); empty items dropped."""
+    return tuple(n.strip() for n in text.split(",") if n.strip())
 
 
 def parse_labels(text: str) -> tuple[tuple[str, str], ...]:

@@ -6,6 +6,12 @@ to happen before a PreemptServer goes. kopf's `@kopf.timer` would add one
 (kopf.zalando.org/KopfFinalizerMarker), which hangs CR and namespace deletion once the operator
 is uninstalled; instead a watch keeps the PreemptServers it has seen (`MEMORY.servers`) and a loop
 started with the operator reconciles each of them every `reconcile_seconds`.
+
+No kopf bookkeeping in the object either: kopf's create/update handlers keep a copy of the spec
+in an annotation, and a spec past the API server's 256 KiB of annotations (a large podTemplate)
+made that write fail forever while the status said Ready. The reconcile is level-triggered and
+reads no diff, so the event handler calls it for each new generation, labels or annotations,
+and the loop retries a failed one after BACKOFF.
 """
 
 from __future__ import annotations
@@ -50,12 +56,15 @@ class Memory:
     written: dict[str, dict[str, Any]] = field(default_factory=dict)
     # uid -> the newest generation reconciled: an older body is not applied over it
     generations: dict[str, int] = field(default_factory=dict)
+    # uid -> what its last successful reconcile followed (get_version); absent: retry it
+    versions: dict[str, tuple[int, str, str]] = field(default_factory=dict)
     # (uid, kind): children it must not have, seen absent or not its own. Only the operator
     # makes objects owned by a PreemptServer, so those stay absent and are not asked again.
     absent: set[tuple[str, str]] = field(default_factory=set)
 
     def forget(self, uid: str) -> None:
         self.written.pop(uid, None)
+        self.versions.pop(uid, None)
         self.generations.pop(uid, None)
         self.absent = {a for a in self.absent if a[0] != uid}
 
@@ -65,8 +74,6 @@ MEMORY = Memory()
 
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=crd.GROUP)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=crd.GROUP)
     # handler failures and warnings become Events on the PreemptServer (kubectl describe)
     settings.posting.loggers = True
     settings.posting.level = logging.WARNING
@@ -82,25 +89,37 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
     return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
 
 
-# after an API error, retry soon (kopf's default waits 60 s)
+# after a failed reconcile, retry this soon (the full resync waits reconcile_seconds)
 BACKOFF = min(10.0, CONFIG.reconcile_seconds)
-
-
-@kopf.on.resume(crd.GROUP, crd.VERSION, crd.PLURAL, backoff=BACKOFF)
-@kopf.on.create(crd.GROUP, crd.VERSION, crd.PLURAL, backoff=BACKOFF)
-@kopf.on.update(crd.GROUP, crd.VERSION, crd.PLURAL, backoff=BACKOFF)
-def server_changed(body: kopf.Body, **_: Any) -> None:
-    reconcile(body)
 
 
 @kopf.on.event(crd.GROUP, crd.VERSION, crd.PLURAL)
 def server_event(type: str | None, body: kopf.Body, **_: Any) -> None:
+    """Every event of a PreemptServer (the listing at start too): kept for the resync loop, and
+    reconciled now when it says something new (not for the status writes the operator makes)."""
     key = (body.metadata.namespace, body.metadata.name)
     if type == "DELETED":
         MEMORY.servers.pop(key, None)
         MEMORY.forget(body.metadata.uid or "")
-    else:
-        MEMORY.servers[key] = copy.deepcopy(dict(body))
+        return
+    server = MEMORY.servers[key] = copy.deepcopy(dict(body))
+    if get_version(server) != MEMORY.versions.get(body.metadata.uid or ""):
+        reconcile_or_retry(server)
+
+
+def get_version(body: Mapping[str, Any]) -> tuple[int, str, str]:
+    """What a reconcile follows of the object: its spec (generation), labels and annotations."""
+    meta = body["metadata"]
+    return (int(meta.get("generation") or 0), repr(sorted((meta.get("labels") or {}).items())),
+            repr(sorted((meta.get("annotations") or {}).items())))
+
+
+def reconcile_or_retry(body: Mapping[str, Any]) -> None:
+    """Reconcile; a failure leaves the version unmarked, so the resync loop tries again soon."""
+    uid = body["metadata"].get("uid", "")
+    MEMORY.versions.pop(uid, None)
+    reconcile(body)
+    MEMORY.versions[uid] = get_version(body)
 
 
 PEERING_WAIT_SECONDS = 60.0  # a fresh cluster serves the peering CRDs a moment after applying
@@ -154,17 +173,25 @@ async def stop_resync(memo: kopf.Memo, **_: Any) -> None:
 
 async def resync_forever(interval: float, priority: int) -> None:
     """Every `interval`: reconcile each PreemptServer (brings back children deleted by hand,
-    follows pods into the status, retries what failed), on the working replica only."""
+    follows pods into the status), on the working replica only; every BACKOFF in between,
+    those whose last reconcile failed."""
+    tick = min(BACKOFF, interval)
+    last_full = time.monotonic()
     while True:
-        await asyncio.sleep(interval)
+        await asyncio.sleep(tick)
         if not await asyncio.to_thread(is_working, priority):
             # kopf paused this replica's watches: what it saw goes stale. When it resumes,
             # kopf lists the PreemptServers again and server_event fills this anew.
             MEMORY.servers.clear()
             continue
+        full = time.monotonic() - last_full >= interval
+        last_full = time.monotonic() if full else last_full
         for body in list(MEMORY.servers.values()):
+            if not full and get_version(body) == MEMORY.versions.get(
+                    body["metadata"].get("uid", "")):
+                continue
             try:
-                await asyncio.to_thread(reconcile, body)
+                await asyncio.to_thread(reconcile_or_retry, body)
             except Exception:  # the next round retries; one server never stops the others
                 logger.exception("reconciling %s/%s failed", body["metadata"]["namespace"],
                                  body["metadata"]["name"])

@@ -69,6 +69,16 @@ def get_args_problems(args: Sequence[str]) -> list[Problem]:
     return problems
 
 
+def get_namespace_problems(namespace: str, protected: Sequence[str]) -> list[Problem]:
+    """The cluster's own namespaces hold its privileged service accounts and controllers: a
+    leaked operator token must not be able to start pods there through a PreemptServer."""
+    if namespace not in protected:
+        return []
+    return [Problem("ProtectedNamespace", f"PreemptServers are not served in {namespace}, "
+                    "one of the cluster's own namespaces (the operator's "
+                    "KVPARK_PROTECTED_NAMESPACES): create it in another namespace")]
+
+
 def get_spec_problems(spec: Mapping[str, Any], selector: Mapping[str, str],
                       container: str) -> list[Problem]:
     """`selector`, `container`: the pods' selector labels and the server container's name,

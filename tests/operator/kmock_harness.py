@@ -3,10 +3,11 @@
 kmock (by kopf's author) serves discovery, list, watch, create, merge-patch and delete from
 memory; it is not kube-apiserver. `Emulator` adds what kopf and the client rely on from a real
 server: uid, creationTimestamp, resourceVersion bumped on every change, generation bumped on spec
-changes, the URL's namespace in created objects, generateName, and no event for a patch that
-changes nothing. It runs no controllers (no Deployment controller, no garbage collector), does
-no defaulting, no schema or CEL validation, no RBAC, no label-selector filtering, ignores delete
-preconditions, and treats server-side apply as a merge patch. Tests may add `admission` checks:
+changes, the URL's namespace in created objects, generateName, no event for a patch that
+changes nothing, and a 422 for a JSON patch whose `test` fails (kmock: 500). It runs no
+controllers (no Deployment controller, no garbage collector), does no defaulting, no schema or
+CEL validation, no RBAC, no label-selector filtering, ignores delete preconditions, and treats
+server-side apply as a merge patch. Tests may add `admission` checks:
 stand-ins for validating webhooks, each told (emulator, request) before a write is stored and
 raising kmock.KubernetesError to refuse it (see `keda_webhook`, and `typed_apply` for the typing
 that server-side apply does). `Api` is a plain `kubernetes`
@@ -81,6 +82,18 @@ def merge_patch(target: Any, patch: Any) -> Any:
     return result
 
 
+def read_pointer(obj: Any, pointer: str) -> Any:
+    """The value at a JSON pointer, or None where there is none."""
+    for part in [p.replace("~1", "/").replace("~0", "~") for p in pointer.split("/")[1:]]:
+        if isinstance(obj, dict):
+            obj = obj.get(part)
+        elif isinstance(obj, list) and part.isdigit() and int(part) < len(obj):
+            obj = obj[int(part)]
+        else:
+            return None
+    return obj
+
+
 def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -105,6 +118,8 @@ class Emulator(kmock.KubernetesEmulator):
                 kmock.action.CREATE, kmock.action.UPDATE):
             for check in self.admission:
                 check(self, request)
+        if request.resource is not None and isinstance(request.data, list):
+            self._check_json_patch_tests(request)
         if request.resource is not None and isinstance(request.data, dict):
             if request.action == kmock.action.CREATE:
                 self._on_create(request)
@@ -122,6 +137,21 @@ class Emulator(kmock.KubernetesEmulator):
             meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
         meta.update(uid=str(uuid.uuid4()), resourceVersion=str(next(_versions)),
                     creationTimestamp=_now(), generation=1)
+
+    def _check_json_patch_tests(self, request: kmock.Request) -> None:
+        """A JSON patch whose `test` fails is a 422 on kube-apiserver (checked on v1.36.2); kmock
+        answers 500, which kopf retries for a minute (its finalizer removal tests the
+        resourceVersion, so a status write in between made it stall)."""
+        key = (request.resource, request.namespace, request.name)
+        if key not in self.objects or self.objects[key].deleted:
+            return
+        stored = self.objects[key].raw
+        for op in request.data:
+            if isinstance(op, dict) and op.get("op") == "test" and \
+                    read_pointer(stored, op.get("path", "")) != op.get("value"):
+                raise kmock.KubernetesError(
+                    422, "Invalid", "the server rejected our request due to an error in our "
+                    "request")
 
     def _on_patch(self, request: kmock.Request) -> dict[str, Any] | None:
         """Stamp the patch; return the stored object instead when the patch changes nothing."""

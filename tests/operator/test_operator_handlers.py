@@ -182,6 +182,8 @@ def test_deployment_events_reconcile_their_owner(fake: FakeKube,
     seen: list[str] = []
     monkeypatch.setattr(handlers, "reconcile", lambda body: seen.append(body["metadata"]["name"]))
     handlers.server_event(type=None, body=kopf.Body(add_server(fake, {}, name="alive")))
+    assert seen == ["alive"]  # a PreemptServer seen for the first time is reconciled
+    seen.clear()
     handlers.deployment_event(body=deployment_body("alive"))
     handlers.deployment_event(body=deployment_body("gone"))  # its PreemptServer was deleted
     handlers.deployment_event(body=deployment_body("alive", controller=False))

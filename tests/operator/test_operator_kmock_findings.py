@@ -10,12 +10,14 @@ tests write the status they write; where no custom metrics API is registered for
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
 from kmock_harness import Cluster, condition, typed_apply
 
-from kvpark.operator import crd
+from kvpark.operator import crd, handlers
+from kvpark.operator.config import OperatorConfig
 
 KMOCK_ADMISSION = [typed_apply]
 
@@ -115,3 +117,53 @@ def events_about(cluster: Cluster, ns: str, kind: str) -> list[dict]:
     """The namespace's Events about objects of `kind` (a real cluster's controllers add more)."""
     events = (cluster.api.get(f"/api/v1/namespaces/{ns}/events") or {}).get("items", [])
     return [e for e in events if e["involvedObject"]["kind"] == kind]
+
+
+def test_a_pod_template_past_the_annotation_limit_is_applied_and_nothing_is_kept_in_the_object(
+        cluster: Cluster, ns: str) -> None:
+    """Issue 38 (1.2): a podTemplate over 256 KiB made kopf's copy of the spec in an annotation
+    too long for the API server; that write failed forever while the status said Ready. Now the
+    operator keeps nothing in the PreemptServer but its status: the Deployment gets the whole
+    template, a later change of the spec is applied, and no annotation (nor any write to the
+    object itself: kmock's request log) comes from the operator."""
+    env = [{"name": f"V{i}", "value": "x" * 1024} for i in range(300)]  # ~330 KB
+    sidecar = {"name": "sidecar", "image": "busybox", "env": env}
+    cluster.create_server(ns, "big", {"podTemplate": {"spec": {"containers": [sidecar]}}})
+    deployment = cluster.wait_child("Deployment", ns, "big")
+    containers = {c["name"]: c for c in deployment["spec"]["template"]["spec"]["containers"]}
+    assert len(containers["sidecar"]["env"]) == 300
+    cluster.wait_condition(ns, "big", "Degraded", "False", "AsExpected")
+    cluster.patch_spec(ns, "big", {"parallel": 3})
+    cluster.wait_child("Deployment", ns, "big", lambda d: parallel_of(d) == "3")
+    annotations = cluster.get(crd.KIND, ns, "big")["metadata"].get("annotations") or {}
+    assert [k for k in annotations if "kopf" in k or k.startswith(crd.GROUP)] == []
+    if cluster.server:
+        writes = ours(cluster, "PATCH", "preemptservers", ns)
+        assert writes and {r.subresource for r in writes} == {"status"}
+
+
+def parallel_of(deployment: dict) -> str:
+    server = next(c for c in deployment["spec"]["template"]["spec"]["containers"]
+                  if c["name"] == "server")
+    return server["args"][server["args"].index("--parallel") + 1]
+
+
+def test_a_protected_namespace_gets_no_children(cluster: Cluster, ns: str,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 38 (1.6): an operator allowed everywhere could start pods in kube-system through a
+    PreemptServer. The cluster's own namespaces (KVPARK_PROTECTED_NAMESPACES; kube-system,
+    kube-public and kube-node-lease by default) are refused: Degraded, ProtectedNamespace, and
+    nothing made. Here the test's namespace stands in for kube-system."""
+    monkeypatch.setattr(handlers, "CONFIG", dataclasses.replace(
+        handlers.CONFIG, protected_namespaces=(ns,)))
+    cluster.create_server(ns, "s", {})
+    server = cluster.wait_condition(ns, "s", "Degraded", "True", "ProtectedNamespace")
+    assert f"not served in {ns}" in condition(server, "Degraded")["message"]
+    assert cluster.get("Deployment", ns, "s") is None
+    assert cluster.get("Service", ns, "s") is None
+
+
+def test_the_cluster_namespaces_are_protected_by_default() -> None:
+    config = OperatorConfig.from_env({})
+    assert set(config.protected_namespaces) == {"kube-system", "kube-public", "kube-node-lease"}
+    assert OperatorConfig.from_env({"KVPARK_PROTECTED_NAMESPACES": ""}).protected_namespaces == ()

@@ -123,6 +123,11 @@ def run_scenario(cluster: Cluster) -> None:
         cluster.wait_gone("PodMonitor", ns, "s")
     finally:
         handlers.CONFIG = config
+    # a PreemptServer an older operator gave kopf's finalizer: kopf takes it off (a patch)
+    cluster.api.create(cluster.path("PreemptServer", ns), {
+        "apiVersion": "kvpark.io/v1alpha1", "kind": "PreemptServer", "spec": {}, "metadata": {
+            "name": "old", "finalizers": ["kopf.zalando.org/KopfFinalizerMarker"]}})
+    cluster.wait_child("PreemptServer", ns, "old", lambda s: not s["metadata"].get("finalizers"))
     # the failed call made the operator post an Event about it
     cluster.wait_child("PreemptServer", ns, "s", lambda s: any(
         r.method == "POST" and r.resource and r.resource.plural == "events"
@@ -178,3 +183,34 @@ def test_chart_with_watched_namespaces_grants_nothing_cluster_wide(helm: str) ->
     env = {e["name"]: e.get("value") for e in
            deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["KVPARK_WATCH_NAMESPACES"] == "team-a,team-b"
+
+
+def test_the_namespaced_manifests_grant_nothing_cluster_wide() -> None:
+    """Issue 38 (1.6): manifests/namespaced/ is manifests/operator.yaml with Roles in the
+    namespaces it watches instead of a ClusterRole: the same rules (kopf's namespaced peering
+    objects for the cluster-wide ones), bound to the same account, the same Deployment but for
+    the namespaces it watches."""
+    docs = [d for d in yaml.safe_load_all(
+        (REPO / "manifests" / "namespaced" / "operator.yaml").read_text()) if d]
+    assert find(docs, "ClusterRole") == [] and find(docs, "ClusterRoleBinding") == []
+    (deployment,) = find(docs, "Deployment")
+    env = deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+    watched = next(e["value"] for e in env if e["name"] == "KVPARK_WATCH_NAMESPACES").split(",")
+    roles, bindings = find(docs, "Role"), find(docs, "RoleBinding")
+    assert sorted(r["metadata"]["namespace"] for r in roles) == sorted(watched)
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == sorted(watched)
+    peering = {"clusterkopfpeerings": "kopfpeerings"}
+    wanted = {(g, peering.get(r, r), v) for g, r, v in manifest_rules()}
+    assert all(expand(r["rules"]) == wanted for r in roles)
+    (account,) = find(docs, "ServiceAccount")
+    assert all(b["subjects"] == [{"kind": "ServiceAccount", "name": account["metadata"]["name"],
+                                  "namespace": account["metadata"]["namespace"]}]
+               and b["roleRef"]["kind"] == "Role" for b in bindings)
+    cluster_wide = list(yaml.safe_load_all((REPO / "manifests" / "operator.yaml").read_text()))
+    (same,) = find(cluster_wide, "Deployment")
+    for e in same["spec"]["template"]["spec"]["containers"][0]["env"]:
+        if e["name"] == "KVPARK_WATCH_NAMESPACES":
+            e["value"] = ",".join(watched)
+    assert deployment == same
+    created = {d["metadata"]["name"] for d in find(docs, "Namespace")}
+    assert set(watched) <= created  # applying the folder makes what it serves

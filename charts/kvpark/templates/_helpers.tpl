@@ -47,6 +47,7 @@ blockOwnerDeletion, which the OwnerReferencesPermissionEnforcement admission plu
 who may update the owner's finalizers.
 */}}
 {{- define "kvpark.rules" -}}
+# patch: kopf takes off the finalizer an older operator's timer added
 - apiGroups: [kvpark.io]
   resources: [preemptservers]
   verbs: [list, watch, patch]
