@@ -44,6 +44,18 @@ def test_the_api_server_enforces_the_schema_and_cel(real_cluster: RealCluster, n
     assert refused.value.status == 422, refused.value.body
 
 
+@pytest.mark.parametrize("name", ["my.llm", "a" * 70, "Big", "9lives"])
+def test_the_api_server_refuses_names_the_children_cannot_carry(real_cluster: RealCluster,
+                                                                ns: str, name: str) -> None:
+    """Issue 38 (1.3): the CEL rule on metadata.name (at the object's root: a fieldPath naming
+    metadata.name is refused by the API server)."""
+    from kubernetes.client import ApiException
+
+    with pytest.raises(ApiException) as refused:
+        real_cluster.create_server(ns, name, {})
+    assert refused.value.status == 422 and "DNS-1035" in refused.value.body, refused.value.body
+
+
 def test_lifecycle_on_a_real_cluster(real_cluster: RealCluster, ns: str) -> None:
     cluster = real_cluster
     server = cluster.create_server(ns, "s", spec())
