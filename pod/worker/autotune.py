@@ -2,6 +2,14 @@
 (`--weights auto`), how many C kernel threads (`--kernel-threads 0`) and torch threads
 (`--threads 0`) to run, each from a few timed rounds within a small budget, with the machine's
 load logged so a slow server's log says why it chose what it chose.
+
+A busy machine cannot be measured (a second thread waits for a core and looks useless), and
+these choices hold for the server's life: a thread count and the decode weights are part of a
+step's arithmetic, and a replay must compute what the first pass computed. So a measurement may
+only lower a count, or drop the blocks, when it was taken on a quiet machine; on a busy one the
+defaults stay: every core the process may use (affinity and CPU quota) and the blocks. A pod
+started beside others then runs as an idle start would have chosen, or near it, not at one
+thread for life.
 """
 
 from __future__ import annotations
@@ -28,6 +36,9 @@ log = logging.getLogger("kvpark.autotune")
 AUTO_ROUNDS = 8
 AUTO_BUDGET_S = 0.6  # the start-up measurement stops after this much time
 BUSY_SPREAD = 0.15  # a variant's median round this much slower than its best: others ran too
+SPARE_CORE = 0.25  # others left less than our cores idle, by this much: they took a core from us
+KEPT_WHEN_BUSY = ("; so the defaults stay, every core and the blocks: a measurement may lower "
+                  "them only on a quiet machine, and the choice holds for the server's life")
 
 
 @dataclass(frozen=True)
@@ -35,27 +46,72 @@ class Conditions:
     """What the machine was like while a start-up measurement ran: a loaded machine measures
     thread counts wrong (a second thread waits for a core), and the log must say so."""
 
-    load_average: float  # the 1-minute load average as the measurement ended
+    load_average: float  # the 1-minute load average as the measurement ended (it lags)
     cores: int
     spread: float  # the largest median/best - 1 of any variant's rounds
     rounds: int
+    # cores other processes kept busy while it ran, on a machine of `machine_cores` (None: no
+    # /proc/stat to read)
+    others: float | None = None
+    machine_cores: int = 0
 
     @property
     def busy(self) -> bool:
-        return self.load_average >= self.cores or self.spread > BUSY_SPREAD
+        return (self.load_average >= self.cores or self.spread > BUSY_SPREAD
+                or self.others_took_a_core)
+
+    @property
+    def others_took_a_core(self) -> bool:
+        return self.others is not None and (
+            self.others > self.machine_cores - self.cores + SPARE_CORE)
 
     def describe(self) -> str:
         text = (f"{self.rounds} round{'s' * (self.rounds > 1)}, median {self.spread:.0%} over "
                 f"the best; load average {self.load_average:.2f} on {self.cores} cores")
+        if self.others is not None:
+            text += (f"; other processes kept {self.others:.2f} of the machine's "
+                     f"{self.machine_cores} cores busy")
         if self.busy:
-            text += ("; the machine was busy while measuring, so on an idle one this may "
-                     "choose otherwise (set the flag to decide)")
+            text += "; the machine was busy while measuring"
         return text
+
+
+@dataclass(frozen=True)
+class CpuSample:
+    """Busy CPU seconds of the whole machine (None without /proc/stat) and of this process."""
+
+    at: float
+    machine: float | None
+    own: float
+
+    @classmethod
+    def now(cls) -> CpuSample:
+        times = os.times()  # its elapsed: wall time, apart from the clock the rounds read
+        return cls(times.elapsed, machine_busy_seconds(), times.user + times.system)
+
+
+def machine_busy_seconds() -> float | None:
+    try:
+        with open("/proc/stat") as stat:
+            fields = [int(v) for v in stat.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")  # guest time is in user
+
+
+def other_cores(before: CpuSample, after: CpuSample) -> float | None:
+    """Cores other processes kept busy on average between two samples."""
+    wall = after.at - before.at
+    if before.machine is None or after.machine is None or wall <= 0:
+        return None
+    return max(0.0, (after.machine - before.machine) - (after.own - before.own)) / wall
 
 
 @dataclass(frozen=True)
 class Rounds:
     times: dict[int, list[float]]  # seconds of each timed round, by variant
+    others: float | None = None  # cores other processes kept busy meanwhile
 
     @property
     def best(self) -> dict[int, float]:
@@ -66,7 +122,8 @@ class Rounds:
                      default=0.0)
         return Conditions(os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0,
                           usable_cores().count, spread,
-                          min(len(t) for t in self.times.values()))
+                          min(len(t) for t in self.times.values()), self.others,
+                          os.cpu_count() or 1)
 
 
 def timed_rounds(run: Callable[[int], float], variants: list[int]) -> Rounds:
@@ -76,12 +133,13 @@ def timed_rounds(run: Callable[[int], float], variants: list[int]) -> Rounds:
         run(variant)
     times: dict[int, list[float]] = {variant: [] for variant in variants}
     deadline = time.perf_counter() + AUTO_BUDGET_S
+    before = CpuSample.now()
     for _ in range(AUTO_ROUNDS):
         for variant in variants:
             times[variant].append(run(variant))
         if time.perf_counter() > deadline:
             break
-    return Rounds(times)
+    return Rounds(times, other_cores(before, CpuSample.now()))
 
 
 @dataclass(frozen=True)
@@ -138,18 +196,19 @@ def choose_decode_weights(args: ServerArgs, model: LlamaModel) -> None:
         return
     counts = [1, worker_pool.get_num_threads()] if auto_threads else [args.kernel_threads]
     timings = measure_decode_linears(model, counts)
+    busy = timings.conditions.busy
     if auto_threads:
-        worker_pool.set_num_threads(timings.best_threads)
+        worker_pool.set_num_threads(max(counts) if busy else timings.best_threads)
     blocks = timings.blocks[worker_pool.get_num_threads()]
-    keep = args.weights != "auto" or blocks <= timings.dense
+    keep = args.weights != "auto" or busy or blocks <= timings.dense
     log.info("--weights %s, --kernel-threads %s: decode rows from %s, kernel threads %d (one row "
-             "through every layer's MLP: blocks %s, float32 oneDNN %.2f ms; %s)",
+             "through every layer's MLP: blocks %s, float32 oneDNN %.2f ms; %s%s)",
              args.weights, "auto" if auto_threads else args.kernel_threads,
              "blocks" if keep else "float32 (faster here)",
              worker_pool.get_num_threads(),
              ", ".join(f"{t * 1e3:.2f} ms at {n} thread{'s' * (n > 1)}"
                        for n, t in timings.blocks.items()), timings.dense * 1e3,
-             timings.conditions.describe())
+             timings.conditions.describe(), KEPT_WHEN_BUSY if busy else "")
     if not keep:
         model.drop_blocks()
 
@@ -203,12 +262,13 @@ def choose_torch_threads(args: ServerArgs, model: LlamaModel) -> None:
         return
     timings = measure_prompt_gemms(model, [1, cores])
     one, every = timings.by_threads[1], timings.by_threads[cores]
-    chosen = cores if every * PROMPT_THREADS_GAIN < one else 1
+    busy = timings.conditions.busy
+    chosen = cores if busy or every * PROMPT_THREADS_GAIN < one else 1
     torch.set_num_threads(chosen)
     log.info("--threads auto: %d torch thread%s for prompt GEMMs (a %d-row chunk through %d "
-             "layers' MLPs: %.2f ms at 1 thread, %.2f ms at %d; %s)", chosen, "s" * (chosen > 1),
-             PROMPT_PROBE_ROWS, PROMPT_PROBE_LAYERS, one * 1e3, every * 1e3, cores,
-             timings.conditions.describe())
+             "layers' MLPs: %.2f ms at 1 thread, %.2f ms at %d; %s%s)", chosen,
+             "s" * (chosen > 1), PROMPT_PROBE_ROWS, PROMPT_PROBE_LAYERS, one * 1e3, every * 1e3,
+             cores, timings.conditions.describe(), KEPT_WHEN_BUSY if busy else "")
 
 
 def warn_if_oversubscribed(torch_threads: int, kernel_threads: int) -> None:

@@ -353,6 +353,65 @@ def test_the_measured_choice_logs_the_machines_load(smollm2, caplog, monkeypatch
     assert "the machine was busy while measuring" in caplog.text
 
 
+BUSY = autotune.Conditions(load_average=2.6, cores=2, spread=0.45, rounds=8)
+
+
+@pytest.mark.parametrize("others,machine_cores,busy", [
+    (0.03, 2, False), (2.0, 2, True), (0.4, 2, True), (30.0, 64, False), (62.5, 64, True)])
+def test_other_processes_taking_a_core_mark_the_measurement_busy(others, machine_cores, busy):
+    """The load average lags by a minute (0.72 with two burners ten seconds in, where the
+    measurement found one thread faster than two): the CPU time other processes took while it
+    ran says it at once. On a big node, others busy beside this pod's cores are no contention."""
+    conditions = autotune.Conditions(load_average=0.7, cores=2, spread=0.02, rounds=8,
+                                     others=others, machine_cores=machine_cores)
+    assert conditions.busy == busy
+    assert f"other processes kept {others:.2f}" in conditions.describe()
+
+
+def test_other_cores_are_the_machines_busy_time_less_this_processs():
+    before = autotune.CpuSample(at=10.0, machine=100.0, own=5.0)
+    after = autotune.CpuSample(at=12.0, machine=106.0, own=7.0)  # 6 s busy, 2 of them ours
+    assert autotune.other_cores(before, after) == 2.0
+    assert autotune.other_cores(before, autotune.CpuSample(12.0, None, 7.0)) is None
+# what a busy start measures: a second thread waits for a core, so one looks faster, and blocks
+# look slower than float32
+ONE_LOOKS_FASTER = autotune.DecodeTimings({1: 0.003, 2: 0.005}, 0.002, BUSY)
+
+
+@pytest.mark.parametrize("conditions", [BUSY, IDLE], ids=["busy", "quiet"])
+def test_a_busy_start_keeps_every_kernel_thread_and_the_blocks(smollm2, caplog, monkeypatch,
+                                                                conditions):
+    """Issue 41: a server started beside others measured 1 thread (and would have dropped the
+    blocks) for its whole life. The same timings lower the count and drop the blocks only when
+    taken on a quiet machine; on a busy one the defaults stay and the log says why."""
+    model = LlamaModel(smollm2.config, smollm2.weights, quantized=smollm2.quantized)
+    monkeypatch.setattr(autotune, "measure_decode_linears", lambda m, counts: (
+        autotune.DecodeTimings(ONE_LOOKS_FASTER.blocks, ONE_LOOKS_FASTER.dense, conditions)))
+    monkeypatch.setattr(worker_pool, "_num_threads", 2)  # every core, as pick_kernel_threads
+    with caplog.at_level(logging.INFO, logger="kvpark.autotune"):
+        autotune.choose_decode_weights(parse_args([], env={}), model)
+    busy = conditions is BUSY
+    assert worker_pool.get_num_threads() == (2 if busy else 1)
+    assert model.has_blocks == busy
+    assert ("the defaults stay" in caplog.text) == busy
+
+
+@pytest.mark.parametrize("conditions", [BUSY, IDLE], ids=["busy", "quiet"])
+def test_a_busy_start_keeps_every_torch_thread(smollm2, caplog, monkeypatch, conditions):
+    model = LlamaModel(smollm2.config, smollm2.weights, quantized=smollm2.quantized)
+    monkeypatch.setattr(autotune, "usable_cores", lambda: Cores(2, "a test"))
+    monkeypatch.setattr(autotune, "measure_prompt_gemms", lambda m, counts: (
+        autotune.PromptTimings({1: 0.010, 2: 0.012}, conditions)))
+    try:
+        with caplog.at_level(logging.INFO, logger="kvpark.autotune"):
+            autotune.choose_torch_threads(parse_args([], env={}), model)
+        chosen = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(1)
+    assert chosen == (2 if conditions is BUSY else 1)
+    assert ("the defaults stay" in caplog.text) == (conditions is BUSY)
+
+
 class SlowClock:
     """A perf_counter that moves a whole start-up budget each time it is read."""
 
