@@ -76,6 +76,7 @@ def get_generation_routes(generation: GenerationRoutes) -> list[Route]:
         route("/v1/completions", "completion"),
         route("/completion", "llama"),
         route("/completions", "llama"),  # llama.cpp's alias of /completion, its shape too
+        route("/v1/messages", "messages"),  # Anthropic's Messages API
     ]
 
 
@@ -87,6 +88,7 @@ def get_routes(server: Server) -> list[Route]:
         Route("/v1/models/{model_id:path}", models.model),
         Route("/models/{model_id:path}", models.model),
         Route("/tokenize", models.tokenize, methods=["POST"]),
+        Route("/v1/messages/count_tokens", models.count_message_tokens, methods=["POST"]),
         Route("/detokenize", models.detokenize, methods=["POST"]),
         Route("/apply-template", models.apply_template, methods=["POST"]),
         Route("/version", models.version),

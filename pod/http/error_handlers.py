@@ -12,24 +12,31 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..requests.errors import ApiError, clip
+from .formats.anthropic import error_body
 
 log = logging.getLogger("kvpark.api")
 
 
-def error_response(exc: ApiError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+ANTHROPIC_PATHS = "/v1/messages"  # and /v1/messages/count_tokens: Anthropic's error shape
+
+
+def error_response(exc: ApiError, path: str = "") -> JSONResponse:
+    """The error in the shape of the API at `path`: Anthropic's for its routes, else OpenAI's
+    (which llama-server and vLLM answer too)."""
+    body = error_body(exc) if path.startswith(ANTHROPIC_PATHS) else exc.body()
+    return JSONResponse(body, status_code=exc.status, headers=exc.headers)
 
 
 async def on_api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
-    return error_response(exc)
+    return error_response(exc, request.url.path)
 
 
 async def on_http_error(request: Request, exc: Exception) -> Response:  # 404, 405
     assert isinstance(exc, HTTPException)
     where = clip(f"{request.method} {request.url.path}")
     return error_response(ApiError(exc.status_code, f"{exc.detail}: {where}",
-                                   headers=exc.headers))
+                                   headers=exc.headers), request.url.path)
 
 
 def crash_response(exc: Exception) -> JSONResponse:

@@ -119,6 +119,7 @@ def _schemas(limits: InputLimits) -> dict[str, Any]:
             "continue_final_message": {"type": "boolean"}}},
         "ApplyTemplateResponse": {"type": "object", "required": ["prompt"], "properties": {
             "prompt": {"type": "string"}}},
+        **anthropic_schemas(),
         "LlamaCompletionResponse": {"type": "object", "required": ["content", "stop", "timings"],
                                     "properties": {
             "content": {"type": "string"}, "stop": {"type": "boolean"},
@@ -127,6 +128,44 @@ def _schemas(limits: InputLimits) -> dict[str, Any]:
             "timings": {"type": "object"}}},
     }
     return schemas
+
+
+def anthropic_schemas() -> dict[str, Any]:
+    """Anthropic's Messages API, its fields as `requests/anthropic.py` reads them."""
+    block = {"type": "object", "required": ["type"], "properties": {"type": {
+        "type": "string", "enum": ["text", "tool_use", "tool_result", "thinking"]}}}
+    message = {"type": "object", "required": ["role", "content"], "properties": {
+        "role": {"type": "string", "enum": ["user", "assistant"]},
+        "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": block}]}}}
+    fields = {
+        "model": {"type": "string"},
+        "messages": {"type": "array", "items": message, "minItems": 1},
+        "system": {"oneOf": [{"type": "string"}, {"type": "array", "items": block}]},
+        "tools": {"type": "array", "items": {"type": "object", "required": ["name"], "properties": {
+            "name": {"type": "string"}, "description": {"type": "string"},
+            "input_schema": {"type": "object"}}}},
+        "tool_choice": {"type": "object", "required": ["type"], "properties": {
+            "type": {"type": "string", "enum": ["auto", "any", "tool", "none"]},
+            "name": {"type": "string"}}}}
+    sampling = {
+        "max_tokens": {"type": "integer", "minimum": 1},
+        "stop_sequences": {"type": "array", "items": {"type": "string"}},
+        "temperature": {"type": "number", "minimum": 0}, "top_p": {"type": "number"},
+        "top_k": {"type": "integer"}, "stream": {"type": "boolean"}}
+    return {
+        "MessagesRequest": {"type": "object", "required": ["max_tokens", "messages"],
+                            "properties": {**fields, **sampling}},
+        "MessagesResponse": {"type": "object", "required": ["id", "type", "content", "usage"],
+                             "properties": {"id": {"type": "string"},
+                                            "type": {"type": "string", "enum": ["message"]},
+                                            "content": {"type": "array", "items": block},
+                                            "stop_reason": {"type": "string"},
+                                            "usage": {"type": "object"}}},
+        "CountTokensRequest": {"type": "object", "required": ["messages"],
+                               "properties": fields},
+        "CountTokensResponse": {"type": "object", "required": ["input_tokens"],
+                                "properties": {"input_tokens": {"type": "integer"}}},
+    }
 
 
 def _paths() -> dict[str, Any]:
@@ -138,6 +177,10 @@ def _paths() -> dict[str, Any]:
                                           "CompletionResponse"),
         "/completion": _generation_op("llama.cpp completion", "LlamaCompletionRequest",
                                       "LlamaCompletionResponse"),
+        "/v1/messages": _generation_op("Anthropic's Messages API (SSE events when `stream`)",
+                                       "MessagesRequest", "MessagesResponse"),
+        "/v1/messages/count_tokens": _json_op("the prompt's tokens (Anthropic)",
+                                              "CountTokensRequest", "CountTokensResponse"),
         "/v1/models": plain_get,
         "/v1/models/{model_id}": {"get": {
             "parameters": [{"name": "model_id", "in": "path", "required": True,

@@ -15,7 +15,6 @@ from typing import Any
 from ..core.engine import Engine
 from ..core.messages import StreamEvent
 from .formats import get_format
-from .formats.results import failure
 from .stream import RequestStream
 
 NOTICES = {StreamEvent.QUEUED: "queued", StreamEvent.PARKED: "preempted",
@@ -23,19 +22,23 @@ NOTICES = {StreamEvent.QUEUED: "queued", StreamEvent.PARKED: "preempted",
            StreamEvent.KEEPALIVE: "keepalive"}
 
 
-def sse(payload: dict[str, Any] | str) -> str:
+def sse(payload: dict[str, Any] | str, named: bool = False) -> str:
+    """A `data:` line; `named`: under `event: <the payload's type>` (Anthropic's streams)."""
     data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    if named and isinstance(payload, dict):
+        return f"event: {payload['type']}\ndata: {data}\n\n"
     return f"data: {data}\n\n"
 
 
-def from_lines(payloads: list[dict[str, Any]]) -> str:
-    return "".join(sse(p) for p in payloads)
+def from_lines(payloads: list[dict[str, Any]], named: bool = False) -> str:
+    return "".join(sse(p, named) for p in payloads)
 
 
 async def stream_events(stream: RequestStream, engine: Engine, model: str, fingerprint: str,
                         keepalive: float) -> AsyncIterator[str]:
     """`model`, `fingerprint`: what each chunk echoes; `keepalive`: --sse-keepalive."""
     fmt = get_format(model, stream, fingerprint)
+    named = fmt.named_events
     finished = 0
     opened = False
     try:
@@ -46,17 +49,17 @@ async def stream_events(stream: RequestStream, engine: Engine, model: str, finge
                 continue
             if not opened:  # a request parked before its first token opens with a notice
                 opened = True
-                yield from_lines(fmt.opening())
+                yield from_lines(fmt.opening(), named)
             if event.kind is StreamEvent.PROGRESS:
-                yield sse(fmt.progress(event.progress))
+                yield sse(fmt.progress(event.progress), named)
             elif event.kind is StreamEvent.TEXT:
-                yield sse(fmt.text(event.index, event.text, event.num_logprobs))
+                yield sse(fmt.text(event.index, event.text, event.num_logprobs), named)
             elif event.kind is StreamEvent.FINISHED:
                 finished += 1
                 if event.result.failed:
-                    yield sse(failure(event.result).body())
+                    yield sse(fmt.failure_event(event.result), named)
                 else:
-                    yield from_lines(fmt.finish_chunks(event.result))
+                    yield from_lines(fmt.finish_chunks(event.result), named)
         if fmt.include_usage:
             yield sse(fmt.usage())
         if fmt.ends_with_done:

@@ -20,6 +20,7 @@ from ..model.tokenizer import Tokenizer
 from ..sampling.grammar import Grammar
 from ..sampling.sampler import SamplingParams
 from . import tools
+from .anthropic import to_chat_body
 from .chat_messages import chat_messages
 from .errors import ApiError, clip, shown
 from .errors import bad_field as _bad
@@ -45,7 +46,7 @@ log = logging.getLogger("kvpark.protocol")
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    kind: str  # "chat", "completion" (OpenAI) or "llama" (/completion)
+    kind: str  # "chat", "completion" (OpenAI), "llama" (/completion), "messages" (Anthropic)
     prompt_ids: list[int]
     params: SamplingParams
     stream: bool
@@ -298,15 +299,32 @@ def parse_completions(body: dict, tokenizer: Tokenizer, limits: InputLimits
     return requests
 
 
-PARSERS = {"chat": parse_chat, "completion": parse_completion, "llama": parse_llama_completion}
+def parse_messages(body: dict, tokenizer: Tokenizer, limits: InputLimits) -> GenerationRequest:
+    """Anthropic's Messages API, its body already mapped to chat's fields (`anthropic.py`, in
+    `parse_request`, before the server's defaults go under it)."""
+    request = parse_chat(body, tokenizer, limits)
+    return dataclasses.replace(request, kind="messages", include_usage=False)
+
+
+def count_message_tokens(body: dict, tokenizer: Tokenizer, limits: InputLimits
+                         ) -> dict[str, int]:
+    """/v1/messages/count_tokens: the prompt's tokens, as /v1/messages would template them."""
+    chat = to_chat_body(body, needs_max_tokens=False)
+    return {"input_tokens": len(parse_chat(chat, tokenizer, limits).prompt_ids)}
+
+
+PARSERS = {"chat": parse_chat, "completion": parse_completion, "llama": parse_llama_completion,
+           "messages": parse_messages}
 NO_DEFAULTS = GenerationDefaults()
 
 
 def parse_request(kind: str, raw: bytes, tokenizer: Tokenizer, limits: InputLimits,
                   defaults: GenerationDefaults = NO_DEFAULTS) -> GenerationRequest:
     """Body bytes -> a `GenerationRequest` for route `kind`, or an `ApiError`."""
-    body = defaults.under(decode_body(raw), limits.max_context)
-    return PARSERS[kind](body, tokenizer, limits)
+    body = decode_body(raw)
+    if kind == "messages":
+        body = to_chat_body(body)
+    return PARSERS[kind](defaults.under(body, limits.max_context), tokenizer, limits)
 
 
 def parse_requests(kind: str, raw: bytes, tokenizer: Tokenizer, limits: InputLimits,

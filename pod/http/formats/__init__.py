@@ -1,20 +1,23 @@
-"""Wire formats: one formatter per API (OpenAI chat, OpenAI completions, llama.cpp /completion)
-for whole responses and stream chunks (`wire.py`, `openai.py`, `llama.py`), logprobs in each
+"""Wire formats: one formatter per API (OpenAI chat, OpenAI completions, llama.cpp /completion,
+Anthropic messages) for whole responses and stream chunks (`wire.py`, `openai.py`, `llama.py`,
+`anthropic.py`), logprobs in each
 API's shape (`logprobs.py`), and what a client is told of a finished or failed sequence
 (`results.py`). `get_format` picks the one a request needs."""
 
 from __future__ import annotations
 
 from ..stream import RequestStream
+from .anthropic import AnthropicFormat
 from .llama import LlamaFormat
 from .openai import ChatFormat, CompletionFormat, ToolChatFormat
 from .wire import WireFormat
 
 FORMATS: dict[str, type[WireFormat]] = {
-    "chat": ChatFormat, "completion": CompletionFormat, "llama": LlamaFormat}
+    "chat": ChatFormat, "completion": CompletionFormat, "llama": LlamaFormat,
+    "messages": AnthropicFormat}
 
 
 def get_format(model: str, stream: RequestStream, fingerprint: str = "") -> WireFormat:
-    if stream.request.tools is not None:
+    if stream.request.tools is not None and stream.request.kind == "chat":
         return ToolChatFormat(model, stream, fingerprint)
     return FORMATS[stream.request.kind](model, stream, fingerprint)

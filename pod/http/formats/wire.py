@@ -10,12 +10,14 @@ from ...core.messages import Event, PromptProgress, SeqResult, StreamEvent
 from ...sampling.sampler import TokenLogprob
 from ..stream import RequestStream
 from .logprobs import TokenIdNames, TokenNames, vllm_prompt_logprobs
+from .results import failure
 
 
 class WireFormat:
     """One API's shapes for a request: the whole response, or the chunks of a stream."""
 
     ends_with_done: ClassVar[bool] = True  # `data: [DONE]` closes the stream
+    named_events: ClassVar[bool] = False  # each data line under `event: <its type>`
 
     def __init__(self, model: str, stream: RequestStream, fingerprint: str = "") -> None:
         self.model = model
@@ -87,3 +89,7 @@ class WireFormat:
 
     def usage(self) -> dict[str, Any]:
         raise NotImplementedError
+
+    def failure_event(self, seq: SeqResult) -> dict[str, Any]:
+        """What a stream sends for a sequence that failed."""
+        return failure(seq).body()

@@ -30,6 +30,8 @@ from ..request_body import read_body
 from ..sse import stream_events
 from ..stream import ReaderWatch, RequestStream, SSEResponse, open_stream, wait_disconnect
 
+ID_PREFIXES = {"chat": "chatcmpl", "messages": "msg"}
+
 
 class GenerationRoutes:
     def __init__(self, server: Server) -> None:
@@ -75,7 +77,7 @@ class GenerationRoutes:
                                  headers={"Connection": "close"})
             if server.aborting:
                 raise shut_down
-            request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+            request_id = f"{ID_PREFIXES.get(kind, 'cmpl')}-{uuid.uuid4().hex}"
             stream, submissions = open_stream(asyncio.get_running_loop(), stack.tokenizer, gens,
                                               request_id)
             if stream.request.stream:
@@ -101,7 +103,7 @@ class GenerationRoutes:
         gone.cancel()
         failed = [result for result in stream.results if result.failed]
         if failed:
-            return error_response(failure(failed[0]))
+            return error_response(failure(failed[0]), request.url.path)
         answer = get_format(self.server.model_name(stack), stream, fingerprint(stack.numerics))
         # encoded off the event loop: logprobs of a long output make a large body
         return await run_in_threadpool(lambda: JSONResponse(answer.body()))

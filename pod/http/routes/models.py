@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ...model.tokenizer import Tokenizer
-from ...requests import text_endpoints
+from ...requests import parsers, text_endpoints
 from ...requests.errors import ApiError, clip
 from ...requests.fields import COMMON_MAX_TOKENS
 from ...requests.sampling_fields import sampling_params
@@ -59,6 +59,10 @@ class ModelRoutes:
 
     async def tokenize(self, request: Request) -> Response:
         return await self.text_endpoint(request, text_endpoints.tokenize)
+
+    async def count_message_tokens(self, request: Request) -> Response:
+        """Anthropic's /v1/messages/count_tokens."""
+        return await self.text_endpoint(request, parsers.count_message_tokens)
 
     async def detokenize(self, request: Request) -> Response:
         return await self.text_endpoint(request, text_endpoints.detokenize)
