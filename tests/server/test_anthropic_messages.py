@@ -128,12 +128,34 @@ def test_bad_requests_are_anthropic_errors_naming_the_field(server, body, field)
     assert f"'{field}'" in error["error"]["message"]
 
 
-def test_x_api_key_is_the_key_and_a_wrong_one_an_authentication_error():
-    with ServerProcess(["-np", "1", "-c", "512", "--api-key", KEY]) as server:
-        right = anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0)
-        assert right.messages.create(model="m", max_tokens=2, messages=ASK).content
-        wrong = anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0)
-        with pytest.raises(anthropic.AuthenticationError) as refused:
-            wrong.messages.create(model="m", max_tokens=2, messages=ASK)
+@pytest.fixture(scope="module")
+def parking_server():
+    """The tiny model behind --api-key, every sequence parked every 8 tokens (by recompute)."""
+    with ServerProcess(["-np", "1", "-c", "1024", "--api-key", KEY, "--preempt-ram", "0"],
+                       env={"KVPARK_PREEMPT_EVERY": "8"}) as server:
+        yield server
+
+
+def test_x_api_key_is_the_key_and_a_wrong_one_an_authentication_error(parking_server):
+    right = anthropic.Anthropic(base_url=parking_server.url, api_key=KEY, max_retries=0)
+    assert right.messages.create(model="m", max_tokens=2, messages=ASK).content
+    wrong = anthropic.Anthropic(base_url=parking_server.url, api_key="wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as refused:
+        wrong.messages.create(model="m", max_tokens=2, messages=ASK)
     assert refused.value.body["type"] == "error"
     assert refused.value.body["error"]["type"] == "authentication_error"
+
+
+def test_a_parked_stream_says_so_in_comments_and_sends_the_same_text(parking_server):
+    """Parks are SSE comments (`: preempted`, `: resumed`), which the SDK skips; the text is
+    what the same server answers in one piece."""
+    client = anthropic.Anthropic(base_url=parking_server.url, api_key=KEY, max_retries=0)
+    kwargs = {"model": "m", "max_tokens": 40, "messages": ASK, "extra_body": GREEDY}
+    whole = client.messages.create(**kwargs).content[0].text
+    with client.messages.stream(**kwargs) as stream:
+        assert "".join(stream.text_stream) == whole
+    with httpx.stream("POST", f"{parking_server.url}/v1/messages", json={
+            "model": "m", "max_tokens": 40, "messages": ASK, "stream": True, **GREEDY},
+            headers={"x-api-key": KEY}) as response:
+        lines = list(response.iter_lines())
+    assert ": preempted" in lines and ": resumed" in lines
