@@ -16,6 +16,7 @@ from ..args import ServerArgs
 from ..core.messages import FinishReason
 from ..requests.errors import ApiError
 from ..requests.input_limits import InputLimits
+from ..requests.response_store import ResponseStore
 from ..serving.stack import ServingStack, build_stack
 from .config import HttpConfig
 
@@ -42,6 +43,7 @@ class Server:
         self.aborting = False  # the drain timed out: what is left ends with an explicit error
         self.aborted = asyncio.Event()  # `aborting`, for body reads to wake on
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.responses = ResponseStore()  # /v1/responses with `store`: previous_response_id
 
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()

@@ -25,7 +25,8 @@ def _error_responses(codes: tuple[int, ...]) -> dict[str, Any]:
                         "content": {JSON: {"schema": _ref("Error")}}} for code in codes}
 
 
-def _generation_op(summary: str, request: str, response: str) -> dict[str, Any]:
+def _generation_op(summary: str, request: str, response: str,
+                   errors: tuple[int, ...] = (400, 401, 408, 413, 500, 503)) -> dict[str, Any]:
     return {"post": {
         "summary": summary,
         "requestBody": {"required": True, "content": {JSON: {"schema": _ref(request)}}},
@@ -36,7 +37,7 @@ def _generation_op(summary: str, request: str, response: str) -> dict[str, Any]:
                         "type": "object", "required": ["data"],
                         "properties": {"data": {"type": "string"},
                                        "event": {"type": "string"}}}}}},
-            **_error_responses((400, 401, 408, 413, 500, 503)),
+            **_error_responses(errors),
         },
     }}
 
@@ -119,7 +120,7 @@ def _schemas(limits: InputLimits) -> dict[str, Any]:
             "continue_final_message": {"type": "boolean"}}},
         "ApplyTemplateResponse": {"type": "object", "required": ["prompt"], "properties": {
             "prompt": {"type": "string"}}},
-        **anthropic_schemas(),
+        **api_schemas(),
         "LlamaCompletionResponse": {"type": "object", "required": ["content", "stop", "timings"],
                                     "properties": {
             "content": {"type": "string"}, "stop": {"type": "boolean"},
@@ -130,8 +131,9 @@ def _schemas(limits: InputLimits) -> dict[str, Any]:
     return schemas
 
 
-def anthropic_schemas() -> dict[str, Any]:
-    """Anthropic's Messages API, its fields as `requests/anthropic.py` reads them."""
+def api_schemas() -> dict[str, Any]:
+    """Anthropic's Messages API and OpenAI's Responses API, their fields as
+    `requests/anthropic.py` and `requests/responses_api.py` read them."""
     block = {"type": "object", "required": ["type"], "properties": {"type": {
         "type": "string", "enum": ["text", "tool_use", "tool_result", "thinking"]}}}
     message = {"type": "object", "required": ["role", "content"], "properties": {
@@ -161,6 +163,28 @@ def anthropic_schemas() -> dict[str, Any]:
                                             "content": {"type": "array", "items": block},
                                             "stop_reason": {"type": "string"},
                                             "usage": {"type": "object"}}},
+        "ResponsesRequest": {"type": "object", "required": ["input"], "properties": {
+            "model": {"type": "string"},
+            "input": {"oneOf": [{"type": "string"}, {"type": "array", "minItems": 1,
+                                                     "items": {"type": "object"}}]},
+            "instructions": {"type": "string"}, "previous_response_id": {"type": "string"},
+            "store": {"type": "boolean"}, "stream": {"type": "boolean"},
+            "max_output_tokens": {"type": "integer", "minimum": 1},
+            "temperature": {"type": "number", "minimum": 0}, "top_p": {"type": "number"},
+            "tools": {"type": "array", "items": {"type": "object", "required": ["type", "name"],
+                                                 "properties": {
+                "type": {"type": "string", "enum": ["function"]}, "name": {"type": "string"},
+                "parameters": {"type": "object"}}}},
+            "tool_choice": {"oneOf": [{"type": "string", "enum": ["auto", "required", "none"]},
+                                      {"type": "object"}]},
+            "text": {"type": "object"}}},
+        "ResponsesResponse": {"type": "object", "required": ["id", "object", "output"],
+                              "properties": {"id": {"type": "string"},
+                                             "object": {"type": "string", "enum": ["response"]},
+                                             "status": {"type": "string"},
+                                             "output": {"type": "array",
+                                                        "items": {"type": "object"}},
+                                             "usage": {"type": "object"}}},
         "CountTokensRequest": {"type": "object", "required": ["messages"],
                                "properties": fields},
         "CountTokensResponse": {"type": "object", "required": ["input_tokens"],
@@ -181,6 +205,9 @@ def _paths() -> dict[str, Any]:
                                        "MessagesRequest", "MessagesResponse"),
         "/v1/messages/count_tokens": _json_op("the prompt's tokens (Anthropic)",
                                               "CountTokensRequest", "CountTokensResponse"),
+        "/v1/responses": _generation_op(  # 404: a previous_response_id not stored
+            "OpenAI's Responses API (SSE events when `stream`)", "ResponsesRequest",
+            "ResponsesResponse", (400, 401, 404, 408, 413, 500, 503)),
         "/v1/models": plain_get,
         "/v1/models/{model_id}": {"get": {
             "parameters": [{"name": "model_id", "in": "path", "required": True,

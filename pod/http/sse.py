@@ -15,6 +15,7 @@ from typing import Any
 from ..core.engine import Engine
 from ..core.messages import StreamEvent
 from .formats import get_format
+from .formats.wire import WireFormat
 from .stream import RequestStream
 
 NOTICES = {StreamEvent.QUEUED: "queued", StreamEvent.PARKED: "preempted",
@@ -35,9 +36,10 @@ def from_lines(payloads: list[dict[str, Any]], named: bool = False) -> str:
 
 
 async def stream_events(stream: RequestStream, engine: Engine, model: str, fingerprint: str,
-                        keepalive: float) -> AsyncIterator[str]:
-    """`model`, `fingerprint`: what each chunk echoes; `keepalive`: --sse-keepalive."""
-    fmt = get_format(model, stream, fingerprint)
+                        keepalive: float, fmt: WireFormat | None = None) -> AsyncIterator[str]:
+    """`model`, `fingerprint`: what each chunk echoes; `keepalive`: --sse-keepalive; `fmt`: the
+    wire format to shape it with, when the caller reads it after (else the request's own)."""
+    fmt = fmt or get_format(model, stream, fingerprint)
     named = fmt.named_events
     finished = 0
     opened = False
@@ -50,16 +52,19 @@ async def stream_events(stream: RequestStream, engine: Engine, model: str, finge
             if not opened:  # a request parked before its first token opens with a notice
                 opened = True
                 yield from_lines(fmt.opening(), named)
+            chunk = None
             if event.kind is StreamEvent.PROGRESS:
-                yield sse(fmt.progress(event.progress), named)
+                chunk = fmt.progress(event.progress)
             elif event.kind is StreamEvent.TEXT:
-                yield sse(fmt.text(event.index, event.text, event.num_logprobs), named)
+                chunk = fmt.text(event.index, event.text, event.num_logprobs)
             elif event.kind is StreamEvent.FINISHED:
                 finished += 1
                 if event.result.failed:
                     yield sse(fmt.failure_event(event.result), named)
                 else:
                     yield from_lines(fmt.finish_chunks(event.result), named)
+            if chunk is not None:  # a format may have nothing to say of an event
+                yield sse(chunk, named)
         if fmt.include_usage:
             yield sse(fmt.usage())
         if fmt.ends_with_done:

@@ -19,7 +19,7 @@ from typing import Any
 from ..model.tokenizer import Tokenizer
 from ..sampling.grammar import Grammar
 from ..sampling.sampler import SamplingParams
-from . import tools
+from . import responses_api, tools
 from .anthropic import to_chat_body
 from .chat_messages import chat_messages
 from .errors import ApiError, clip, shown
@@ -46,7 +46,7 @@ log = logging.getLogger("kvpark.protocol")
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    kind: str  # "chat", "completion" (OpenAI), "llama" (/completion), "messages" (Anthropic)
+    kind: str  # chat, completion (OpenAI), llama (/completion), messages (Anthropic), responses
     prompt_ids: list[int]
     params: SamplingParams
     stream: bool
@@ -61,6 +61,11 @@ class GenerationRequest:
     return_progress: bool = False  # llama.cpp's: a stream reports the prompt's progress
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name token ids
+    # the Responses API: the conversation as chat messages (kept with the answer when `store`)
+    # and the request's fields its response repeats
+    conversation: tuple[dict[str, Any], ...] = ()
+    store: bool = False
+    echoed: tuple[tuple[str, Any], ...] = ()
 
 
 MAX_LOGGED_FIELDS = 1000  # bounds what a client inventing field names can make us remember
@@ -306,6 +311,18 @@ def parse_messages(body: dict, tokenizer: Tokenizer, limits: InputLimits) -> Gen
     return dataclasses.replace(request, kind="messages", include_usage=False)
 
 
+def parse_responses(body: dict, tokenizer: Tokenizer, limits: InputLimits,
+                    lookup: responses_api.Lookup, defaults: GenerationDefaults
+                    ) -> GenerationRequest:
+    """OpenAI's Responses API through the chat parser (`responses_api.py` maps the fields)."""
+    chat, conversation = responses_api.to_chat_body(body, lookup)
+    request = parse_chat(defaults.under(chat, limits.max_context), tokenizer, limits)
+    store = boolean_field(body, "store", True)
+    return dataclasses.replace(request, kind="responses", include_usage=False,
+                               conversation=tuple(conversation), store=store,
+                               echoed=responses_api.echoed(body))
+
+
 def count_message_tokens(body: dict, tokenizer: Tokenizer, limits: InputLimits
                          ) -> dict[str, int]:
     """/v1/messages/count_tokens: the prompt's tokens, as /v1/messages would template them."""
@@ -328,8 +345,13 @@ def parse_request(kind: str, raw: bytes, tokenizer: Tokenizer, limits: InputLimi
 
 
 def parse_requests(kind: str, raw: bytes, tokenizer: Tokenizer, limits: InputLimits,
-                   defaults: GenerationDefaults = NO_DEFAULTS) -> list[GenerationRequest]:
-    """As `parse_request`; /v1/completions may carry several prompts: one request each."""
+                   defaults: GenerationDefaults = NO_DEFAULTS,
+                   lookup: responses_api.Lookup = lambda response_id: None
+                   ) -> list[GenerationRequest]:
+    """As `parse_request`; /v1/completions may carry several prompts: one request each;
+    /v1/responses continues a stored conversation (`lookup`)."""
+    if kind == "responses":
+        return [parse_responses(decode_body(raw), tokenizer, limits, lookup, defaults)]
     if kind == "completion":
         body = defaults.under(decode_body(raw), limits.max_context)
         return parse_completions(body, tokenizer, limits)

@@ -27,7 +27,7 @@ def operations(url):
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/completion",
-                                  "/v1/messages", "/v1/messages/count_tokens",
+                                  "/v1/messages", "/v1/messages/count_tokens", "/v1/responses",
                                   "/v1/models", "/slots", "/health", "/metrics"])
 def test_no_server_errors_and_responses_match_the_schema(fuzz_server, path):
     (operation,) = [op for op in operations(fuzz_server.url) if op.path == path]

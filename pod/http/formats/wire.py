@@ -37,7 +37,7 @@ class WireFormat:
         elif event.kind is StreamEvent.FINISHED:
             self._generated[event.index] = event.result.num_generated
 
-    def progress(self, progress: PromptProgress) -> dict[str, Any]:
+    def progress(self, progress: PromptProgress) -> dict[str, Any] | None:
         """llama.cpp's prompt progress chunk (return_progress)."""
         raise NotImplementedError
 
@@ -77,7 +77,9 @@ class WireFormat:
         """Chunks sent before the first text (or notice)."""
         return []
 
-    def text(self, index: int, text: str, num_logprobs: int | None = None) -> dict[str, Any]:
+    def text(self, index: int, text: str, num_logprobs: int | None = None
+             ) -> dict[str, Any] | None:
+        """A TEXT event's chunk (None: nothing to send for it)."""
         raise NotImplementedError
 
     def finish(self, seq: SeqResult) -> dict[str, Any]:

@@ -24,13 +24,15 @@ from ..auth import check_auth
 from ..build_info import fingerprint
 from ..error_handlers import error_response
 from ..formats import get_format
+from ..formats.responses import ResponsesFormat
 from ..formats.results import failure
+from ..formats.wire import WireFormat
 from ..lifecycle import SHUT_DOWN, Server
 from ..request_body import read_body
 from ..sse import stream_events
 from ..stream import ReaderWatch, RequestStream, SSEResponse, open_stream, wait_disconnect
 
-ID_PREFIXES = {"chat": "chatcmpl", "messages": "msg"}
+ID_PREFIXES = {"chat": "chatcmpl", "messages": "msg", "responses": "resp"}
 
 
 class GenerationRoutes:
@@ -70,7 +72,7 @@ class GenerationRoutes:
             with stack.metrics.preparing.track_inprogress():  # templating, tokenising: off loop
                 gens = await run_in_threadpool(protocol.parse_requests, kind, raw,
                                                stack.tokenizer, server.limits(stack),
-                                               stack.defaults)
+                                               stack.defaults, server.responses.get)
             for i, gen in enumerate(gens):
                 check_fits(stack, gen, f"[{i}]" if len(gens) > 1 else "")
             shut_down = ApiError(503, SHUT_DOWN, error_type="unavailable",
@@ -105,12 +107,29 @@ class GenerationRoutes:
         if failed:
             return error_response(failure(failed[0]), request.url.path)
         answer = get_format(self.server.model_name(stack), stream, fingerprint(stack.numerics))
+        self.keep_response(stream, answer)
         # encoded off the event loop: logprobs of a long output make a large body
         return await run_in_threadpool(lambda: JSONResponse(answer.body()))
 
-    def sse_events(self, stack: ServingStack, stream: RequestStream) -> AsyncIterator[str]:
-        return stream_events(stream, stack.engine, self.server.model_name(stack),
-                             fingerprint(stack.numerics), self.server.config.sse_keepalive)
+    def keep_response(self, stream: RequestStream, answer: WireFormat) -> None:
+        """A Responses API answer with `store`: its conversation, for previous_response_id
+        (the tool calls with the ids the client was sent)."""
+        request = stream.request
+        if not isinstance(answer, ResponsesFormat) or not request.store:
+            return
+        result = stream.result(0)
+        if not result.failed:
+            self.server.responses.put(answer.response_id,
+                                      [*request.conversation, answer.turn(result)])
+
+    async def sse_events(self, stack: ServingStack, stream: RequestStream
+                         ) -> AsyncIterator[str]:
+        model, fp = self.server.model_name(stack), fingerprint(stack.numerics)
+        answer = get_format(model, stream, fp)
+        async for chunk in stream_events(stream, stack.engine, model, fp,
+                                         self.server.config.sse_keepalive, answer):
+            yield chunk
+        self.keep_response(stream, answer)  # every sequence finished: the stream ran to its end
 
 
 

@@ -1,0 +1,184 @@
+"""OpenAI's Responses API shapes: the response object (output items: a `message` with its
+`output_text`, then `function_call`s), and a stream of named, numbered events
+(`response.created`, `response.output_text.delta`, ..., `response.completed`), as the `openai`
+SDK's `responses.create` and `responses.stream` read them. Tool calls come from the generic JSON
+format (`requests/tools.py`), parsed once the output is complete, so a stream with tools sends
+its items at the end.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, ClassVar
+
+from ...core.messages import FinishReason, SeqResult
+from ...requests.tools import ParsedOutput, parse_output
+from .results import failure
+from .wire import WireFormat
+
+
+class ResponsesFormat(WireFormat):
+    ends_with_done: ClassVar[bool] = False
+    named_events: ClassVar[bool] = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._sequence = 0
+        self._created = int(time.time())
+        self._parsed: ParsedOutput | None = None
+
+    @property
+    def suffix(self) -> str:
+        return self.stream.request_id.rpartition("-")[2]
+
+    @property
+    def response_id(self) -> str:
+        return "resp_" + self.suffix
+
+    @property
+    def message_id(self) -> str:
+        return "msg_" + self.suffix
+
+    @property
+    def with_tools(self) -> bool:
+        return self.stream.request.tools is not None
+
+    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        self._sequence += 1
+        return {"type": kind, "sequence_number": self._sequence - 1, **fields}
+
+    def parsed(self, seq: SeqResult) -> ParsedOutput:
+        if self._parsed is None:
+            self._parsed = parse_output(seq.text) if self.with_tools else ParsedOutput(seq.text)
+        return self._parsed
+
+    # ---- the response ------------------------------------------------------------------------
+    def response(self, seq: SeqResult | None) -> dict[str, Any]:
+        echoed = dict(self.stream.request.echoed)
+        incomplete = seq is not None and seq.finish_reason is FinishReason.LENGTH
+        return {
+            "id": self.response_id, "object": "response", "created_at": self._created,
+            "status": "in_progress" if seq is None else
+            "incomplete" if incomplete else "completed",
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+            "error": None, "model": self.model,
+            "output": [] if seq is None else self.output(seq),
+            "instructions": echoed.get("instructions"),
+            "tools": echoed.get("tools", []), "tool_choice": echoed.get("tool_choice", "auto"),
+            "parallel_tool_calls": echoed.get("parallel_tool_calls", True),
+            "temperature": echoed.get("temperature"), "top_p": echoed.get("top_p"),
+            "max_output_tokens": echoed.get("max_output_tokens"),
+            "previous_response_id": echoed.get("previous_response_id"),
+            "text": echoed.get("text", {"format": {"type": "text"}}),
+            "metadata": echoed.get("metadata", {}), "store": echoed.get("store", True),
+            "truncation": "disabled",
+            "usage": None if seq is None else self.usage_of(seq)}
+
+    def body(self) -> dict[str, Any]:
+        return self.response(self.stream.result(0))
+
+    def output(self, seq: SeqResult) -> list[dict[str, Any]]:
+        parsed = self.parsed(seq)
+        items = [self.message(parsed.content or "", seq)] \
+            if parsed.content or not parsed.tool_calls else []
+        return items + [function_call(call) for call in parsed.tool_calls]
+
+    def message(self, text: str, seq: SeqResult | None) -> dict[str, Any]:
+        status = "in_progress" if seq is None else (
+            "incomplete" if seq.finish_reason is FinishReason.LENGTH else "completed")
+        content = [] if seq is None else [output_text(text)]
+        return {"type": "message", "id": self.message_id, "status": status,
+                "role": "assistant", "content": content}
+
+    def turn(self, seq: SeqResult) -> dict[str, Any]:
+        """The assistant's turn as a stored conversation keeps it: text, or the calls (with
+        the ids this response gave them)."""
+        parsed = self.parsed(seq)
+        turn: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        if parsed.tool_calls:
+            turn["tool_calls"] = parsed.tool_calls
+        return turn
+
+    def usage_of(self, seq: SeqResult) -> dict[str, Any]:
+        return {"input_tokens": seq.num_prompt,
+                "input_tokens_details": {"cached_tokens": seq.num_cached},
+                "output_tokens": seq.num_generated,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": seq.num_prompt + seq.num_generated}
+
+    # ---- a stream ----------------------------------------------------------------------------
+    def opening(self) -> list[dict[str, Any]]:
+        events = [self.event("response.created", response=self.response(None)),
+                  self.event("response.in_progress", response=self.response(None))]
+        if not self.with_tools:
+            events += [self.event("response.output_item.added", output_index=0,
+                                  item=self.message("", None)),
+                       self.event("response.content_part.added", item_id=self.message_id,
+                                  output_index=0, content_index=0, part=output_text(""))]
+        return events
+
+    def text(self, index: int, text: str, num_logprobs: int | None = None
+             ) -> dict[str, Any] | None:
+        if self.with_tools:  # the items are known once the output is complete
+            return None
+        return self.event("response.output_text.delta", item_id=self.message_id,
+                          output_index=0, content_index=0, delta=text, logprobs=[])
+
+    def progress(self, progress: Any) -> dict[str, Any] | None:
+        return None
+
+    def finish_chunks(self, seq: SeqResult) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        for i, item in enumerate(self.output(seq)):
+            events += self.streamed_item(i, item, opened=not self.with_tools)
+        # `response.completed` however it ended (its status says incomplete where it is): the
+        # SDK's stream helper finds its final response only there
+        return [*events, self.event("response.completed", response=self.response(seq))]
+
+    def streamed_item(self, index: int, item: dict[str, Any], opened: bool
+                      ) -> list[dict[str, Any]]:
+        """The rest of an item's events (`opened`: its start went out with the opening)."""
+        events = [] if opened else [self.event("response.output_item.added",
+                                               output_index=index, item=started(item))]
+        if item["type"] == "message":
+            text = item["content"][0]["text"]
+            if not opened:
+                events += [self.event("response.content_part.added", item_id=item["id"],
+                                      output_index=index, content_index=0,
+                                      part=output_text("")),
+                           self.event("response.output_text.delta", item_id=item["id"],
+                                      output_index=index, content_index=0, delta=text,
+                                      logprobs=[])]
+            events += [self.event("response.output_text.done", item_id=item["id"],
+                                  output_index=index, content_index=0, text=text, logprobs=[]),
+                       self.event("response.content_part.done", item_id=item["id"],
+                                  output_index=index, content_index=0,
+                                  part=output_text(text))]
+        else:
+            events += [self.event("response.function_call_arguments.delta", item_id=item["id"],
+                                  output_index=index, delta=item["arguments"]),
+                       self.event("response.function_call_arguments.done", item_id=item["id"],
+                                  output_index=index, arguments=item["arguments"])]
+        return [*events, self.event("response.output_item.done", output_index=index,
+                                    item=item)]
+
+    def failure_event(self, seq: SeqResult) -> dict[str, Any]:
+        error = failure(seq)
+        return self.event("error", code=error.error_type, message=error.message, param=None)
+
+
+def output_text(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def function_call(call: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "function_call", "id": "fc_" + call["id"].removeprefix("call_"),
+            "call_id": call["id"], "name": call["function"]["name"],
+            "arguments": call["function"]["arguments"], "status": "completed"}
+
+
+def started(item: dict[str, Any]) -> dict[str, Any]:
+    """An item as `output_item.added` shows it: in progress, nothing written yet."""
+    if item["type"] == "message":
+        return {**item, "status": "in_progress", "content": []}
+    return {**item, "status": "in_progress", "arguments": ""}
