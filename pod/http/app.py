@@ -78,6 +78,7 @@ def get_generation_routes(generation: GenerationRoutes) -> list[Route]:
         route("/completions", "llama"),  # llama.cpp's alias of /completion, its shape too
         route("/v1/messages", "messages"),  # Anthropic's Messages API
         route("/v1/responses", "responses"),  # OpenAI's Responses API
+        route("/responses", "responses"),  # llama-server serves it there too
     ]
 
 

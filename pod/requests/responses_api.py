@@ -13,7 +13,8 @@ from typing import Any
 
 from .errors import ApiError, bad_field, shown
 
-SAMPLING = ("temperature", "top_p", "stream", "model", "parallel_tool_calls")
+# `return_progress`: llama-server's prompt progress, as `response.in_progress` events
+SAMPLING = ("temperature", "top_p", "stream", "model", "parallel_tool_calls", "return_progress")
 # what the response object repeats of its request
 ECHOED = ("instructions", "tools", "tool_choice", "metadata", "text", "max_output_tokens",
           "temperature", "top_p", "previous_response_id", "parallel_tool_calls", "store")

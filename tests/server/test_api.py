@@ -47,6 +47,19 @@ def test_openai_client_streaming_equals_non_streaming(tiny_server):
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
 
 
+def test_no_streamed_delta_carries_empty_content(tiny_server):
+    """Issue 43 (7): the first delta opens with the role and content null, as llama-server and
+    vLLM send it; text held back behind a possible stop string sends no `""` either."""
+    body = {"messages": [{"role": "user", "content": "tell me a story"}], "stream": True,
+            "stop": ["e", "a", " t"], "logprobs": True, **GREEDY}
+    with httpx.stream("POST", f"{tiny_server.url}/v1/chat/completions", json=body) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines()
+                  if line.startswith("data: {")]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert deltas[0] == {"role": "assistant", "content": None}
+    assert all(d.get("content") != "" and "role" not in d for d in deltas[1:]), deltas
+
+
 def test_completions_endpoint_and_n_choices(tiny_server):
     c = client(tiny_server)
     out = c.completions.create(model="x", prompt="The sky is", max_tokens=6, n=3,

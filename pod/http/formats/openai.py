@@ -78,13 +78,15 @@ class ChatFormat(OpenAIFormat):
                 "logprobs": logprobs, "finish_reason": finish_reason(seq)}
 
     def opening(self) -> list[dict[str, Any]]:
-        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+        # content null, as llama-server and vLLM open: no delta's content is ever ""
+        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": None},
                               "logprobs": None, "finish_reason": None}
                              for i in range(self.stream.num_seqs)])]
 
     def text(self, index: int, text: str, num_logprobs: int | None = None) -> dict[str, Any]:
+        # text held back (a stop string may be starting) sends its logprobs without content
         return self.with_prompt_logprobs(self._chunk([
-            {"index": index, "delta": {"content": text},
+            {"index": index, "delta": {"content": text} if text else {},
              "logprobs": self.logprobs(index, num_logprobs), "finish_reason": None}]), index)
 
     def finish(self, seq: SeqResult) -> dict[str, Any]:

@@ -11,9 +11,9 @@ from __future__ import annotations
 import time
 from typing import Any, ClassVar
 
-from ...core.messages import FinishReason, SeqResult
+from ...core.messages import FinishReason, PromptProgress, SeqResult
 from ...requests.tools import ParsedOutput, parse_output
-from .results import failure
+from .results import failure, timings
 from .wire import WireFormat
 
 
@@ -124,8 +124,10 @@ class ResponsesFormat(WireFormat):
         return self.event("response.output_text.delta", item_id=self.message_id,
                           output_index=0, content_index=0, delta=text, logprobs=[])
 
-    def progress(self, progress: Any) -> dict[str, Any] | None:
-        return None
+    def progress(self, progress: PromptProgress) -> dict[str, Any] | None:
+        """llama-server's `return_progress`: the prompt's progress on an in-progress event."""
+        return self.event("response.in_progress", response=self.response(None),
+                          prompt_progress=progress.as_json())
 
     def finish_chunks(self, seq: SeqResult) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
@@ -133,7 +135,9 @@ class ResponsesFormat(WireFormat):
             events += self.streamed_item(i, item, opened=not self.with_tools)
         # `response.completed` however it ended (its status says incomplete where it is): the
         # SDK's stream helper finds its final response only there
-        return [*events, self.event("response.completed", response=self.response(seq))]
+        # llama-server adds its timings beside the response
+        return [*events, self.event("response.completed", response=self.response(seq),
+                                    timings=timings(seq))]
 
     def streamed_item(self, index: int, item: dict[str, Any], opened: bool
                       ) -> list[dict[str, Any]]:
