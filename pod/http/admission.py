@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from ..core.messages import CONTEXT_EXCEEDED
 from ..requests.errors import ApiError
-from ..requests.fields import API_FIELDS
 from ..requests.parsers import GenerationRequest
 from ..serving.stack import ServingStack
 
@@ -42,12 +41,11 @@ def check_fits(stack: ServingStack, gen: GenerationRequest, which: str = "") -> 
                        param="messages" if gen.kind == "chat" else f"prompt{which}",
                        error_type="exceed_context_size_error",
                        details={"n_prompt_tokens": prompt, "n_ctx": limit})
+    # more to generate than the context holds runs until it is full ("length"), as
+    # llama-server does (vLLM refuses it): only the room left counts below
     max_tokens = gen.params.max_tokens
-    if max_tokens is not None and prompt + max_tokens > limit:
-        name = API_FIELDS[gen.kind].quoted_limit
-        raise ApiError(400, f"'{name}': {prompt} prompt tokens + {max_tokens} to "
-                       f"generate exceed the {limit} tokens one request can hold here",
-                       param=name)
+    if max_tokens is not None:
+        max_tokens = min(max_tokens, limit - prompt)
     # the n sequences are never parked, so as many as get a slot at once must fit the pool
     # together (with the prefix cache they share the prompt's full pages)
     together = min(gen.params.n, room.num_slots)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from . import fields
 from .errors import ApiError, bad_field, shown
 
 # what a model without images or a reasoning parser cannot use: said, not silently dropped
@@ -17,6 +18,9 @@ UNSUPPORTED_BLOCKS = {"image", "document", "search_result", "server_tool_use",
                       "web_search_tool_result", "container_upload"}
 SKIPPED_BLOCKS = {"thinking", "redacted_thinking"}  # an earlier turn's reasoning: not replayed
 SAMPLING = ("temperature", "top_p", "top_k", "stream")
+# chat's own sampling fields a client may send beside (vLLM's extra sampling parameters):
+# `ignore_eos`, `seed`, `min_p`, penalties ... (not those this API names otherwise, nor `n`)
+EXTENSIONS = fields.SAMPLING - {"model", "stop", "n", "stream_options", *SAMPLING}
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 
 
@@ -26,7 +30,7 @@ def to_chat_body(body: dict[str, Any], needs_max_tokens: bool = True) -> dict[st
         raise bad_field("max_tokens", "required")
     chat: dict[str, Any] = {"messages": [*system_messages(body.get("system")),
                                          *chat_messages(body.get("messages"))]}
-    for name in SAMPLING:
+    for name in (*SAMPLING, *sorted(EXTENSIONS & body.keys())):
         if name in body:
             chat[name] = body[name]
     if "max_tokens" in body:

@@ -11,10 +11,13 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from . import fields
 from .errors import ApiError, bad_field, shown
 
 # `return_progress`: llama-server's prompt progress, as `response.in_progress` events
 SAMPLING = ("temperature", "top_p", "stream", "model", "parallel_tool_calls", "return_progress")
+# chat's own sampling fields a client may send beside (vLLM's extra sampling parameters)
+EXTENSIONS = fields.SAMPLING - {"stop", "n", "stream_options", *SAMPLING}
 # what the response object repeats of its request
 ECHOED = ("instructions", "tools", "tool_choice", "metadata", "text", "max_output_tokens",
           "temperature", "top_p", "previous_response_id", "parallel_tool_calls", "store")
@@ -29,7 +32,7 @@ def to_chat_body(body: dict[str, Any], lookup: Lookup) -> tuple[dict[str, Any], 
     conversation = [*history, *input_messages(body.get("input"))]
     system = instructions(body.get("instructions"))
     chat: dict[str, Any] = {"messages": [*system, *conversation]}
-    for name in SAMPLING:
+    for name in (*SAMPLING, *sorted(EXTENSIONS & body.keys())):
         if name in body:
             chat[name] = body[name]
     if body.get("max_output_tokens") is not None:

@@ -53,7 +53,6 @@ JSON_CASES = [
     ("/v1/completions", {"prompt": 42}, 400, "prompt"),
     ("/v1/completions", {"prompt": [-1, 5]}, 400, "prompt"),
     ("/v1/completions", {"prompt": "x " * 1100}, 400, "prompt"),  # longer than the pool
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 1024}, 400, "max_tokens"),
     # n sequences side by side (2 slots here) that cannot all fit the 1024-token pool
     ("/v1/completions", {"prompt": "hi", "n": 4, "max_tokens": 600, "ignore_eos": True}, 400,
      "n"),
@@ -245,6 +244,27 @@ def test_an_unexpected_exception_in_a_route_is_a_json_500():
         thread.join(30)
     assert_json_error(response, 500)
     assert response.json()["error"]["type"] == "server_error"
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 1024, "ignore_eos": True}),
+    ("/v1/messages", {"messages": MSG, "max_tokens": 1024, "ignore_eos": True}),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 1024, "ignore_eos": True}),
+])
+def test_more_to_generate_than_the_context_holds_runs_until_it_is_full(server, path, body):
+    """Issue 43 (7): as llama-server does (vLLM answers 400): the output ends when the
+    prompt and it fill the context, with the API's word for a length stop. (The Anthropic and
+    Responses routes answered 500 here: the refusal looked up fields they lack.)"""
+    response = server.post(path, body)
+    assert response.status_code == 200, response.text
+    out = response.json()
+    if path == "/v1/completions":
+        assert out["choices"][0]["finish_reason"] == "length"
+        assert out["usage"]["total_tokens"] == 1024  # -c: one sequence may fill the pool
+    elif path == "/v1/messages":
+        assert out["stop_reason"] == "max_tokens"
+    else:
+        assert out["status"] == "incomplete"
 
 
 def test_there_are_at_least_thirty_cases():
