@@ -246,10 +246,14 @@ def test_an_unexpected_exception_in_a_route_is_a_json_500():
     assert response.json()["error"]["type"] == "server_error"
 
 
+LONG = "x " * 900  # most of the 1024-token pool: what is left to generate is short
+
+
 @pytest.mark.parametrize("path, body", [
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 1024, "ignore_eos": True}),
-    ("/v1/messages", {"messages": MSG, "max_tokens": 1024, "ignore_eos": True}),
-    ("/v1/responses", {"input": "hi", "max_output_tokens": 1024, "ignore_eos": True}),
+    ("/v1/completions", {"prompt": LONG, "max_tokens": 1024, "ignore_eos": True}),
+    ("/v1/messages", {"messages": [{"role": "user", "content": LONG}], "max_tokens": 1024,
+                      "ignore_eos": True}),
+    ("/v1/responses", {"input": LONG, "max_output_tokens": 1024, "ignore_eos": True}),
 ])
 def test_more_to_generate_than_the_context_holds_runs_until_it_is_full(server, path, body):
     """Issue 43 (7): as llama-server does (vLLM answers 400): the output ends when the

@@ -220,15 +220,19 @@ def check_outcomes(results: list[tuple[Job, Outcome]]) -> tuple[int, int]:
 @pytest.mark.parametrize("server_name", ["swap_server", "recompute_server"])
 def test_64_clients_nothing_lost_and_everything_returns_to_baseline(server_name, request):
     server: ServerProcess = request.getfixturevalue(server_name)
+    # RSS is measured on the swap server only (host buffers come and go there; test_rss_soak
+    # covers distinct prompts): the recompute server runs one round of the same load, checked
+    # the same way, which is what its parks need (suite time)
+    measures_rss = server_name == "swap_server"
     # warm-up: the same load, checked the same way, so torch, the allocator and uvicorn have
     # reached their working size before the baseline is read
-    for _ in range(WARMUP_ROUNDS):
+    for _ in range(WARMUP_ROUNDS if measures_rss else 0):
         check_outcomes(run_clients(server, 64))
     before = assert_idle_and_clean(server)
 
     accepted = rejected = 0
     growth = []
-    for _ in range(MEASURED_ROUNDS):
+    for _ in range(MEASURED_ROUNDS if measures_rss else 1):
         baseline_rss = server.rss_bytes()
         round_accepted, round_rejected = check_outcomes(run_clients(server, 64))
         accepted, rejected = accepted + round_accepted, rejected + round_rejected
@@ -255,7 +259,7 @@ def test_64_clients_nothing_lost_and_everything_returns_to_baseline(server_name,
     assert finished_ok + errors == accepted
 
     median_growth = sorted(growth)[len(growth) // 2]
-    assert median_growth <= RSS_TOLERANCE_BYTES, (
+    assert not measures_rss or median_growth <= RSS_TOLERANCE_BYTES, (
         f"RSS grew in every round: {[round(g / 2**20, 1) for g in growth]} MiB after "
         f"{accepted} requests in {MEASURED_ROUNDS} rounds")
 

@@ -33,7 +33,7 @@ def test_no_server_errors_and_responses_match_the_schema(fuzz_server, path):
     (operation,) = [op for op in operations(fuzz_server.url) if op.path == path]
 
     @given(case=operation.as_strategy())
-    @settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck),
+    @settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck),
               database=None)
     def exercise(case):
         case.call_and_validate(base_url=fuzz_server.url, timeout=60, checks=CHECKS)

@@ -19,6 +19,7 @@ STORY = ("<|im_start|>user\nWrite a short story about a fox who learns to sail."
 FLAGS = ["-np", "4", "-c", "4096", "--weights", "gguf"]  # as the smollm2_server fixture
 SPEC = ["--spec-type", "ngram-simple"]
 PARK_EVERY_16 = {"KVPARK_PREEMPT_EVERY": "16"}
+COPY_TOKENS = 112  # seven parks in the copy alone, 13 with the two stories
 
 
 def complete(server, prompt: str, n_predict: int, **fields) -> dict:
@@ -32,7 +33,7 @@ def complete(server, prompt: str, n_predict: int, **fields) -> dict:
 @pytest.fixture(scope="module")
 def plain(smollm2_server):
     """Speculation off, no parks: what every other server must reproduce byte for byte."""
-    return {"copy": complete(smollm2_server, COPY, 160),
+    return {"copy": complete(smollm2_server, COPY, COPY_TOKENS),
             "story": complete(smollm2_server, STORY, 48),
             "seeded": complete(smollm2_server, STORY, 48, temperature=0.8, seed=1234)}
 
@@ -46,7 +47,7 @@ def assert_same(got: dict, expected: dict) -> None:
 def test_output_is_byte_identical_with_drafts_and_forced_parks(plain, park):
     flags = FLAGS + SPEC + (["--preempt-ram", "0"] if park == "recompute" else [])
     with ServerProcess(flags, model="builtin://smollm2-135m", env=PARK_EVERY_16) as server:
-        copy = complete(server, COPY, 160)
+        copy = complete(server, COPY, COPY_TOKENS)
         assert_same(copy, plain["copy"])
         assert_same(complete(server, STORY, 48), plain["story"])
         assert_same(complete(server, STORY, 48, temperature=0.8, seed=1234), plain["seeded"])
@@ -64,7 +65,7 @@ def test_a_draft_model_changes_nothing_and_its_kv_survive_forced_parks(plain, pa
     flags = FLAGS + ["--model-draft", "builtin://smollm2-135m"] + (
         ["--preempt-ram", "0"] if park == "recompute" else [])
     with ServerProcess(flags, model="builtin://smollm2-135m", env=PARK_EVERY_16) as server:
-        copy = complete(server, COPY, 160)
+        copy = complete(server, COPY, COPY_TOKENS)
         story = complete(server, STORY, 48)
         seeded = complete(server, STORY, 48, temperature=0.8, seed=1234)
         m = server.metrics()
