@@ -2,10 +2,9 @@
 
 The HTTP side talks to this facade only: `submit`, `cancel`, `hold_for_reader`,
 `let_go_for_reader`, `park_slot`, `unpark_slot`, `save_slot`, `restore_slot`, `erase_slot`,
-`abort_all`, `snapshot`. Everything that changes
-the pool, the scheduler or the model happens on the engine thread, holding `lock` except while
-the model runs; other threads read scheduler state only under `lock` (`snapshot`, `busy`, the
-metrics collector).
+`abort_all`, `snapshot`. Everything that changes the pool, the scheduler or the model happens on
+the engine thread, holding `lock` except while the model runs; other threads read scheduler
+state only under `lock` (`snapshot`, `busy`, the metrics collector).
 """
 
 from __future__ import annotations

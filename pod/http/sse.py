@@ -14,7 +14,6 @@ from typing import Any
 
 from ..core.engine import Engine
 from ..core.messages import StreamEvent
-from .formats import get_format
 from .formats.wire import WireFormat
 from .stream import RequestStream
 
@@ -24,7 +23,8 @@ NOTICES = {StreamEvent.QUEUED: "queued", StreamEvent.PARKED: "preempted",
 
 
 def sse(payload: dict[str, Any] | str, named: bool = False) -> str:
-    """A `data:` line; `named`: under `event: <the payload's type>` (Anthropic's streams)."""
+    """A `data:` line; `named`: under `event: <the payload's type>` (Anthropic's and the
+    Responses API's streams)."""
     data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
     if named and isinstance(payload, dict):
         return f"event: {payload['type']}\ndata: {data}\n\n"
@@ -35,11 +35,10 @@ def from_lines(payloads: list[dict[str, Any]], named: bool = False) -> str:
     return "".join(sse(p, named) for p in payloads)
 
 
-async def stream_events(stream: RequestStream, engine: Engine, model: str, fingerprint: str,
-                        keepalive: float, fmt: WireFormat | None = None) -> AsyncIterator[str]:
-    """`model`, `fingerprint`: what each chunk echoes; `keepalive`: --sse-keepalive; `fmt`: the
-    wire format to shape it with, when the caller reads it after (else the request's own)."""
-    fmt = fmt or get_format(model, stream, fingerprint)
+async def stream_events(stream: RequestStream, engine: Engine, fmt: WireFormat,
+                        keepalive: float) -> AsyncIterator[str]:
+    """`fmt`: the request's wire format (`formats.get_format`), which the caller may read once
+    the stream ended; `keepalive`: --sse-keepalive."""
     named = fmt.named_events
     finished = 0
     opened = False

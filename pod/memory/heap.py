@@ -17,7 +17,6 @@ import ctypes
 import ctypes.util
 import logging
 import platform
-import time
 from collections.abc import Callable
 
 log = logging.getLogger(__name__)
@@ -37,10 +36,7 @@ class HeapTrimmer:
 
     def __init__(self) -> None:
         self._trim = get_trim()
-        self.seconds = 0.0  # spent trimming, all told
 
     def on_idle(self) -> None:
         if self._trim is not None:
-            started = time.perf_counter()
             self._trim()
-            self.seconds += time.perf_counter() - started

@@ -115,7 +115,7 @@ class HostTier:
             if page.holders == 0 and self._pages.get(page.hash) is page:
                 self._lru[page.hash] = None
             elif page.holders == 0:  # replaced while held: nobody can find it any more
-                self.store.release(page.kv, PAGE_BOOKKEEPING_BYTES)
+                self._free(page.kv)
         self._trim_to_cap()
 
     # ---- room --------------------------------------------------------------------------------
@@ -159,7 +159,7 @@ class HostTier:
 
     def _drop(self, h: bytes) -> None:
         del self._lru[h]
-        self.store.release(self._pages.pop(h).kv, PAGE_BOOKKEEPING_BYTES)
+        self._free(self._pages.pop(h).kv)
         self.stats.drops += 1
 
     # ---- copies ------------------------------------------------------------------------------
@@ -198,11 +198,10 @@ class HostTier:
                  if page is None or page.origin != origin]
         buffers: list[torch.Tensor] = []
         try:
-            buffers = [self.store.allocate(self.page_shape, self.dtype, PAGE_BOOKKEEPING_BYTES)
-                       for _ in fresh]
+            buffers = [self._new_page() for _ in fresh]
         except HostAllocationError:
             for kv in buffers:
-                self.store.release(kv, PAGE_BOOKKEEPING_BYTES)
+                self._free(kv)
             raise
         for i, kv in zip(fresh, buffers, strict=True):
             found[i] = self._replace(hashes[i], origins[i], kv)
@@ -238,13 +237,20 @@ class HostTier:
         old = self._pages.get(h)
         if old is not None and old.holders == 0:
             del self._lru[h]
-            self.store.release(old.kv, PAGE_BOOKKEEPING_BYTES)
+            self._free(old.kv)
         page = HostPage(h, origin, kv)
         self._pages[h] = page
         return page
 
     def _allocate(self) -> torch.Tensor | None:
         try:
-            return self.store.allocate(self.page_shape, self.dtype, PAGE_BOOKKEEPING_BYTES)
+            return self._new_page()
         except HostAllocationError:
             return None
+
+    def _new_page(self) -> torch.Tensor:
+        """A page's buffer, charged with its bookkeeping; HostAllocationError when refused."""
+        return self.store.allocate(self.page_shape, self.dtype, PAGE_BOOKKEEPING_BYTES)
+
+    def _free(self, kv: torch.Tensor) -> None:
+        self.store.release(kv, PAGE_BOOKKEEPING_BYTES)

@@ -304,10 +304,12 @@ def parse_completions(body: dict, tokenizer: Tokenizer, limits: InputLimits
     return requests
 
 
-def parse_messages(body: dict, tokenizer: Tokenizer, limits: InputLimits) -> GenerationRequest:
-    """Anthropic's Messages API, its body already mapped to chat's fields (`anthropic.py`, in
-    `parse_request`, before the server's defaults go under it)."""
-    request = parse_chat(body, tokenizer, limits)
+def parse_messages(body: dict, tokenizer: Tokenizer, limits: InputLimits,
+                   defaults: GenerationDefaults) -> GenerationRequest:
+    """Anthropic's Messages API through the chat parser (`anthropic.py` maps the fields; the
+    server's defaults go under chat's names)."""
+    request = parse_chat(defaults.under(to_chat_body(body), limits.max_context), tokenizer,
+                         limits)
     return dataclasses.replace(request, kind="messages", include_usage=False)
 
 
@@ -330,18 +332,15 @@ def count_message_tokens(body: dict, tokenizer: Tokenizer, limits: InputLimits
     return {"input_tokens": len(parse_chat(chat, tokenizer, limits).prompt_ids)}
 
 
-PARSERS = {"chat": parse_chat, "completion": parse_completion, "llama": parse_llama_completion,
-           "messages": parse_messages}
+PARSERS = {"chat": parse_chat, "completion": parse_completion, "llama": parse_llama_completion}
 NO_DEFAULTS = GenerationDefaults()
 
 
 def parse_request(kind: str, raw: bytes, tokenizer: Tokenizer, limits: InputLimits,
                   defaults: GenerationDefaults = NO_DEFAULTS) -> GenerationRequest:
     """Body bytes -> a `GenerationRequest` for route `kind`, or an `ApiError`."""
-    body = decode_body(raw)
-    if kind == "messages":
-        body = to_chat_body(body)
-    return PARSERS[kind](defaults.under(body, limits.max_context), tokenizer, limits)
+    body = defaults.under(decode_body(raw), limits.max_context)
+    return PARSERS[kind](body, tokenizer, limits)
 
 
 def parse_requests(kind: str, raw: bytes, tokenizer: Tokenizer, limits: InputLimits,
@@ -349,7 +348,10 @@ def parse_requests(kind: str, raw: bytes, tokenizer: Tokenizer, limits: InputLim
                    lookup: responses_api.Lookup = lambda response_id: None
                    ) -> list[GenerationRequest]:
     """As `parse_request`; /v1/completions may carry several prompts: one request each;
-    /v1/responses continues a stored conversation (`lookup`)."""
+    Anthropic's messages and OpenAI's responses are mapped onto chat (the latter continuing a
+    stored conversation: `lookup`)."""
+    if kind == "messages":
+        return [parse_messages(decode_body(raw), tokenizer, limits, defaults)]
     if kind == "responses":
         return [parse_responses(decode_body(raw), tokenizer, limits, lookup, defaults)]
     if kind == "completion":

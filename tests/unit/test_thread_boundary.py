@@ -108,7 +108,8 @@ def test_a_streamed_request_reaches_no_engine_state(stack):
         stream = submit(stack, {**BODY, "stream": True})
         stream.events = checked(stream.events)
         lines = []
-        async for line in stream_events(stream, stack.engine, "m", "fp", keepalive=0):
+        async for line in stream_events(stream, stack.engine, get_format("m", stream, "fp"),
+                                        keepalive=0):
             lines.append(line)
             assert engine_state_reached_from(stream) == []
         assert [c.result.index for c in stream.choices] == [0, 1, 2, 3]

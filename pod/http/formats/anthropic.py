@@ -15,7 +15,6 @@ from typing import Any, ClassVar
 from ...core.messages import FinishReason, SeqResult
 from ...requests import partial_json
 from ...requests.errors import ApiError
-from ...requests.tools import ParsedOutput, parse_output
 from .results import failure
 from .wire import WireFormat
 
@@ -24,22 +23,9 @@ class AnthropicFormat(WireFormat):
     ends_with_done: ClassVar[bool] = False
     named_events: ClassVar[bool] = True  # each SSE data line under `event: <its type>`
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._parsed: ParsedOutput | None = None
-
-    @property
-    def with_tools(self) -> bool:
-        return self.stream.request.tools is not None
-
     @property
     def message_id(self) -> str:
-        return "msg_" + self.stream.request_id.rpartition("-")[2]
-
-    def parsed(self, seq: SeqResult) -> ParsedOutput:
-        if self._parsed is None:
-            self._parsed = parse_output(seq.text)
-        return self._parsed
+        return "msg_" + self.id_suffix
 
     # ---- the whole message -------------------------------------------------------------------
     def body(self) -> dict[str, Any]:
@@ -54,16 +40,15 @@ class AnthropicFormat(WireFormat):
                 "stop_sequence": None}
 
     def blocks(self, seq: SeqResult) -> list[dict[str, Any]]:
-        if not self.with_tools:
-            return [{"type": "text", "text": seq.text}]
         parsed = self.parsed(seq)
-        text = [{"type": "text", "text": parsed.content}] if parsed.content else []
+        text = [{"type": "text", "text": parsed.content or ""}] \
+            if parsed.content or not parsed.tool_calls else []
         return text + [tool_use(call) for call in parsed.tool_calls]
 
     def stop_reason(self, seq: SeqResult) -> str:
         if seq.finish_reason is FinishReason.LENGTH:
             return "max_tokens"
-        if self.with_tools and self.parsed(seq).tool_calls:
+        if self.parsed(seq).tool_calls:
             return "tool_use"
         return "stop_sequence" if seq.stopped_by_word else "end_turn"
 

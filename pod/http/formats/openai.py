@@ -6,8 +6,6 @@ import time
 from typing import Any, ClassVar
 
 from ...core.messages import FinishReason, PromptProgress, SeqResult
-from ...requests.tools import ParsedOutput, parse_output
-from ..stream import RequestStream
 from .logprobs import chat_logprobs, completion_logprobs, echoed_logprobs, joined_logprobs
 from .results import finish_reason, timings, usage
 from .wire import WireFormat
@@ -99,15 +97,6 @@ class ToolChatFormat(ChatFormat):
     """A chat whose output may be tool calls: JSON in the generic format, parsed once complete
     into OpenAI's `tool_calls`; a stream sends the calls (or the answer) with its last chunk
     (deltas before it are empty, so a client sees progress)."""
-
-    def __init__(self, model: str, stream: RequestStream, fingerprint: str = "") -> None:
-        super().__init__(model, stream, fingerprint)
-        self._parsed: dict[int, ParsedOutput] = {}  # one parse (and one set of call ids) each
-
-    def parsed(self, seq: SeqResult) -> ParsedOutput:
-        if seq.index not in self._parsed:
-            self._parsed[seq.index] = parse_output(seq.text)
-        return self._parsed[seq.index]
 
     def finish_reason(self, seq: SeqResult) -> str:
         if seq.finish_reason is FinishReason.STOP and self.parsed(seq).tool_calls:

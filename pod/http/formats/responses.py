@@ -12,7 +12,6 @@ import time
 from typing import Any, ClassVar
 
 from ...core.messages import FinishReason, PromptProgress, SeqResult
-from ...requests.tools import ParsedOutput, parse_output
 from .results import failure, timings
 from .wire import WireFormat
 
@@ -25,32 +24,18 @@ class ResponsesFormat(WireFormat):
         super().__init__(*args, **kwargs)
         self._sequence = 0
         self._created = int(time.time())
-        self._parsed: ParsedOutput | None = None
-
-    @property
-    def suffix(self) -> str:
-        return self.stream.request_id.rpartition("-")[2]
 
     @property
     def response_id(self) -> str:
-        return "resp_" + self.suffix
+        return "resp_" + self.id_suffix
 
     @property
     def message_id(self) -> str:
-        return "msg_" + self.suffix
-
-    @property
-    def with_tools(self) -> bool:
-        return self.stream.request.tools is not None
+        return "msg_" + self.id_suffix
 
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
         self._sequence += 1
         return {"type": kind, "sequence_number": self._sequence - 1, **fields}
-
-    def parsed(self, seq: SeqResult) -> ParsedOutput:
-        if self._parsed is None:
-            self._parsed = parse_output(seq.text) if self.with_tools else ParsedOutput(seq.text)
-        return self._parsed
 
     # ---- the response ------------------------------------------------------------------------
     def response(self, seq: SeqResult | None) -> dict[str, Any]:

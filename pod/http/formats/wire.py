@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from ...core.messages import Event, PromptProgress, SeqResult, StreamEvent
+from ...requests.tools import ParsedOutput, parse_output
 from ...sampling.sampler import TokenLogprob
 from ..stream import RequestStream
 from .logprobs import TokenIdNames, TokenNames, vllm_prompt_logprobs
@@ -29,6 +30,25 @@ class WireFormat:
         self._offset: dict[int, int] = {}  # per choice: text length those tokens cover
         self._opened: set[int] = set()  # choices whose first text chunk went out
         self._generated: dict[int, int] = {}  # per choice: tokens generated, as events said
+        self._parsed: dict[int, ParsedOutput] = {}  # per choice: its output, parsed once
+
+    @property
+    def with_tools(self) -> bool:
+        """The output may be tool calls (the generic JSON format, parsed once complete)."""
+        return self.stream.request.tools is not None
+
+    @property
+    def id_suffix(self) -> str:
+        """The request id's random part, for APIs that name their objects by their own prefix."""
+        return self.stream.request_id.rpartition("-")[2]
+
+    def parsed(self, seq: SeqResult) -> ParsedOutput:
+        """A choice's output as content and tool calls: parsed once, so every shape of it
+        (body, stream, a stored turn) names its calls by the same ids."""
+        if seq.index not in self._parsed:
+            self._parsed[seq.index] = (parse_output(seq.text) if self.with_tools
+                                       else ParsedOutput(seq.text))
+        return self._parsed[seq.index]
 
     def observe(self, event: Event) -> None:
         """Counts from the events (values taken on the engine thread), for usage in chunks."""

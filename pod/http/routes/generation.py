@@ -124,13 +124,11 @@ class GenerationRoutes:
 
     async def sse_events(self, stack: ServingStack, stream: RequestStream
                          ) -> AsyncIterator[str]:
-        model, fp = self.server.model_name(stack), fingerprint(stack.numerics)
-        answer = get_format(model, stream, fp)
-        async for chunk in stream_events(stream, stack.engine, model, fp,
-                                         self.server.config.sse_keepalive, answer):
+        answer = get_format(self.server.model_name(stack), stream, fingerprint(stack.numerics))
+        async for chunk in stream_events(stream, stack.engine, answer,
+                                         self.server.config.sse_keepalive):
             yield chunk
         self.keep_response(stream, answer)  # every sequence finished: the stream ran to its end
-
 
 
 def watch_reader(engine: Engine, seq_ids: list[str], limit: int) -> ReaderWatch:
