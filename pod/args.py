@@ -27,7 +27,15 @@ ALIASES = {
     "model_draft": ("LLAMA_ARG_MODEL_DRAFT",),
     "spec_draft_n_max": ("LLAMA_ARG_SPEC_DRAFT_N_MAX",),
     "spec_draft_n_min": ("LLAMA_ARG_SPEC_DRAFT_N_MIN",),
+    "reasoning_format": ("LLAMA_ARG_THINK",),
+    "reasoning": ("LLAMA_ARG_REASONING",),
+    "reasoning_budget": ("LLAMA_ARG_THINK_BUDGET",),
+    "reasoning_budget_message": ("LLAMA_ARG_THINK_BUDGET_MESSAGE",),
+    "chat_template_kwargs": ("LLAMA_ARG_CHAT_TEMPLATE_KWARGS",),
 }
+# vLLM's --reasoning-parser names whose models write <think> ... </think> blocks
+THINK_TAG_PARSERS = ("deepseek_r1", "deepseek_v3", "qwen3", "glm45", "ernie45", "olmo3",
+                     "minimax_m2", "kimi_k2", "seed_oss", "hunyuan_a13b")
 TRUE_WORDS = {"1", "true", "yes", "on", "enabled"}
 FALSE_WORDS = {"0", "false", "no", "off", "disabled"}
 MAX_TORCH_THREADS = 512  # llama.cpp's GGML_MAX_N_THREADS
@@ -77,6 +85,13 @@ class ServerArgs:
     served_model_name: tuple[str, ...] = ()  # (): the model file's name
     cors_origin: tuple[str, ...] = ()  # (): no CORS headers
     chat_template: str | None = None  # a jinja file replacing the model's chat template
+    # reasoning models (llama-server's names; requests/reasoning_fields.py reads them)
+    reasoning_format: str = "auto"  # auto: split think blocks where the template has them
+    reasoning: str = "auto"  # on/off: the template's enable_thinking; auto: the template's own
+    reasoning_budget: int = -1  # tokens a think block may take; -1: unlimited
+    reasoning_budget_message: str = ""  # written before a think block's forced end
+    chat_template_kwargs: str | None = None  # a JSON object of template variables
+    kv_events_config: str | None = None  # vLLM's JSON: publish KV events for a router
     slot_save_path: str | None = None  # POST /slots/{id}?action=save|restore: files live here
     preempt_async: bool = True  # CUDA: swap copies on their own stream (off: synchronous)
     # speculative decoding: none, ngram-simple (prompt lookup) or draft-simple (a draft model;
@@ -249,6 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_flags(p.add_argument_group("model"))
     add_sampling_flags(p.add_argument_group("sampling defaults (a request's own fields win)"))
     add_pool_flags(p.add_argument_group("slots and KV pool"))
+    add_kv_event_flags(p.add_argument_group("KV events (vLLM's, for a router)"))
     add_preemption_flags(p.add_argument_group("preemption (parking slots when the pool is full)"))
     add_speculation_flags(p.add_argument_group("speculative decoding (llama-server's names)"))
     add_limit_flags(p.add_argument_group("limits and timeouts"))
@@ -303,6 +319,7 @@ def add_model_flags(g: argparse._ArgumentGroup) -> None:
          text="jinja chat template file used instead of the model's own (rendered as "
          "transformers does, with messages, tools, add_generation_prompt)",
          default="the model's")
+    add_reasoning_flags(g)
     _add(g, "--device", dest="device", metavar="DEV", text="auto, cpu, cuda or cuda:N")
     _add(g, "--dtype", dest="dtype", choices=["auto", "float32", "bfloat16", "float16"],
          text="compute type; auto = bfloat16 on CUDA, float32 on the CPU")
@@ -318,6 +335,58 @@ def add_model_flags(g: argparse._ArgumentGroup) -> None:
          text="CPU: a request's output does not depend on what else is in its batch")
     _add(g, "--cuda-graph", dest="cuda_graph", action=argparse.BooleanOptionalAction,
          text="capture decode steps in CUDA graphs (FlashInfer backend)")
+
+
+def _json_object(value: str) -> str:
+    import json
+
+    try:
+        parsed = json.loads(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
+
+
+def _budget(value: str) -> int:
+    number = int(_number(int, value))
+    if number < -1:
+        raise argparse.ArgumentTypeError(f"expected -1 (unlimited) or a token count, got {value}")
+    return number
+
+
+class _ReasoningParser(argparse.Action):
+    """vLLM's --reasoning-parser: a think-tag parser is llama-server's deepseek format."""
+
+    def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001
+        if values not in THINK_TAG_PARSERS:
+            parser.error(f"--reasoning-parser {values}: this server parses <think> blocks: "
+                         f"one of {', '.join(THINK_TAG_PARSERS)}")
+        namespace.reasoning_format = "deepseek"
+
+
+def add_reasoning_flags(g: argparse._ArgumentGroup) -> None:
+    _add(g, "--reasoning-format", dest="reasoning_format",
+         choices=["auto", "none", "deepseek", "deepseek-legacy"],
+         text="a think block's text: deepseek = in message.reasoning_content (and `reasoning`), "
+         "none = left in the content, deepseek-legacy = both; auto = deepseek where the chat "
+         "template writes <think> blocks")
+    _add(g, "--reasoning-parser", dest="reasoning_format", action=_ReasoningParser,
+         metavar="NAME", text="vLLM's: a <think>-tag parser name (qwen3, deepseek_r1, ...) "
+         "is --reasoning-format deepseek", default="none")
+    _add(g, "--reasoning", "-rea", dest="reasoning", choices=["on", "off", "auto"],
+         text="thinking on or off through the template's enable_thinking; auto = the "
+         "template's own default")
+    _add(g, "--reasoning-budget", dest="reasoning_budget", type=_budget, metavar="N",
+         text="tokens a think block may take before its end is forced (-1: unlimited, 0: "
+         "ends at once)")
+    _add(g, "--reasoning-budget-message", dest="reasoning_budget_message", metavar="TEXT",
+         text="written before the forced end of a think block", default="none")
+    _add(g, "--chat-template-kwargs", "--default-chat-template-kwargs",
+         dest="chat_template_kwargs", type=_json_object, metavar="JSON",
+         text="variables for the chat template, e.g. '{\"enable_thinking\": false}' (a "
+         "request's chat_template_kwargs win)", default="none")
 
 
 def add_sampling_flags(g: argparse._ArgumentGroup) -> None:
@@ -421,6 +490,15 @@ def add_speculation_flags(g: argparse._ArgumentGroup) -> None:
          text="draft tokens verified per step at most")
     _add(g, "--spec-draft-n-min", dest="spec_draft_n_min", type=_non_negative, metavar="N",
          text="a shorter draft is not verified")
+
+
+def add_kv_event_flags(g: argparse._ArgumentGroup) -> None:
+    # its keys are checked before the model loads (serving/kv_event_publisher.py)
+    _add(g, "--kv-events-config", dest="kv_events_config", type=_json_object, metavar="JSON",
+         text="vLLM's: publish the prefix cache's KV events for a router, e.g. "
+         "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": "
+         "\"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"kv-events\"}'",
+         default="off")
 
 
 def add_limit_flags(g: argparse._ArgumentGroup) -> None:

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from ..memory.heap import HeapTrimmer
 from ..memory.paging import pages_for
@@ -60,6 +60,14 @@ class Capacity:
         return shared + num_seqs * (pages_for(each, self.page_size) - shared)
 
 
+class EventOutlet(Protocol):
+    """Where a step's KV events go (`serving/stack.py`'s publisher)."""
+
+    def flush(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class EngineClosed(RuntimeError):
     """A submission after `abort_all`: the server is shutting down."""
 
@@ -88,6 +96,7 @@ class Engine:
         self._stopping = False
         self._closed = False  # after abort_all: submissions are refused
         self._thread = threading.Thread(target=self._loop, name="kvpark-engine", daemon=True)
+        self.kv_events: EventOutlet | None = None  # --kv-events-config
 
     # ---- called from other threads ------------------------------------------------------------
     @property
@@ -114,6 +123,8 @@ class Engine:
             return [None if seq is None else slot_view(seq) for seq in self.scheduler.slots]
 
     def start(self) -> None:
+        if self.kv_events is not None:  # a subscriber hears at once that nothing is cached
+            self.kv_events.flush()
         self._thread.start()
 
     def stop(self) -> None:
@@ -122,6 +133,8 @@ class Engine:
             self._cond.notify()
         self._thread.join(timeout=30)
         self.scheduler.wait_for_copies()  # no copy may outlive the buffers it writes
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     def submit(self, submissions: list[Submission]) -> None:
         """Values in: the engine builds its own sequences, which no other thread holds.
@@ -249,6 +262,9 @@ class Engine:
                     self.scheduler.abort_all(FinishReason.ENGINE_ERROR,
                                              "internal error in the engine")
                 stepped = True
+            if self.kv_events is not None:  # what the step stored and removed, as values
+                with self.lock:
+                    self.kv_events.flush()
             if not stepped:
                 with self._cond:
                     if not self._has_input():

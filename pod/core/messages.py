@@ -19,6 +19,7 @@ from ..sampling.sampler import SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:  # the GPU check runs the engine without llguidance
     from ..sampling.grammar import Grammar
+    from ..sampling.reasoning_gate import ThinkingGate
 
 CONTEXT_EXCEEDED = "Context size has been exceeded."  # the spec's (and llama.cpp's) words
 
@@ -153,6 +154,7 @@ class Submission:
     priority: int = 0
     grammar: Grammar | None = None  # compiled by the parser; each sequence walks its own
     return_progress: bool = False  # llama.cpp's: PROGRESS events after each prompt chunk
+    thinking: ThinkingGate | None = None  # a reasoning budget, a grammar after the reasoning
 
 
 @dataclass(frozen=True)

@@ -263,10 +263,12 @@ def make_sequence(submission: Submission, tokenizer: Tokenizer | None) -> Sequen
     output = constraint = None
     if tokenizer is not None:  # imported here: see TYPE_CHECKING above
         from ..sampling.grammar import get_grammars
+        from ..sampling.reasoning_gate import gated
         from .text_output import TextOutput
 
         output = TextOutput(tokenizer, submission.params.stop)
         if submission.grammar is not None:
             constraint = get_grammars(tokenizer).constraint(submission.grammar)
+        constraint = gated(submission.thinking, tokenizer, constraint)
     return Sequence(submission, make_generator(submission.seed), constraint=constraint,
                     output=SeqOutput(visible=output))

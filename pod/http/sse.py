@@ -55,7 +55,9 @@ async def stream_events(stream: RequestStream, engine: Engine, fmt: WireFormat,
             if event.kind is StreamEvent.PROGRESS:
                 chunk = fmt.progress(event.progress)
             elif event.kind is StreamEvent.TEXT:
-                chunk = fmt.text(event.index, event.text, event.num_logprobs)
+                chunks = fmt.text_chunks(event.index, event.text, event.num_logprobs)
+                if chunks:
+                    yield from_lines(chunks, named)
             elif event.kind is StreamEvent.FINISHED:
                 finished += 1
                 if event.result.failed:

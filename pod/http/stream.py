@@ -179,7 +179,7 @@ def open_stream(loop: asyncio.AbstractEventLoop, tokenizer: Tokenizer,
                 stream.seq_ids[index], tuple(request.prompt_ids), params,
                 None if params.seed is None else params.seed + j, sink, index,
                 family_size=n, priority=request.priority, grammar=request.grammar,
-                return_progress=request.return_progress))
+                return_progress=request.return_progress, thinking=request.thinking_gate))
     return stream, submissions
 
 

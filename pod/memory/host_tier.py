@@ -34,6 +34,7 @@ from kvpark.kernels.kv_copy import CopyEngine
 
 from .budget import UNLIMITED_BYTES
 from .host_store import HostAllocationError, HostStore
+from .kv_events import MEDIUM_HOST, KvEventLog
 from .prefix_cache import Evicted, longest_run
 
 # RSS a host page costs beyond its bytes, rounded up: measured with torch's CPU allocator and
@@ -79,6 +80,7 @@ class HostTier:
         self.stats = TierStats()
         self._pages: dict[bytes, HostPage] = {}
         self._lru: OrderedDict[bytes, None] = OrderedDict()  # pages nobody holds, oldest first
+        self.events: KvEventLog | None = None  # --kv-events-config: what is stored and removed
 
     # ---- what is here ------------------------------------------------------------------------
     @property
@@ -161,6 +163,8 @@ class HostTier:
         del self._lru[h]
         self._free(self._pages.pop(h).kv)
         self.stats.drops += 1
+        if self.events is not None:
+            self.events.removed(MEDIUM_HOST, [h])
 
     # ---- copies ------------------------------------------------------------------------------
     def keep(self, evicted: list[Evicted]) -> None:
@@ -183,6 +187,8 @@ class HostTier:
             batch.add(entry.hash)
         for _, page in reversed(to_copy):  # the LRU in the pool's order: newest last
             self._lru.move_to_end(page.hash)
+        if self.events is not None:
+            self.events.stored(MEDIUM_HOST, [page.hash for _, page in reversed(to_copy)])
         if to_copy:
             self.copy.save([p for p, _ in to_copy], [page.kv for _, page in to_copy])
             self.stats.saves += len(to_copy)
@@ -240,6 +246,8 @@ class HostTier:
             self._free(old.kv)
         page = HostPage(h, origin, kv)
         self._pages[h] = page
+        if self.events is not None and old is None:  # a page replaced is still held here
+            self.events.stored(MEDIUM_HOST, [h])
         return page
 
     def _allocate(self) -> torch.Tensor | None:

@@ -28,6 +28,8 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import TypeVar
 
+from .kv_events import MEDIUM_POOL, KvEventLog
+
 T = TypeVar("T")
 
 
@@ -84,6 +86,7 @@ class PrefixCache:
         self._origin_of: dict[int, int] = {}  # page -> the computation that wrote its bytes
         self._origins = itertools.count(1)
         self._lru: OrderedDict[int, None] = OrderedDict()  # unreferenced cached pages, oldest 1st
+        self.events: KvEventLog | None = None  # --kv-events-config: what is stored and removed
 
     @property
     def num_cached_pages(self) -> int:
@@ -106,6 +109,9 @@ class PrefixCache:
             prev = grown[-1] if grown else self.seed
             kinds = min(ps, max(0, num_prompt - i * ps)) if self.split_kinds else None
             grown.append(chain_hash(prev, tokens[i * ps:(i + 1) * ps], kinds))
+            if self.events is not None:
+                self.events.describe(grown[-1], grown[-2] if i else None,
+                                     tokens[i * ps:(i + 1) * ps])
         return grown
 
     # ---- lookups and registration ------------------------------------------------------------
@@ -125,6 +131,8 @@ class PrefixCache:
             self._pages[h] = page
             self._hash_of[page] = h
             self._origin_of[page] = origin if origin is not None else next(self._origins)
+            if self.events is not None:
+                self.events.stored(MEDIUM_POOL, [h])
 
     def new_origin(self) -> int:
         """A name for bytes computed apart from the registered page with the same hash."""
@@ -148,8 +156,11 @@ class PrefixCache:
     def forget(self, page: int) -> None:
         """An unreferenced cached page dropped on purpose (a slot erased); the caller frees it."""
         del self._lru[page]
-        del self._pages[self._hash_of.pop(page)]
+        h = self._hash_of.pop(page)
+        del self._pages[h]
         del self._origin_of[page]
+        if self.events is not None:
+            self.events.removed(MEDIUM_POOL, [h])
 
     def is_cached(self, page: int) -> bool:
         """Registered and held by nobody (in the LRU)."""
@@ -161,4 +172,6 @@ class PrefixCache:
         h = self._hash_of.pop(page)
         del self._pages[h]
         self.stats.evictions += 1
+        if self.events is not None:
+            self.events.removed(MEDIUM_POOL, [h])
         return Evicted(page, h, self._origin_of.pop(page))

@@ -33,6 +33,7 @@ from ..core.step_plan import ScheduledSeq
 from ..core.swap import CopyTimes
 from ..memory.host_store import HostStore
 from ..memory.host_tier import HostTier, TierStats
+from ..memory.kv_pool import KVPool
 from .llamacpp import LlamacppTotals, llamacpp_families
 
 disable_created_metrics()  # no `_created` series: half the scrape, read by nobody
@@ -74,6 +75,7 @@ class SchedulerCollector(Collector):
                           self.model_name, len(s.waiting) + len(s.parked))
         yield _vllm_gauge("kv_cache_usage_perc", "KV-cache usage, 0..1 "
                           "(kvpark:kv_cache_usage_ratio)", self.model_name, s.pool.usage_ratio)
+        yield _cache_config_info(s.pool, self.host)
         yield _gauge("requests_processing", "Sequences holding a slot and running",
                      len(s.running))
         yield _gauge("requests_deferred", "Sequences queued for a slot", len(s.waiting))
@@ -197,6 +199,23 @@ def _spec_type_family(kind: str) -> GaugeMetricFamily:
     family = GaugeMetricFamily("kvpark:spec_decode_type", "The drafter: --spec-type (1 for the "
                                "one this server runs)", labels=["spec_type"])
     family.add_metric([kind], 1)
+    return family
+
+
+def _cache_config_info(pool: KVPool, host: HostStore) -> GaugeMetricFamily:
+    """vLLM's `vllm:cache_config_info` (a gauge of 1 whose labels are the cache's config):
+    llm-d's router reads `block_size` and `num_gpu_blocks` from it. Blocks are pages; the
+    host tier's blocks are what the --preempt-ram budget could hold."""
+    tier = pool.tier
+    info = {"block_size": str(pool.page_size), "num_gpu_blocks": str(pool.num_pages),
+            "num_cpu_blocks": str(host.budget_bytes // tier.page_bytes
+                                  if tier and host.budget_bytes >= 0 else 0),
+            "enable_prefix_caching": str(pool.cache is not None),
+            "cache_dtype": str(pool.dtype).removeprefix("torch."),
+            "prefix_caching_hash_algo": "sha256", "engine": "0"}
+    family = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine "
+                               "CacheConfig", labels=list(info))
+    family.add_metric(list(info.values()), 1)
     return family
 
 

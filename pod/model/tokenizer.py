@@ -188,7 +188,8 @@ class Tokenizer:
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     tools: list[dict] | None = None, prefill: str = "",
-                    max_chars: int | None = None) -> list[int]:
+                    max_chars: int | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """The chat prompt's ids: the template's own special-token texts become their ids, the
         same texts inside message content stay ordinary text.
 
@@ -199,10 +200,9 @@ class Tokenizer:
         (for a tokenizer.json special token marked `normalized`, which GGUF ones never are, the
         split around it may move: safety first).
         """
-        defused = [{**m, "content": self._defuse(m["content"])} if "content" in m else m
-                   for m in map(_flatten_content, messages)]
+        defused = [_defused_message(m, self._defuse) for m in map(_flatten_content, messages)]
         # templates test `tools is defined` or `if tools`: pass them only when there are some
-        extra = {"tools": tools} if tools else {}
+        extra = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
         text = self.apply_chat_template(defused, add_generation_prompt=add_generation_prompt,
                                         **extra)
         text += self._defuse(prefill)  # an assistant reply the output continues
@@ -379,6 +379,13 @@ def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
 
 def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
+
+
+def _defused_message(message: dict, defuse: Any) -> dict:
+    """A message's client text (content, an earlier turn's reasoning) with special texts
+    defused."""
+    return {**message, **{key: defuse(message[key]) for key in ("content", "reasoning_content")
+                          if key in message}}
 
 
 def _flatten_content(message: dict) -> dict:

@@ -16,7 +16,7 @@ from .errors import ApiError, bad_field, shown
 # what a model without images or a reasoning parser cannot use: said, not silently dropped
 UNSUPPORTED_BLOCKS = {"image", "document", "search_result", "server_tool_use",
                       "web_search_tool_result", "container_upload"}
-SKIPPED_BLOCKS = {"thinking", "redacted_thinking"}  # an earlier turn's reasoning: not replayed
+SKIPPED_BLOCKS = {"redacted_thinking"}  # encrypted reasoning: nothing a template could show
 SAMPLING = ("temperature", "top_p", "top_k", "stream")
 # chat's own sampling fields a client may send beside (vLLM's extra sampling parameters):
 # `ignore_eos`, `seed`, `min_p`, penalties ... (not those this API names otherwise, nor `n`)
@@ -33,10 +33,14 @@ def to_chat_body(body: dict[str, Any], needs_max_tokens: bool = True) -> dict[st
     for name in (*SAMPLING, *sorted(EXTENSIONS & body.keys())):
         if name in body:
             chat[name] = body[name]
+    for name in sorted(fields.REASONING & body.keys()):  # chat's reasoning fields, as sent
+        chat[name] = body[name]
     if "max_tokens" in body:
         chat["max_tokens"] = body["max_tokens"]
     if "model" in body:
         chat["model"] = body["model"]
+    if body.get("thinking") is not None:
+        chat.update(thinking(body["thinking"], chat.get("chat_template_kwargs")))
     if body.get("stop_sequences") is not None:
         chat["stop"] = string_list(body["stop_sequences"], "stop_sequences")
     if body.get("tools"):
@@ -44,6 +48,22 @@ def to_chat_body(body: dict[str, Any], needs_max_tokens: bool = True) -> dict[st
     if body.get("tool_choice") is not None:
         chat["tool_choice"] = tool_choice(body["tool_choice"])
     return chat
+
+
+def thinking(value: Any, kwargs: Any) -> dict[str, Any]:
+    """`thinking`: enabled (with its `budget_tokens`), adaptive or disabled, as the template's
+    enable_thinking and the think block's budget."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind not in ("enabled", "adaptive", "disabled"):
+        raise bad_field("thinking.type", "one of enabled, adaptive, disabled")
+    merged = {**(kwargs if isinstance(kwargs, dict) else {}), "enable_thinking": kind != "disabled"}
+    fields_: dict[str, Any] = {"chat_template_kwargs": merged}
+    budget = value.get("budget_tokens")
+    if kind == "enabled" and budget is not None:
+        if type(budget) is not int or budget < 0:
+            raise bad_field("thinking.budget_tokens", "a non-negative integer is required")
+        fields_["thinking_budget_tokens"] = budget
+    return fields_
 
 
 def system_messages(system: Any) -> list[dict[str, Any]]:
@@ -74,6 +94,7 @@ def from_blocks(role: str, blocks: list[Any], where: str) -> list[dict[str, Any]
     """One turn's blocks: its text (and an assistant's tool calls) as one message; each
     `tool_result` as a tool message before it, as OpenAI-style templates want them."""
     texts: list[str] = []
+    thoughts: list[str] = []
     calls: list[dict[str, Any]] = []
     results: list[dict[str, Any]] = []
     for j, block in enumerate(blocks):
@@ -85,6 +106,8 @@ def from_blocks(role: str, blocks: list[Any], where: str) -> list[dict[str, Any]
             calls.append(tool_call(block, at))
         elif kind == "tool_result" and role == "user":
             results.append(tool_result(block, at))
+        elif kind == "thinking" and role == "assistant":  # the template renders it (or not)
+            thoughts.append(thinking_text(block, at))
         elif kind in SKIPPED_BLOCKS:
             continue
         elif kind in UNSUPPORTED_BLOCKS:
@@ -97,6 +120,8 @@ def from_blocks(role: str, blocks: list[Any], where: str) -> list[dict[str, Any]
                                "content": "".join(texts) if texts or not calls else None}
     if calls:
         message["tool_calls"] = calls
+    if thoughts:
+        message["reasoning_content"] = "\n".join(thoughts)
     keep = texts or calls or not results
     return [*results, *([message] if keep else [])]
 
@@ -105,6 +130,12 @@ def text_of(block: dict[str, Any], at: str) -> str:
     if not isinstance(block.get("text"), str):
         raise bad_field(f"{at}.text", "a string is required")
     return block["text"]
+
+
+def thinking_text(block: dict[str, Any], at: str) -> str:
+    if not isinstance(block.get("thinking"), str):
+        raise bad_field(f"{at}.thinking", "a string is required")
+    return block["thinking"]
 
 
 def block_text(value: Any, name: str) -> str:

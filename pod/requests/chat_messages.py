@@ -66,6 +66,20 @@ def _tool_calls(message: dict, index: int, role: str) -> list[dict[str, Any]]:
     return cleaned
 
 
+def _reasoning(message: dict, index: int, role: str) -> str | None:
+    """An earlier assistant turn's reasoning (llama-server's and DeepSeek's `reasoning_content`,
+    vLLM's `reasoning`): handed to the template, which renders it as it wants (Qwen's render
+    it in the turns after the last user message)."""
+    for name in ("reasoning_content", "reasoning"):
+        value = message.get(name)
+        if value is None:
+            continue
+        if role != "assistant" or not isinstance(value, str):
+            raise _bad(f"messages[{index}].{name}", "a string, on an assistant message only")
+        return value
+    return None
+
+
 def chat_messages(body: dict, limits: InputLimits) -> list[dict[str, Any]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -86,6 +100,10 @@ def chat_messages(body: dict, limits: InputLimits) -> list[dict[str, Any]]:
         calls = _tool_calls(message, i, role)
         if calls:
             entry["tool_calls"] = calls
+        reasoning = _reasoning(message, i, role)
+        if reasoning is not None:
+            entry["reasoning_content"] = reasoning
+            num_chars += len(reasoning)
         if role == "tool":
             call_id = message.get("tool_call_id")
             if not isinstance(call_id, str):

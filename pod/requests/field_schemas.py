@@ -28,6 +28,7 @@ from .fields import (
 )
 from .input_limits import InputLimits
 from .parsers import MAX_BATCH_PROMPTS
+from .reasoning_fields import FORMATS, MAX_BUDGET, MAX_BUDGET_MESSAGE, MAX_KWARGS, RESERVED_KWARGS
 
 BOOLEAN = {"type": "boolean"}
 STRING = {"type": "string"}
@@ -205,6 +206,22 @@ FIELD_SCHEMAS: dict[str, Callable[[Where], dict[str, Any]]] = {
                    "max_tokens 0 (allowed with echo only) it is scored, nothing generated"}),
     "return_tokens": fixed(BOOLEAN),
     "post_sampling_probs": fixed(BOOLEAN),
+    "chat_template_kwargs": fixed({
+        "type": "object", "maxProperties": MAX_KWARGS,
+        "properties": {"enable_thinking": BOOLEAN},
+        "description": "variables handed to the chat template (e.g. enable_thinking); "
+        f"not {', '.join(sorted(RESERVED_KWARGS))}"}),
+    "reasoning_effort": fixed({"type": "string", "description": "given to the template as "
+                               "reasoning_effort; none turns thinking off"}),
+    "reasoning_format": fixed({"type": "string", "enum": list(FORMATS), "description":
+                               "llama-server's: how a think block is returned (deepseek: in "
+                               "reasoning_content; none: in the content as written)"}),
+    **{name: fixed({"type": "integer", "minimum": -1, "maximum": MAX_BUDGET,
+                    "description": "tokens the think block may take (-1: unlimited)"})
+       for name in ("reasoning_budget_tokens", "thinking_budget_tokens")},
+    "reasoning_budget_message": fixed({
+        "type": "string", "maxLength": MAX_BUDGET_MESSAGE,
+        "description": "written before the forced end of a think block past its budget"}),
 }
 REQUIRED = {"chat": ["messages"], "completion": ["prompt"], "llama": ["prompt"]}
 

@@ -47,6 +47,12 @@ SAMPLING = frozenset({"model", "temperature", "top_p", "top_k", "min_p", "seed",
 STRUCTURED = frozenset({"response_format", "grammar", "json_schema", "structured_outputs",
                         "guided_json", "guided_regex", "guided_choice", "guided_grammar"})
 
+# a reasoning model's fields (chat's): the template's variables, how the think block is
+# returned, its budget (`reasoning_fields.py`)
+REASONING = frozenset({"chat_template_kwargs", "reasoning_effort", "reasoning_format",
+                       "reasoning_budget_tokens", "thinking_budget_tokens",
+                       "reasoning_budget_message"})
+
 # The output-length limit's name in every API: server-wide defaults are laid under it, and
 # /props reports what a request that sets nothing gets through it.
 COMMON_MAX_TOKENS = "max_tokens"
@@ -77,7 +83,7 @@ API_FIELDS: dict[str, ApiFields] = {
         quoted_limit=COMMON_MAX_TOKENS,
         own=frozenset({"messages", "tools", "tool_choice", "logprobs", "top_logprobs",
                        "prompt_logprobs", "add_generation_prompt", "continue_final_message",
-                       "return_tokens_as_token_ids"})),
+                       "return_tokens_as_token_ids", *REASONING})),
     "completion": ApiFields(
         limit_names=(COMMON_MAX_TOKENS,),
         quoted_limit=COMMON_MAX_TOKENS,

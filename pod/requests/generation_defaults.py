@@ -13,7 +13,7 @@ import json
 import logging
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -31,12 +31,17 @@ OVERRIDE_KEYS = {**HF_KEYS, "seed": "seed", "presence_penalty": "presence_penalt
                  "repeat_penalty": "repeat_penalty", "repeat_last_n": "repeat_last_n"}
 
 
+# a chat field's other name: a body that sends it has set the field
+CHAT_ALIASES = {"reasoning_budget_tokens": "thinking_budget_tokens"}
+
+
 @dataclass(frozen=True)
 class GenerationDefaults:
     """Request fields every request starts from, and where each came from (for the log)."""
 
     fields: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     sources: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    chat: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))  # reasoning
 
     def under(self, body: dict[str, Any], max_context: int) -> dict[str, Any]:
         """`body` with each default it leaves out (or sends as null) filled in. A default
@@ -46,6 +51,22 @@ class GenerationDefaults:
         merged = {name: value for name, value in self.fields.items() if body.get(name) is None}
         if isinstance(merged.get(COMMON_MAX_TOKENS), int):
             merged[COMMON_MAX_TOKENS] = min(merged[COMMON_MAX_TOKENS], max_context)
+        return {**body, **merged}
+
+    def under_chat(self, body: dict[str, Any], max_context: int) -> dict[str, Any]:
+        """As `under`, and the reasoning flags' fields a chat body takes; the template's
+        variables merged, the body's own winning (llama-server's rule)."""
+        return self.chat_layer(self.under(body, max_context))
+
+    def chat_layer(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The reasoning flags' fields alone (the tokenizer endpoints render chats too)."""
+        if not self.chat:
+            return body
+        merged = {name: value for name, value in self.chat.items()
+                  if body.get(name) is None and body.get(CHAT_ALIASES.get(name, "")) is None}
+        kwargs = body.get("chat_template_kwargs")
+        if isinstance(kwargs, dict) and "chat_template_kwargs" in self.chat:
+            merged["chat_template_kwargs"] = {**self.chat["chat_template_kwargs"], **kwargs}
         return {**body, **merged}
 
     def describe(self) -> str:
@@ -121,6 +142,22 @@ def from_flags(args: ServerArgs) -> dict[str, Any]:
     return {name: value for name, value in named.items() if value is not None}
 
 
+def chat_from_flags(args: ServerArgs) -> dict[str, Any]:
+    """The reasoning flags as chat request fields (`reasoning_fields.py` reads them)."""
+    kwargs = json.loads(args.chat_template_kwargs) if args.chat_template_kwargs else {}
+    if "enable_thinking" in kwargs:
+        log.warning("setting enable_thinking through --chat-template-kwargs: --reasoning on|off "
+                    "says the same")
+    if args.reasoning != "auto":
+        kwargs["enable_thinking"] = args.reasoning == "on"
+    named = {"chat_template_kwargs": kwargs or None,
+             "reasoning_format": None if args.reasoning_format == "auto" else args.reasoning_format,
+             "reasoning_budget_tokens": None if args.reasoning_budget == -1
+             else args.reasoning_budget,
+             "reasoning_budget_message": args.reasoning_budget_message or None}
+    return {name: value for name, value in named.items() if value is not None}
+
+
 def defaults_for(args: ServerArgs) -> GenerationDefaults:
     path = config_file(args.generation_config, args.model)
     layers: list[tuple[str, Mapping[str, Any]]] = [
@@ -129,4 +166,5 @@ def defaults_for(args: ServerArgs) -> GenerationDefaults:
          if args.override_generation_config else {}),
         ("flag", from_flags(args)),
     ]
-    return build_defaults(layers)
+    defaults = build_defaults(layers)
+    return replace(defaults, chat=MappingProxyType(chat_from_flags(args)))

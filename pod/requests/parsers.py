@@ -18,8 +18,10 @@ from typing import Any
 
 from ..model.tokenizer import Tokenizer
 from ..sampling.grammar import Grammar
+from ..sampling.reasoning import ThinkingRule
+from ..sampling.reasoning_gate import ThinkingGate
 from ..sampling.sampler import SamplingParams
-from . import responses_api, tools
+from . import reasoning_fields, responses_api, tools
 from .anthropic import to_chat_body
 from .chat_messages import chat_messages
 from .errors import ApiError, clip, shown
@@ -66,6 +68,9 @@ class GenerationRequest:
     conversation: tuple[dict[str, Any], ...] = ()
     store: bool = False
     echoed: tuple[tuple[str, Any], ...] = ()
+    # a reasoning model's think block: how its text is returned, its budget and grammar's wait
+    thinking: ThinkingRule | None = None
+    thinking_gate: ThinkingGate | None = None
 
 
 MAX_LOGGED_FIELDS = 1000  # bounds what a client inventing field names can make us remember
@@ -205,13 +210,16 @@ def parse_chat(body: dict, tokenizer: Tokenizer, limits: InputLimits) -> Generat
     plan = tool_plan(body, grammar)
     if plan is not None and plan.can_call:  # the output is a call or a wrapped answer
         grammar = compiled("tools", plan.grammar(), tokenizer)
+    prompt_ids = chat_prompt(chat_turn(body, messages), tokenizer, plan, limits)
     return GenerationRequest(
         kind="chat",
         params=params,
         **_answer_options(body),
-        prompt_ids=chat_prompt(chat_turn(body, messages), tokenizer, plan, limits),
+        prompt_ids=prompt_ids,
         grammar=grammar,
         tools=plan if plan is not None and plan.can_call else None,
+        thinking=reasoning_fields.thinking_rule(body, tokenizer, prompt_ids),
+        thinking_gate=reasoning_fields.thinking_gate(body, tokenizer, prompt_ids),
     )
 
 
@@ -308,8 +316,8 @@ def parse_messages(body: dict, tokenizer: Tokenizer, limits: InputLimits,
                    defaults: GenerationDefaults) -> GenerationRequest:
     """Anthropic's Messages API through the chat parser (`anthropic.py` maps the fields; the
     server's defaults go under chat's names)."""
-    request = parse_chat(defaults.under(to_chat_body(body), limits.max_context), tokenizer,
-                         limits)
+    request = parse_chat(defaults.under_chat(to_chat_body(body), limits.max_context),
+                         tokenizer, limits)
     return dataclasses.replace(request, kind="messages", include_usage=False)
 
 
@@ -318,7 +326,7 @@ def parse_responses(body: dict, tokenizer: Tokenizer, limits: InputLimits,
                     ) -> GenerationRequest:
     """OpenAI's Responses API through the chat parser (`responses_api.py` maps the fields)."""
     chat, conversation = responses_api.to_chat_body(body, lookup)
-    request = parse_chat(defaults.under(chat, limits.max_context), tokenizer, limits)
+    request = parse_chat(defaults.under_chat(chat, limits.max_context), tokenizer, limits)
     store = boolean_field(body, "store", True)
     return dataclasses.replace(request, kind="responses", include_usage=False,
                                conversation=tuple(conversation), store=store,
@@ -339,7 +347,9 @@ NO_DEFAULTS = GenerationDefaults()
 def parse_request(kind: str, raw: bytes, tokenizer: Tokenizer, limits: InputLimits,
                   defaults: GenerationDefaults = NO_DEFAULTS) -> GenerationRequest:
     """Body bytes -> a `GenerationRequest` for route `kind`, or an `ApiError`."""
-    body = defaults.under(decode_body(raw), limits.max_context)
+    body = decode_body(raw)
+    body = (defaults.under_chat(body, limits.max_context) if kind == "chat"
+            else defaults.under(body, limits.max_context))
     return PARSERS[kind](body, tokenizer, limits)
 
 
@@ -369,3 +379,11 @@ def check_defaults(defaults: GenerationDefaults) -> None:
     except ApiError as exc:
         source = defaults.sources.get(exc.param or "", "a default")
         raise ValueError(f"sampling default from {source}: {exc.message}") from None
+    try:  # the reasoning flags, read as a chat body's fields
+        chat = dict(defaults.chat)
+        reasoning_fields.template_kwargs(chat)
+        reasoning_fields.reasoning_format(chat)
+        reasoning_fields.budget_tokens(chat)
+        reasoning_fields.budget_message(chat)
+    except ApiError as exc:
+        raise ValueError(f"reasoning flags: {exc.message}") from None

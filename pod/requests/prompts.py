@@ -5,7 +5,7 @@ so they show what a generation request would run."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..model.tokenizer import RenderedTooLong, Tokenizer
@@ -15,6 +15,7 @@ from .errors import MAX_SHOWN, ApiError, clip
 from .errors import bad_field as _bad
 from .field_values import boolean_field
 from .input_limits import InputLimits, check_chars
+from .reasoning_fields import template_kwargs
 from .structured_fields import tool_plan
 
 
@@ -48,9 +49,15 @@ class ChatTurn:
     messages: list[dict[str, Any]]
     add_generation_prompt: bool = True
     prefill: str = ""
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat_template_kwargs ...
 
 
 def chat_turn(body: dict, messages: list[dict[str, Any]]) -> ChatTurn:
+    """The turn with the variables the body hands the template (`reasoning_fields`)."""
+    return replace(_turn(body, messages), template_kwargs=template_kwargs(body))
+
+
+def _turn(body: dict, messages: list[dict[str, Any]]) -> ChatTurn:
     """vLLM's `add_generation_prompt` / `continue_final_message`, and llama.cpp's prefill: a
     conversation ending in an assistant message, with neither field sent, continues it."""
     continues = boolean_field(body, "continue_final_message", False)
@@ -94,7 +101,8 @@ def chat_prompt(turn: ChatTurn, tokenizer: Tokenizer, plan: tools.ToolPlan | Non
     try:  # special-token texts in the messages stay text: only the template's markers are special
         return tokenizer.encode_chat(messages, add_generation_prompt=turn.add_generation_prompt,
                                      tools=offered, prefill=turn.prefill,
-                                     max_chars=limits.max_prompt_chars if limits else None)
+                                     max_chars=limits.max_prompt_chars if limits else None,
+                                     template_kwargs=turn.template_kwargs)
     except RenderedTooLong as exc:
         raise _rendered_too_long(exc, limits) from None
     except Exception as exc:  # the model's own template rejected the conversation
@@ -127,7 +135,7 @@ def render_chat(body: dict, tokenizer: Tokenizer, limits: InputLimits) -> str:
     """llama.cpp's /apply-template: the text a chat request with this body would run."""
     turn, plan = _chat_input(body, limits)
     messages, offered = _template_input(turn, plan)
-    extra = {"tools": offered} if offered else {}
+    extra = {**turn.template_kwargs, **({"tools": offered} if offered else {})}
     try:
         text = tokenizer.apply_chat_template(
             messages, add_generation_prompt=turn.add_generation_prompt, **extra)

@@ -35,12 +35,16 @@ def to_chat_body(body: dict[str, Any], lookup: Lookup) -> tuple[dict[str, Any], 
     for name in (*SAMPLING, *sorted(EXTENSIONS & body.keys())):
         if name in body:
             chat[name] = body[name]
+    for name in sorted(fields.REASONING & body.keys()):  # chat's reasoning fields, as sent
+        chat[name] = body[name]
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
     if body.get("tools"):
         chat["tools"] = functions(body["tools"])
     if body.get("tool_choice") is not None:
         chat["tool_choice"] = tool_choice(body["tool_choice"])
+    if body.get("reasoning") is not None:
+        chat.update(reasoning(body["reasoning"]))
     response_format = text_format(body.get("text"))
     if response_format is not None:
         chat["response_format"] = response_format
@@ -74,22 +78,53 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
     if not isinstance(value, list) or not value:
         raise bad_field("input", "a string or a non-empty list of items is required")
     out: list[dict[str, Any]] = []
+    thoughts: list[str] = []  # reasoning items: on the assistant turn that follows them
     for i, item in enumerate(value):
         where = f"input[{i}]"
         if not isinstance(item, dict):
             raise bad_field(where, "an object is required")
         kind = item.get("type", "message")
+        if kind == "reasoning":
+            thoughts.append(reasoning_item(item, where))
+            continue
         if kind == "message":
             out.append(message(item, where))
         elif kind == "function_call":
             out.append(function_call(item, where, out))
         elif kind == "function_call_output":
             out.append(function_output(item, where))
-        elif kind == "reasoning":
-            continue  # an earlier turn's reasoning: not replayed
         else:
             raise bad_field(f"{where}.type", f"{shown(kind)} items are not supported here")
+        turn = out[-1] or out[-2]  # a call joined to the message before it leaves {}
+        if thoughts and turn.get("role") == "assistant":
+            turn["reasoning_content"] = "\n".join(thoughts)
+            thoughts.clear()
     return [m for m in out if m]
+
+
+def reasoning_item(item: dict[str, Any], where: str) -> str:
+    """A reasoning item's text: its `content` (reasoning_text parts), else its summary."""
+    parts = item.get("content") or item.get("summary") or []
+    if not isinstance(parts, list):
+        raise bad_field(f"{where}.content", "a list of reasoning_text parts is required")
+    texts = []
+    for j, part in enumerate(parts):
+        if not isinstance(part, dict) or not isinstance(part.get("text"), str):
+            raise bad_field(f"{where}.content[{j}]", "a part with a text string is required")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def reasoning(value: Any) -> dict[str, Any]:
+    """`reasoning.effort` as chat's `reasoning_effort` (none turns thinking off)."""
+    if not isinstance(value, dict):
+        raise bad_field("reasoning", "an object is required")
+    effort = value.get("effort")
+    if effort is None:
+        return {}
+    if not isinstance(effort, str):
+        raise bad_field("reasoning.effort", "a string is required")
+    return {"reasoning_effort": effort}
 
 
 def message(item: dict[str, Any], where: str) -> dict[str, Any]:

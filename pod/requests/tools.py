@@ -184,16 +184,25 @@ def polyfill_messages(messages: list[dict[str, Any]], plan: ToolPlan | None
                 "name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"]),
                 "id": c["id"]} for c in calls]}, ensure_ascii=False)
             content = message.get("content")
-            out.append({"role": "assistant", "content": f"{content}\n{text}" if content else text})
+            out.append(_reasoning_kept(message, {
+                "role": "assistant", "content": f"{content}\n{text}" if content else text}))
         elif message["role"] == "tool":
             response = {"tool": names.get(message["tool_call_id"], ""),
                         "tool_call_id": message["tool_call_id"], "content": message["content"]}
             out.append({"role": "user", "content": json.dumps({"tool_response": response},
                                                               ensure_ascii=False)})
         else:
-            out.append({"role": message["role"], "content": message["content"]})
+            out.append(_reasoning_kept(message, {"role": message["role"],
+                                                 "content": message["content"]}))
     if plan is not None and plan.can_call:
         out = with_system(out, plan.instructions())
+    return out
+
+
+def _reasoning_kept(message: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
+    """An assistant turn's reasoning stays beside its rewritten text: the template renders it."""
+    if "reasoning_content" in message:
+        out["reasoning_content"] = message["reasoning_content"]
     return out
 
 
@@ -210,6 +219,7 @@ def with_system(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any
 class ParsedOutput:
     content: str | None
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    reasoning: str | None = None  # a think block's text (`sampling/reasoning.py`)
 
 
 def parse_output(text: str) -> ParsedOutput:

@@ -29,6 +29,7 @@ from ..memory.checkpoints import CheckpointStore
 from ..memory.host_store import HostStore
 from ..memory.host_tier import HostTier
 from ..memory.identity import ModelIdentity, get_source_bytes, get_weights_digest
+from ..memory.kv_events import KvEventLog
 from ..memory.kv_pool import KVPool
 from ..memory.prefix_cache import PrefixCache
 from ..memory.slot_files import remove_stale_temp_files
@@ -62,6 +63,8 @@ from .choices import (
     pick_dtype,
     pick_num_pages,
 )
+from .kv_event_publisher import ZmqEventPublisher
+from .kv_event_publisher import parse_config as parse_kv_events_config
 
 log = logging.getLogger("kvpark.server")
 
@@ -212,6 +215,8 @@ def build_stack(args: ServerArgs) -> ServingStack:
     stages = Stages()
     defaults = defaults_for(args)  # a bad generation config fails before the weights load
     check_defaults(defaults)
+    if args.kv_events_config is not None:  # its keys, before the weights load too
+        parse_kv_events_config(args.kv_events_config)
     device = pick_device(args)
     prepare_machine(args, device)
     dtype = pick_dtype(args, device)
@@ -366,7 +371,43 @@ def build_engine(args: ServerArgs, target: Target, memory: Memory, budget: Budge
                          fault_late=args.inject_fault_late)
     engine = Engine(scheduler, runner, on_step=metrics.on_step, lock=lock, memory=slots,
                     tokenizer=loaded.tokenizer)
+    engine.kv_events = make_kv_events(args, pool)
     return engine, metrics
+
+
+def make_kv_events(args: ServerArgs, pool: KVPool) -> KvEventOutlet | None:
+    """--kv-events-config: the prefix cache and its host tier record, a publisher sends."""
+    if args.kv_events_config is None:
+        return None
+    config = parse_kv_events_config(args.kv_events_config)
+    if not config.enabled:
+        log.info("KV events: off (--kv-events-config enables no zmq publisher)")
+        return None
+    if pool.cache is None:
+        raise ValueError("--kv-events-config reports the prefix cache's pages: it needs the "
+                         "prefix cache (leave out --no-prefix-cache)")
+    events = KvEventLog(pool.page_size)
+    pool.cache.events = events
+    if pool.tier is not None:
+        pool.tier.events = events
+    return KvEventOutlet(events, ZmqEventPublisher(config))
+
+
+@dataclass(frozen=True)
+class KvEventOutlet:
+    """Where the engine's KV events go: recorded by the memory layer, drained after each
+    step into the publisher's queue."""
+
+    log: KvEventLog
+    publisher: ZmqEventPublisher
+
+    def flush(self) -> None:
+        events = self.log.drain()
+        if events:
+            self.publisher.publish(events)
+
+    def close(self) -> None:
+        self.publisher.close()
 
 
 def log_summary(args: ServerArgs, target: Target, memory: Memory, draft: DraftStack | None,

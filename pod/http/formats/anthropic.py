@@ -41,9 +41,10 @@ class AnthropicFormat(WireFormat):
 
     def blocks(self, seq: SeqResult) -> list[dict[str, Any]]:
         parsed = self.parsed(seq)
+        thinking = [thinking_block(parsed.reasoning)] if parsed.reasoning else []
         text = [{"type": "text", "text": parsed.content or ""}] \
             if parsed.content or not parsed.tool_calls else []
-        return text + [tool_use(call) for call in parsed.tool_calls]
+        return thinking + text + [tool_use(call) for call in parsed.tool_calls]
 
     def stop_reason(self, seq: SeqResult) -> str:
         if seq.finish_reason is FinishReason.LENGTH:
@@ -65,29 +66,68 @@ class AnthropicFormat(WireFormat):
                 "output_tokens": seq.num_generated}
 
     # ---- a stream ----------------------------------------------------------------------------
-    def opening(self) -> list[dict[str, Any]]:
-        start = {"type": "message_start", "message": {
-            **self.message([]), "usage": {"input_tokens": len(self.stream.prompts[0]),
-                                          "output_tokens": 0}}}
-        if self.with_tools:  # the blocks are known once the output is complete
-            return [start]
-        return [start, {"type": "content_block_start", "index": 0,
-                        "content_block": {"type": "text", "text": ""}}]
+    # Without tools the blocks go out as the text comes: a thinking block while the model
+    # reasons, then the text block. With tools they are known once the output is complete.
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._open: str | None = None  # a stream's block now open: its type
+        self._index = -1  # and its index
 
-    def text(self, index: int, text: str, num_logprobs: int | None = None) -> dict[str, Any]:
+    def opening(self) -> list[dict[str, Any]]:
+        return [{"type": "message_start", "message": {
+            **self.message([]), "usage": {"input_tokens": len(self.stream.prompts[0]),
+                                          "output_tokens": 0}}}]
+
+    def text_chunks(self, index: int, text: str, num_logprobs: int | None = None
+                    ) -> list[dict[str, Any]]:
         if self.with_tools:
-            return {"type": "ping"}
-        return {"type": "content_block_delta", "index": 0,
-                "delta": {"type": "text_delta", "text": text}}
+            return [{"type": "ping"}]
+        events = self.deltas(*self.split(index, text))
+        return events or [{"type": "ping"}]  # text held back: still alive
+
+    def deltas(self, reasoning: str, content: str) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        if reasoning:
+            events += self.block("thinking")
+            events.append(self.delta({"type": "thinking_delta", "thinking": reasoning}))
+        if content:
+            events += self.block("text")
+            events.append(self.delta({"type": "text_delta", "text": content}))
+        return events
+
+    def block(self, kind: str) -> list[dict[str, Any]]:
+        """Events that make a `kind` block the open one (the one open before ends)."""
+        if self._open == kind:
+            return []
+        events = self.close_block()
+        self._open, self._index = kind, self._index + 1
+        start = thinking_block("") if kind == "thinking" else {"type": "text", "text": ""}
+        return [*events, {"type": "content_block_start", "index": self._index,
+                          "content_block": start}]
+
+    def close_block(self) -> list[dict[str, Any]]:
+        if self._open is None:
+            return []
+        # a thinking block closes with its signature (empty: nothing to verify here), as the
+        # API sends one before every thinking block's stop
+        signed = [self.delta({"type": "signature_delta", "signature": ""})] \
+            if self._open == "thinking" else []
+        self._open = None
+        return [*signed, {"type": "content_block_stop", "index": self._index}]
+
+    def delta(self, delta: dict[str, Any]) -> dict[str, Any]:
+        return {"type": "content_block_delta", "index": self._index, "delta": delta}
 
     def progress(self, progress: Any) -> dict[str, Any]:
         return {"type": "ping"}
 
     def finish_chunks(self, seq: SeqResult) -> list[dict[str, Any]]:
-        events = [{"type": "content_block_stop", "index": 0}] if not self.with_tools else []
         if self.with_tools:
-            for i, block in enumerate(self.blocks(seq)):
-                events += streamed_block(i, block)
+            events = [event for i, block in enumerate(self.blocks(seq))
+                      for event in streamed_block(i, block)]
+        else:  # what a tag held back, and the text block the message always has
+            events = [*self.deltas(*self.split(seq.index, None)), *self.block("text"),
+                      *self.close_block()]
         return [*events,
                 {"type": "message_delta", "delta": {"stop_reason": self.stop_reason(seq),
                                                     "stop_sequence": self.stop_sequence(seq)},
@@ -117,11 +157,22 @@ def input_of(arguments: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
+def thinking_block(text: str) -> dict[str, Any]:
+    return {"type": "thinking", "thinking": text, "signature": ""}
+
+
 def streamed_block(index: int, block: dict[str, Any]) -> list[dict[str, Any]]:
     """A complete block as a stream sends it: start (empty), one delta, stop."""
     if block["type"] == "text":
         start, delta = {"type": "text", "text": ""}, {"type": "text_delta",
                                                       "text": block["text"]}
+    elif block["type"] == "thinking":
+        events = streamed_block(index, {"type": "text", "text": block["thinking"]})
+        events[0]["content_block"] = thinking_block("")
+        events[1]["delta"] = {"type": "thinking_delta", "thinking": block["thinking"]}
+        signature = {"type": "content_block_delta", "index": index,
+                     "delta": {"type": "signature_delta", "signature": ""}}
+        return [*events[:2], signature, events[2]]
     else:
         start = {**block, "input": {}}
         delta = {"type": "input_json_delta",

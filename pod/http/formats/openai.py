@@ -71,8 +71,9 @@ class ChatFormat(OpenAIFormat):
 
     def choice(self, seq: SeqResult) -> dict[str, Any]:
         logprobs = (chat_logprobs(self.names, seq.logprobs) if self.wants_logprobs else None)
-        return {"index": seq.index, "message": {"role": "assistant",
-                                                "content": seq.text},
+        parsed = self.parsed(seq)
+        return {"index": seq.index, "message": {"role": "assistant", "content": parsed.content,
+                                                **reasoning_fields(parsed.reasoning)},
                 "logprobs": logprobs, "finish_reason": finish_reason(seq)}
 
     def opening(self) -> list[dict[str, Any]]:
@@ -82,15 +83,25 @@ class ChatFormat(OpenAIFormat):
                              for i in range(self.stream.num_seqs)])]
 
     def text(self, index: int, text: str, num_logprobs: int | None = None) -> dict[str, Any]:
-        # text held back (a stop string may be starting) sends its logprobs without content
+        # text held back (a stop string may be starting, or a think tag) sends its logprobs
+        # without content
         return self.with_prompt_logprobs(self._chunk([
-            {"index": index, "delta": {"content": text} if text else {},
+            {"index": index, "delta": self.delta(*self.split(index, text)),
              "logprobs": self.logprobs(index, num_logprobs), "finish_reason": None}]), index)
+
+    def delta(self, reasoning: str, content: str) -> dict[str, Any]:
+        return {**reasoning_fields(reasoning or None), **({"content": content} if content else {})}
 
     def finish(self, seq: SeqResult) -> dict[str, Any]:
         return self.with_prompt_logprobs(self._chunk([
             {"index": seq.index, "delta": {}, "logprobs": self.logprobs(seq.index, None),
              "finish_reason": finish_reason(seq)}]), seq.index)
+
+    def finish_chunks(self, seq: SeqResult) -> list[dict[str, Any]]:
+        rest = self.delta(*self.split(seq.index, None))  # text a think tag held back
+        held = [self._chunk([{"index": seq.index, "delta": rest, "logprobs": None,
+                              "finish_reason": None}])] if rest else []
+        return [*held, self.finish(seq)]
 
 
 class ToolChatFormat(ChatFormat):
@@ -105,7 +116,8 @@ class ToolChatFormat(ChatFormat):
 
     def choice(self, seq: SeqResult) -> dict[str, Any]:
         parsed = self.parsed(seq)
-        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content,
+                                   **reasoning_fields(parsed.reasoning)}
         if parsed.tool_calls:
             message["tool_calls"] = parsed.tool_calls
         return {"index": seq.index, "message": message, "logprobs": None,
@@ -118,8 +130,9 @@ class ToolChatFormat(ChatFormat):
                              for i in range(self.stream.num_seqs)])]
 
     def text(self, index: int, text: str, num_logprobs: int | None = None) -> dict[str, Any]:
-        return self._chunk([{"index": index, "delta": {}, "logprobs": None,
-                             "finish_reason": None}])
+        reasoning, _ = self.split(index, text)  # the reasoning goes out as it comes
+        return self._chunk([{"index": index, "delta": reasoning_fields(reasoning or None),
+                             "logprobs": None, "finish_reason": None}])
 
     def finish(self, seq: SeqResult) -> dict[str, Any]:
         return self._chunk([{"index": seq.index, "delta": {}, "logprobs": None,
@@ -129,7 +142,7 @@ class ToolChatFormat(ChatFormat):
         # the calls before the finish reason, as OpenAI sends them: clients close a call's
         # arguments when the next call or the finish reason comes
         parsed = self.parsed(seq)
-        delta: dict[str, Any] = {}
+        delta: dict[str, Any] = reasoning_fields(self.split(seq.index, None)[0] or None)
         if parsed.tool_calls:
             delta["tool_calls"] = [{"index": i, **call}
                                    for i, call in enumerate(parsed.tool_calls)]
@@ -138,6 +151,12 @@ class ToolChatFormat(ChatFormat):
         last = [self._chunk([{"index": seq.index, "delta": delta, "logprobs": None,
                               "finish_reason": None}])] if delta else []
         return [*last, self.finish(seq)]
+
+
+def reasoning_fields(reasoning: str | None) -> dict[str, str]:
+    """A think block's text under both names clients read: llama-server's and DeepSeek's
+    `reasoning_content`, and vLLM's (and OpenRouter's) newer `reasoning`."""
+    return {} if reasoning is None else {"reasoning_content": reasoning, "reasoning": reasoning}
 
 
 class CompletionFormat(OpenAIFormat):

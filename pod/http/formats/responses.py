@@ -24,6 +24,8 @@ class ResponsesFormat(WireFormat):
         super().__init__(*args, **kwargs)
         self._sequence = 0
         self._created = int(time.time())
+        self._open: str | None = None  # a stream's output item now open: its type
+        self._opened: list[str] = []  # the types of the items a stream opened, in order
 
     @property
     def response_id(self) -> str:
@@ -32,6 +34,10 @@ class ResponsesFormat(WireFormat):
     @property
     def message_id(self) -> str:
         return "msg_" + self.id_suffix
+
+    @property
+    def reasoning_id(self) -> str:
+        return "rs_" + self.id_suffix
 
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
         self._sequence += 1
@@ -64,9 +70,16 @@ class ResponsesFormat(WireFormat):
 
     def output(self, seq: SeqResult) -> list[dict[str, Any]]:
         parsed = self.parsed(seq)
+        thinking = [self.reasoning(parsed.reasoning)] if parsed.reasoning else []
         items = [self.message(parsed.content or "", seq)] \
             if parsed.content or not parsed.tool_calls else []
-        return items + [function_call(call) for call in parsed.tool_calls]
+        return thinking + items + [function_call(call) for call in parsed.tool_calls]
+
+    def reasoning(self, text: str | None) -> dict[str, Any]:
+        """A reasoning item (None: as it opens, nothing written yet)."""
+        content = [] if text is None else [{"type": "reasoning_text", "text": text}]
+        return {"type": "reasoning", "id": self.reasoning_id, "summary": [],
+                "content": content, "status": "in_progress" if text is None else "completed"}
 
     def message(self, text: str, seq: SeqResult | None) -> dict[str, Any]:
         status = "in_progress" if seq is None else (
@@ -80,6 +93,8 @@ class ResponsesFormat(WireFormat):
         the ids this response gave them)."""
         parsed = self.parsed(seq)
         turn: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        if parsed.reasoning:  # the template renders it where it wants it
+            turn["reasoning_content"] = parsed.reasoning
         if parsed.tool_calls:
             turn["tool_calls"] = parsed.tool_calls
         return turn
@@ -88,26 +103,59 @@ class ResponsesFormat(WireFormat):
         return {"input_tokens": seq.num_prompt,
                 "input_tokens_details": {"cached_tokens": seq.num_cached},
                 "output_tokens": seq.num_generated,
-                "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens(seq)},
                 "total_tokens": seq.num_prompt + seq.num_generated}
 
+    def reasoning_tokens(self, seq: SeqResult) -> int:
+        """The think block's tokens: its text tokenised again (the tags not counted)."""
+        reasoning = self.parsed(seq).reasoning
+        return len(self.stream.tokenizer.encode(reasoning, add_bos=False)) if reasoning else 0
+
     # ---- a stream ----------------------------------------------------------------------------
+    # Without tools the items go out as the text comes: a reasoning item while the model
+    # reasons, then the message. With tools they are known once the output is complete.
     def opening(self) -> list[dict[str, Any]]:
-        events = [self.event("response.created", response=self.response(None)),
-                  self.event("response.in_progress", response=self.response(None))]
-        if not self.with_tools:
-            events += [self.event("response.output_item.added", output_index=0,
-                                  item=self.message("", None)),
-                       self.event("response.content_part.added", item_id=self.message_id,
-                                  output_index=0, content_index=0, part=output_text(""))]
+        return [self.event("response.created", response=self.response(None)),
+                self.event("response.in_progress", response=self.response(None))]
+
+    def text_chunks(self, index: int, text: str, num_logprobs: int | None = None
+                    ) -> list[dict[str, Any]]:
+        if self.with_tools:
+            return []
+        return self.deltas(*self.split(index, text))
+
+    def deltas(self, reasoning: str, content: str) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        if reasoning:
+            events += self.open_item("reasoning")
+            events.append(self.event("response.reasoning_text.delta",
+                                     item_id=self.reasoning_id, output_index=self.item_index,
+                                     content_index=0, delta=reasoning))
+        if content:
+            events += self.open_item("message")
+            events.append(self.event("response.output_text.delta", item_id=self.message_id,
+                                     output_index=self.item_index, content_index=0,
+                                     delta=content, logprobs=[]))
         return events
 
-    def text(self, index: int, text: str, num_logprobs: int | None = None
-             ) -> dict[str, Any] | None:
-        if self.with_tools:  # the items are known once the output is complete
-            return None
-        return self.event("response.output_text.delta", item_id=self.message_id,
-                          output_index=0, content_index=0, delta=text, logprobs=[])
+    @property
+    def item_index(self) -> int:
+        return len(self._opened) - 1
+
+    def open_item(self, kind: str) -> list[dict[str, Any]]:
+        """Events that open a `kind` item (a reasoning item stays open until the message)."""
+        if self._open == kind:
+            return []
+        self._open = kind
+        self._opened.append(kind)
+        if kind == "reasoning":
+            return [self.event("response.output_item.added", output_index=self.item_index,
+                               item=self.reasoning(None))]
+        return [self.event("response.output_item.added", output_index=self.item_index,
+                           item=self.message("", None)),
+                self.event("response.content_part.added", item_id=self.message_id,
+                           output_index=self.item_index, content_index=0,
+                           part=output_text(""))]
 
     def progress(self, progress: PromptProgress) -> dict[str, Any] | None:
         """llama-server's `return_progress`: the prompt's progress on an in-progress event."""
@@ -116,8 +164,10 @@ class ResponsesFormat(WireFormat):
 
     def finish_chunks(self, seq: SeqResult) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
+        if not self.with_tools:  # what a tag held back; the message every answer has
+            events += [*self.deltas(*self.split(seq.index, None)), *self.open_item("message")]
         for i, item in enumerate(self.output(seq)):
-            events += self.streamed_item(i, item, opened=not self.with_tools)
+            events += self.streamed_item(i, item, opened=i < len(self._opened))
         # `response.completed` however it ended (its status says incomplete where it is): the
         # SDK's stream helper finds its final response only there
         # llama-server adds its timings beside the response
@@ -129,7 +179,14 @@ class ResponsesFormat(WireFormat):
         """The rest of an item's events (`opened`: its start went out with the opening)."""
         events = [] if opened else [self.event("response.output_item.added",
                                                output_index=index, item=started(item))]
-        if item["type"] == "message":
+        if item["type"] == "reasoning":
+            text = item["content"][0]["text"]
+            if not opened:
+                events.append(self.event("response.reasoning_text.delta", item_id=item["id"],
+                                         output_index=index, content_index=0, delta=text))
+            events.append(self.event("response.reasoning_text.done", item_id=item["id"],
+                                     output_index=index, content_index=0, text=text))
+        elif item["type"] == "message":
             text = item["content"][0]["text"]
             if not opened:
                 events += [self.event("response.content_part.added", item_id=item["id"],
@@ -168,6 +225,6 @@ def function_call(call: dict[str, Any]) -> dict[str, Any]:
 
 def started(item: dict[str, Any]) -> dict[str, Any]:
     """An item as `output_item.added` shows it: in progress, nothing written yet."""
-    if item["type"] == "message":
+    if item["type"] in ("message", "reasoning"):
         return {**item, "status": "in_progress", "content": []}
     return {**item, "status": "in_progress", "arguments": ""}

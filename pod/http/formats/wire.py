@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 
 from ...core.messages import Event, PromptProgress, SeqResult, StreamEvent
 from ...requests.tools import ParsedOutput, parse_output
+from ...sampling.reasoning import ReasoningSplitter, ThinkingRule, split_reasoning
 from ...sampling.sampler import TokenLogprob
 from ..stream import RequestStream
 from .logprobs import TokenIdNames, TokenNames, vllm_prompt_logprobs
@@ -31,6 +32,7 @@ class WireFormat:
         self._opened: set[int] = set()  # choices whose first text chunk went out
         self._generated: dict[int, int] = {}  # per choice: tokens generated, as events said
         self._parsed: dict[int, ParsedOutput] = {}  # per choice: its output, parsed once
+        self._splitters: dict[int, ReasoningSplitter] = {}  # per choice: a stream's think block
 
     @property
     def with_tools(self) -> bool:
@@ -42,13 +44,31 @@ class WireFormat:
         """The request id's random part, for APIs that name their objects by their own prefix."""
         return self.stream.request_id.rpartition("-")[2]
 
+    @property
+    def thinking(self) -> ThinkingRule | None:
+        """How the output's think block is returned (None: all of the text is content)."""
+        return self.stream.request.thinking
+
     def parsed(self, seq: SeqResult) -> ParsedOutput:
-        """A choice's output as content and tool calls: parsed once, so every shape of it
-        (body, stream, a stored turn) names its calls by the same ids."""
+        """A choice's output as reasoning, content and tool calls: parsed once, so every shape
+        of it (body, stream, a stored turn) names its calls by the same ids."""
         if seq.index not in self._parsed:
-            self._parsed[seq.index] = (parse_output(seq.text) if self.with_tools
-                                       else ParsedOutput(seq.text))
+            split = split_reasoning(seq.text, self.thinking)
+            parsed = (parse_output(split.content) if self.with_tools
+                      else ParsedOutput(split.content))
+            parsed.reasoning = split.reasoning
+            self._parsed[seq.index] = parsed
         return self._parsed[seq.index]
+
+    def split(self, index: int, text: str | None) -> tuple[str, str]:
+        """A stream's text as (reasoning, content) deltas by the same rules as `parsed`;
+        `text` None: what was held back, once the choice finished."""
+        rule = self.thinking
+        if rule is None:
+            return "", text or ""
+        splitter = self._splitters.setdefault(index, ReasoningSplitter(rule))
+        reasoning, content = splitter.push(text) if text is not None else splitter.finish()
+        return reasoning, (text or "") if rule.keep_tags else content
 
     def observe(self, event: Event) -> None:
         """Counts from the events (values taken on the engine thread), for usage in chunks."""
@@ -101,6 +121,12 @@ class WireFormat:
              ) -> dict[str, Any] | None:
         """A TEXT event's chunk (None: nothing to send for it)."""
         raise NotImplementedError
+
+    def text_chunks(self, index: int, text: str, num_logprobs: int | None = None
+                    ) -> list[dict[str, Any]]:
+        """A TEXT event's chunks: one, or none, or (blocks opening and closing) several."""
+        chunk = self.text(index, text, num_logprobs)
+        return [] if chunk is None else [chunk]
 
     def finish(self, seq: SeqResult) -> dict[str, Any]:
         raise NotImplementedError

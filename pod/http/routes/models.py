@@ -74,7 +74,8 @@ class ModelRoutes:
         """A tokenizer endpoint: body -> answer off the event loop (templating, tokenising and
         encoding a long answer are CPU-bound)."""
         stack = self.ready_stack(request)
-        body = await read_json(request, self.server)
+        # a chat rendered here is rendered as a chat request's would be: the reasoning flags
+        body = stack.defaults.chat_layer(await read_json(request, self.server))
         limits = self.server.limits(stack)
 
         def respond() -> JSONResponse:
