@@ -93,6 +93,7 @@ def get_routes(server: Server) -> list[Route]:
         Route("/v1/messages/count_tokens", models.count_message_tokens, methods=["POST"]),
         Route("/detokenize", models.detokenize, methods=["POST"]),
         Route("/apply-template", models.apply_template, methods=["POST"]),
+        Route("/tokenizer_info", models.tokenizer_info),
         Route("/version", models.version),
         Route("/props", models.props),
         Route("/v1/embeddings", models.embeddings, methods=["POST"]),

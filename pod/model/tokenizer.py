@@ -178,7 +178,7 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt,
             bos_token=self._special_text(self.bos_token_id),
             eos_token=self._special_text(self.eos_token_id),
-            **kwargs,
+            **{**_today(), **kwargs},
         )
 
     def set_chat_template(self, source: str) -> None:
@@ -368,6 +368,13 @@ def _compile_template(source: str) -> jinja2.Template:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env.from_string(source)
+
+
+def _today() -> dict[str, str]:
+    """The dates llama-server hands every template (Llama 3's system prompt shows
+    `date_string`; without it the template writes its own fixed date)."""
+    now = datetime.now()
+    return {"date_string": now.strftime("%d %b %Y"), "datetime": now.strftime("%b %d %Y")}
 
 
 def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,

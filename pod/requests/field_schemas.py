@@ -202,8 +202,10 @@ FIELD_SCHEMAS: dict[str, Callable[[Where], dict[str, Any]]] = {
     "continue_final_message": fixed(BOOLEAN),
     "return_tokens_as_token_ids": fixed(BOOLEAN),
     "prompt": _prompt,
-    "echo": fixed({"type": "boolean", "description": "the prompt before the output; with "
-                   "max_tokens 0 (allowed with echo only) it is scored, nothing generated"}),
+    "echo": lambda where: {"type": "boolean", "description": (
+        "vLLM's: a last assistant message's content before the reply's"
+        if where.kind == "chat" else "the prompt before the output; with max_tokens 0 "
+        "(allowed with echo only) it is scored, nothing generated")},
     "return_tokens": fixed(BOOLEAN),
     "post_sampling_probs": fixed(BOOLEAN),
     "chat_template_kwargs": fixed({

@@ -83,7 +83,7 @@ API_FIELDS: dict[str, ApiFields] = {
         quoted_limit=COMMON_MAX_TOKENS,
         own=frozenset({"messages", "tools", "tool_choice", "logprobs", "top_logprobs",
                        "prompt_logprobs", "add_generation_prompt", "continue_final_message",
-                       "return_tokens_as_token_ids", *REASONING})),
+                       "return_tokens_as_token_ids", "echo", *REASONING})),
     "completion": ApiFields(
         limit_names=(COMMON_MAX_TOKENS,),
         quoted_limit=COMMON_MAX_TOKENS,

@@ -142,6 +142,13 @@ def _echo_text(body: dict, prompt: Any, prompt_ids: list[int], tokenizer: Tokeni
     return prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids, False)
 
 
+def _chat_echo(body: dict, messages: list[dict[str, Any]]) -> str | None:
+    """vLLM's chat `echo`: a last assistant message's content comes back before the reply."""
+    if not boolean_field(body, "echo", False) or messages[-1]["role"] != "assistant":
+        return None
+    return messages[-1].get("content") or ""
+
+
 def _priority(body: dict) -> int:
     return int(ranged_field(body, "priority", 0))
 
@@ -218,6 +225,7 @@ def parse_chat(body: dict, tokenizer: Tokenizer, limits: InputLimits) -> Generat
         prompt_ids=prompt_ids,
         grammar=grammar,
         tools=plan if plan is not None and plan.can_call else None,
+        echo=_chat_echo(body, messages),
         thinking=reasoning_fields.thinking_rule(body, tokenizer, prompt_ids),
         thinking_gate=reasoning_fields.thinking_gate(body, tokenizer, prompt_ids),
     )
@@ -312,6 +320,30 @@ def parse_completions(body: dict, tokenizer: Tokenizer, limits: InputLimits
     return requests
 
 
+def parse_llama_completions(body: dict, tokenizer: Tokenizer, limits: InputLimits
+                            ) -> list[GenerationRequest]:
+    """llama.cpp's /completion with several prompts (a list of strings or of token-id lists):
+    one request each, answered as a list (a stream's chunks carry their `index`). A list mixing
+    strings and token-id lists is several prompts too, as llama-server reads it."""
+    prompt = body.get("prompt")
+    prompts = prompt if isinstance(prompt, list) and len(prompt) > 1 and all(
+        isinstance(p, str | list) for p in prompt) else None
+    if prompts is None:
+        return [parse_llama_completion(body, tokenizer, limits)]
+    if len(prompts) > MAX_BATCH_PROMPTS:
+        raise _bad("prompt", f"{len(prompts)} prompts; at most {MAX_BATCH_PROMPTS} are accepted "
+                   "in one request")
+    requests = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            raise _bad(f"prompt[{i}]", "expected a string or a list of token ids")
+        name = f"prompt[{i}]"
+        one = parse_llama_completion({**body, "prompt": prompt}, tokenizer, limits)
+        requests.append(dataclasses.replace(
+            one, prompt_ids=raw_prompt_ids({name: prompt}, tokenizer, limits, name)))
+    return requests
+
+
 def parse_messages(body: dict, tokenizer: Tokenizer, limits: InputLimits,
                    defaults: GenerationDefaults) -> GenerationRequest:
     """Anthropic's Messages API through the chat parser (`anthropic.py` maps the fields; the
@@ -367,6 +399,9 @@ def parse_requests(kind: str, raw: bytes, tokenizer: Tokenizer, limits: InputLim
     if kind == "completion":
         body = defaults.under(decode_body(raw), limits.max_context)
         return parse_completions(body, tokenizer, limits)
+    if kind == "llama":
+        body = defaults.under(decode_body(raw), limits.max_context)
+        return parse_llama_completions(body, tokenizer, limits)
     return [parse_request(kind, raw, tokenizer, limits, defaults)]
 
 

@@ -70,3 +70,21 @@ def apply_template(body: dict[str, Any], tokenizer: Tokenizer, limits: InputLimi
                    ) -> dict[str, Any]:
     """llama.cpp's /apply-template: the text a chat request with these messages would run."""
     return {"prompt": render_chat(body, tokenizer, limits)}
+
+
+def tokenizer_info(tokenizer: Tokenizer, max_context: int) -> dict[str, Any]:
+    """vLLM's /tokenizer_info: the tokenizer's configuration, as tokenizer_config.json holds it
+    (lm-evaluation-harness's remote tokenizer reads it, then uses /tokenize and /detokenize)."""
+    def special(token_id: int | None) -> str | None:
+        return None if token_id is None else tokenizer.token_text(token_id)
+
+    info: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": special(tokenizer.bos_token_id),
+        "eos_token": special(tokenizer.eos_token_id),
+        "add_bos_token": tokenizer.add_bos, "add_eos_token": False,
+        "model_max_length": max_context, "vocab_size": tokenizer.vocab_size,
+        "clean_up_tokenization_spaces": False}
+    if tokenizer.chat_template:
+        info["chat_template"] = tokenizer.chat_template
+    return info

@@ -2,6 +2,7 @@
 cards, /props, paths without /v1, CORS, JSON 404/405, embeddings, and the operator's view
 (metrics aliases, quiet health polls, load log, a missing model path)."""
 
+import json
 import subprocess
 import sys
 
@@ -89,6 +90,56 @@ def test_tokenize_detokenize_round_trip(smollm2_server):
     bad = smollm2_server.post("/detokenize", {"tokens": [1, 10**9]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
     assert smollm2_server.post("/tokenize", {"text": "x"}).json()["error"]["param"] == "content"
+
+
+def test_several_prompts_in_one_llama_completion_answer_as_each_alone(smollm2_server):
+    """llama-server's /completion with a list of prompts: a list of results in their order,
+    each what the prompt alone gets (greedy); a stream's chunks say their index."""
+    prompts = ["The capital of France is", [504, 3458, 282]]
+    body = {"n_predict": 6, "temperature": 0}
+    alone = [smollm2_server.post("/completion", {**body, "prompt": p}).json() for p in prompts]
+    together = smollm2_server.post("/completion", {**body, "prompt": prompts}).json()
+    assert [r["index"] for r in together] == [0, 1]
+    assert [r["content"] for r in together] == [r["content"] for r in alone]
+    streamed = {0: "", 1: ""}
+    with httpx.stream("POST", f"{smollm2_server.url}/completion",
+                      json={**body, "prompt": prompts, "stream": True}, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                chunk = json.loads(line[6:])
+                streamed[chunk["index"]] += chunk["content"]
+    assert [streamed[0], streamed[1]] == [r["content"] for r in alone]
+
+
+def test_chat_echo_puts_the_last_assistant_message_before_the_reply(smollm2_server):
+    """vLLM's chat `echo`: the continued assistant message comes back in front."""
+    messages = [{"role": "user", "content": "Name a fruit."},
+                {"role": "assistant", "content": "A fruit:"}]
+    body = {"messages": messages, "max_tokens": 6, "temperature": 0}
+    plain = smollm2_server.post("/v1/chat/completions", body).json()
+    echoed = smollm2_server.post("/v1/chat/completions", {**body, "echo": True}).json()
+    reply = plain["choices"][0]["message"]["content"]
+    assert echoed["choices"][0]["message"]["content"] == "A fruit:" + reply
+    chunks = []
+    with httpx.stream("POST", f"{smollm2_server.url}/v1/chat/completions",
+                      json={**body, "echo": True, "stream": True}, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:])["choices"])
+    text = "".join(c[0]["delta"].get("content") or "" for c in chunks if c)
+    assert text == "A fruit:" + reply
+
+
+def test_tokenizer_info_is_what_the_other_endpoints_use(smollm2_server):
+    """vLLM's /tokenizer_info, which lm-evaluation-harness's remote tokenizer reads first:
+    the special tokens are the texts /detokenize gives their ids, the template /props'."""
+    info = httpx.get(f"{smollm2_server.url}/tokenizer_info").json()
+    props = httpx.get(f"{smollm2_server.url}/props").json()
+    assert info["chat_template"] == props["chat_template"]
+    assert info["model_max_length"] == props["default_generation_settings"]["n_ctx"] * 4
+    eos = smollm2_server.post("/tokenize", {"content": info["eos_token"]}).json()["tokens"]
+    assert len(eos) == 1 and info["eos_token"] == "<|im_end|>"
+    assert info["tokenizer_class"] and info["add_bos_token"] is False
 
 
 def test_models_without_v1_and_props(smollm2_server):

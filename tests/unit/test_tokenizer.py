@@ -273,3 +273,17 @@ def test_from_hf_dir_reads_template_eos_list_and_bos(tmp_path, tok):
     assert hf.encode("Hello world") == [1, 19556, 905]
     prompt = hf.apply_chat_template([])
     assert prompt == "<|im_start|>x" and hf.encode(prompt) == [1, 104]  # BOS not doubled
+
+
+def test_templates_get_the_dates_llama_server_hands_them(tok):
+    """Llama 3's template writes `date_string` into its system prompt (its own fixed date
+    when the variable is not defined); llama.cpp's test_date_inside_prompt checks it."""
+    import copy
+    import datetime
+
+    dated = copy.copy(tok)  # the builtin tokenizer is shared
+    dated.set_chat_template("{{ date_string }}|{{ datetime }}|{{ strftime_now('%Y') }}")
+    today = datetime.date.today()
+    assert dated.apply_chat_template([{"role": "user", "content": "x"}]) == (
+        f"{today.strftime('%d %b %Y')}|{today.strftime('%b %d %Y')}|{today.year}")
+    assert dated.apply_chat_template([], date_string="set").startswith("set|")

@@ -37,27 +37,32 @@ class LlamaFormat(WireFormat):
 
     def __init__(self, model: str, stream: RequestStream, fingerprint: str = "") -> None:
         super().__init__(model, stream, fingerprint)
-        self._tokens_sent = 0  # generated ids already in a chunk (return_tokens)
+        self._tokens_sent: dict[int, int] = {}  # per prompt: ids already in a chunk
 
     @property
     def post_sampling(self) -> bool:
         return self.stream.request.params.post_sampling_probs
 
-    def new_tokens(self) -> list[int]:
+    def new_tokens(self, index: int) -> list[int]:
         """return_tokens: the ids generated since the last chunk, as far as the events told
         (a finished sequence's: all of them)."""
         if not self.stream.request.return_tokens:
             return []
-        choice = self.stream.choices[0]
+        choice = self.stream.choices[index]
         received = choice.result.generated_ids if choice.result else choice.token_ids
-        upto = self._generated.get(0, 0)
-        start, self._tokens_sent = self._tokens_sent, max(self._tokens_sent, upto)
+        upto = self._generated.get(index, 0)
+        start = self._tokens_sent.get(index, 0)
+        self._tokens_sent[index] = max(start, upto)
         return list(received[start:upto])
 
-    def body(self) -> dict[str, Any]:
-        seq = self.stream.result(0)
+    def body(self) -> dict[str, Any] | list[dict[str, Any]]:  # type: ignore[override]
+        """One prompt's result; several prompts' as a list (llama-server's shape)."""
+        results = [self.result_body(seq) for seq in self.stream.results]
+        return results[0] if len(results) == 1 else results
+
+    def result_body(self, seq: SeqResult) -> dict[str, Any]:
         text = seq.text
-        body = {"content": text, "model": self.model, "stop": True,
+        body = {"index": seq.index, "content": text, "model": self.model, "stop": True,
                 "stop_type": stop_type(seq), "tokens_predicted": seq.num_generated,
                 "tokens_evaluated": seq.num_prompt, "tokens_cached": seq.num_cached,
                 "truncated": False,  # kvpark never cuts a prompt to fit: it parks or refuses
@@ -67,7 +72,7 @@ class LlamaFormat(WireFormat):
         if self.wants_logprobs:
             body["completion_probabilities"] = llama_probabilities(self.names, seq.logprobs,
                                                                    self.post_sampling)
-        body["preempt"] = self.stream.preempt_summary()
+        body["preempt"] = {"parks": seq.n_preempt, "recomputes": seq.n_recompute}
         return body
 
     def with_probabilities(self, chunk: dict[str, Any], index: int, upto: int | None
@@ -80,15 +85,16 @@ class LlamaFormat(WireFormat):
         return chunk
 
     def text(self, index: int, text: str, num_logprobs: int | None = None) -> dict[str, Any]:
-        return self.with_probabilities({"content": text, "tokens": self.new_tokens(),
+        return self.with_probabilities({"content": text, "tokens": self.new_tokens(index),
                                         "stop": False, "index": index,
-                                        "id_slot": self.stream.choices[0].slot_id},
+                                        "id_slot": self.stream.choices[index].slot_id},
                                        index, num_logprobs)
 
     def finish(self, seq: SeqResult) -> dict[str, Any]:
         text = seq.text
         return self.with_probabilities(
-            {"content": "", "tokens": self.new_tokens(), "stop": True, "index": seq.index,
+            {"content": "", "tokens": self.new_tokens(seq.index), "stop": True,
+             "index": seq.index,
              "id_slot": seq.slot_id, "model": self.model, "stop_type": stop_type(seq),
              "tokens_predicted": seq.num_generated, "tokens_evaluated": seq.num_prompt,
              "tokens_cached": seq.num_cached, "truncated": False,

@@ -72,13 +72,16 @@ class ChatFormat(OpenAIFormat):
     def choice(self, seq: SeqResult) -> dict[str, Any]:
         logprobs = (chat_logprobs(self.names, seq.logprobs) if self.wants_logprobs else None)
         parsed = self.parsed(seq)
-        return {"index": seq.index, "message": {"role": "assistant", "content": parsed.content,
+        content = self.stream.echoes.get(seq.index, "") + (parsed.content or "")
+        return {"index": seq.index, "message": {"role": "assistant", "content": content,
                                                 **reasoning_fields(parsed.reasoning)},
                 "logprobs": logprobs, "finish_reason": finish_reason(seq)}
 
     def opening(self) -> list[dict[str, Any]]:
-        # content null, as llama-server and vLLM open: no delta's content is ever ""
-        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": None},
+        # content null, as llama-server and vLLM open: no delta's content is ever ""; an
+        # echoed last assistant message opens the content
+        return [self._chunk([{"index": i, "delta": {"role": "assistant",
+                                                    "content": self.stream.echoes.get(i) or None},
                               "logprobs": None, "finish_reason": None}
                              for i in range(self.stream.num_seqs)])]
 

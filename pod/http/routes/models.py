@@ -67,6 +67,10 @@ class ModelRoutes:
     async def detokenize(self, request: Request) -> Response:
         return await self.text_endpoint(request, text_endpoints.detokenize)
 
+    async def tokenizer_info(self, request: Request) -> Response:
+        stack = self.ready_stack(request)
+        return JSONResponse(text_endpoints.tokenizer_info(stack.tokenizer, stack.max_context))
+
     async def apply_template(self, request: Request) -> Response:
         return await self.text_endpoint(request, text_endpoints.apply_template)
 
