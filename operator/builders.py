@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 from kubernetes.utils.quantity import parse_quantity
 
-from kvpark.operator import autoscaling, model_source, podtemplate, validation
+from kvpark.operator import autoscaling, kv_events, model_source, podtemplate, validation
 from kvpark.operator.config import OperatorConfig
 from kvpark.operator.metadata import get_labels, get_metadata, get_selector_labels
 from kvpark.operator.security import get_container_security, get_pod_security
@@ -68,7 +68,7 @@ def get_server_args(spec: Mapping[str, Any], sizing: Sizing, model_flag: str) ->
     if threads is not None:  # within the server's own limits on each flag
         args += ["--threads", str(min(threads, server_args.MAX_TORCH_THREADS)),
                  "--kernel-threads", str(min(threads, server_args.MAX_KERNEL_THREADS))]
-    return args + list(spec["server"].get("args", []))
+    return args + kv_events.get_server_args(spec) + list(spec["server"].get("args", []))
 
 
 def get_env(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -81,6 +81,7 @@ def get_env(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
         {"name": "HF_HOME", "value": "/tmp/hf"},
         {"name": "TRITON_CACHE_DIR", "value": "/tmp/.triton"},
     ]
+    env += kv_events.get_env(spec)  # the pod IP the events' topic names
     ref = spec["server"].get("apiKeySecretRef")
     if ref is not None:
         env.append({"name": "KVPARK_API_KEY", "valueFrom": {"secretKeyRef": {
@@ -121,7 +122,8 @@ def get_container(spec: Mapping[str, Any], sizing: Sizing, source: model_source.
         "image": image,
         "command": ["kvpark-server"],
         "args": get_server_args(spec, sizing, source.flag),
-        "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
+        "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"},
+                  *kv_events.get_ports(spec)],
         "env": get_env(spec),
         "resources": get_resources(spec, sizing),
         **get_probes(),
@@ -185,7 +187,8 @@ def get_deployment(body: Mapping[str, Any], spec: Mapping[str, Any], sizing: Siz
 def get_pod_template(name: str, spec: Mapping[str, Any], sizing: Sizing,
                      config: OperatorConfig) -> dict[str, Any]:
     """The pod template, with spec.podTemplate merged over it (podtemplate.py)."""
-    template = {"metadata": {"labels": get_labels(name)},
+    labels = {**get_labels(name), **kv_events.get_pod_labels(spec)}
+    template = {"metadata": {"labels": labels},
                 "spec": get_pod_spec(name, spec, sizing, config)}
     return podtemplate.merge(template, spec.get("podTemplate") or {})
 
@@ -293,6 +296,10 @@ def get_children(body: Mapping[str, Any], spec: Mapping[str, Any], sizing: Sizin
         problems.append(Problem("InferencePoolUnavailable", "routing.inferencePool is set but "
                                 "the cluster serves no InferencePool (install the Gateway API "
                                 "Inference Extension CRDs)", blocking=False))
+    if kv_events.get_settings(spec) is not None:
+        apply.append(kv_events.get_config_map(body, spec))
+    else:
+        delete.append(("v1", "ConfigMap", name))
     if config.pod_monitor == "false":
         notes.append("PodMonitor disabled in the operator's settings")
         if autoscaling.POD_MONITORS in served:

@@ -336,6 +336,26 @@ def get_routing_schema() -> dict[str, Any]:
                                 enum=["FailOpen", "FailClose"], default="FailClose"),
                         },
                     },
+                    "kvEvents": {
+                        "type": "object",
+                        "description": "Publish vLLM's KV events for llm-d's precise prefix-"
+                        "cache scorer (the servers' --kv-events-config, topic kv@<pod "
+                        "IP>@<modelName>); the operator also makes a ConfigMap named like "
+                        "this PreemptServer with an EndpointPickerConfig for the picker "
+                        "(key precise-prefix-cache-config.yaml).",
+                        "required": ["modelName"],
+                        "properties": {
+                            "modelName": _str("The model name requests carry, as the "
+                                              "picker's tokenizer knows it (e.g. "
+                                              "Qwen/Qwen3.5-4B).", minLength=1, maxLength=253),
+                            "mode": _str("podDiscovery: each pod binds the port and the "
+                                         "picker subscribes to every pod; central: each pod "
+                                         "connects to the picker's Service at the port.",
+                                         enum=["podDiscovery", "central"],
+                                         default="podDiscovery"),
+                            "port": _int("The events' ZMQ port.", 1, 65535, default=5557),
+                        },
+                    },
                 },
             },
         },

@@ -50,6 +50,7 @@ KINDS = {
     "ScaledObject": Kind("keda.sh/v1alpha1", "scaledobjects"),
     "PodMonitor": Kind("monitoring.coreos.com/v1", "podmonitors"),
     "PersistentVolumeClaim": Kind("v1", "persistentvolumeclaims"),
+    "ConfigMap": Kind("v1", "configmaps"),
     "Pod": Kind("v1", "pods"),
     # the Gateway API Inference Extension's GA group; its alpha group serves the same plural
     "InferencePool": Kind("inference.networking.k8s.io/v1", "inferencepools"),

@@ -69,6 +69,20 @@ def get_args_problems(args: Sequence[str]) -> list[Problem]:
     return problems
 
 
+def get_kv_events_problems(spec: Mapping[str, Any]) -> list[Problem]:
+    """routing.inferencePool.kvEvents sets --kv-events-config: server.args may not too."""
+    if "kvEvents" not in spec.get("routing", {}).get("inferencePool", {}):
+        return []
+    try:
+        parsed, _ = parse_server_args(spec["server"].get("args", []))
+    except ArgsError:
+        return []  # said by get_args_problems
+    if parsed.kv_events_config is None:
+        return []
+    return [Problem("ReservedArgument", "server.args sets --kv-events-config, which the "
+                    "operator sets from routing.inferencePool.kvEvents")]
+
+
 def get_namespace_problems(namespace: str, protected: Sequence[str]) -> list[Problem]:
     """The cluster's own namespaces hold its privileged service accounts and controllers: a
     leaked operator token must not be able to start pods there through a PreemptServer."""
@@ -84,6 +98,7 @@ def get_spec_problems(spec: Mapping[str, Any], selector: Mapping[str, str],
     """`selector`, `container`: the pods' selector labels and the server container's name,
     which spec.podTemplate may not change."""
     problems = get_args_problems(spec["server"].get("args", []))
+    problems += get_kv_events_problems(spec)
     problems += podtemplate.get_template_problems(
         spec.get("podTemplate") or {}, selector, container, RESERVED_ENV)
     if spec["resources"]["gpus"] > crd.MAX_GPUS:  # a CRD from before the cap let it through

@@ -56,6 +56,7 @@ CORE_RESOURCES = [
     ("autoscaling/v2/horizontalpodautoscalers", "HorizontalPodAutoscaler", True, {"status"}),
     ("v1/pods", "Pod", True, {"status"}),
     ("v1/persistentvolumeclaims", "PersistentVolumeClaim", True, {"status"}),
+    ("v1/configmaps", "ConfigMap", True, set()),
     ("v1/namespaces", "Namespace", False, {"status"}),
     ("v1/events", "Event", True, set()),
 ]
@@ -319,6 +320,7 @@ PATHS = {
     "Deployment": "/apis/apps/v1/namespaces/{ns}/deployments",
     "Service": "/api/v1/namespaces/{ns}/services",
     "PersistentVolumeClaim": "/api/v1/namespaces/{ns}/persistentvolumeclaims",
+    "ConfigMap": "/api/v1/namespaces/{ns}/configmaps",
     "PodDisruptionBudget": "/apis/policy/v1/namespaces/{ns}/poddisruptionbudgets",
     "HorizontalPodAutoscaler": "/apis/autoscaling/v2/namespaces/{ns}/horizontalpodautoscalers",
     "ScaledObject": "/apis/keda.sh/v1alpha1/namespaces/{ns}/scaledobjects",

@@ -56,3 +56,30 @@ def test_cache_claim_and_inference_pool(cluster: Cluster, ns: str) -> None:
     deployment = cluster.wait_child("Deployment", ns, "s", lambda d: {
         "name": "model", "persistentVolumeClaim": {"claimName": "shared"}} in d["spec"][
         "template"]["spec"]["volumes"])
+
+
+def test_kv_events_for_the_precise_prefix_scorer(cluster: Cluster, ns: str) -> None:
+    """routing.inferencePool.kvEvents: the server publishes (its args, the pod IP, the port,
+    the engine-type label) and the picker's config is a ConfigMap; a flag set by hand beside
+    it is refused; without it the ConfigMap goes."""
+    cluster.create_server(ns, "s", {"routing": {"inferencePool": {
+        "endpointPicker": {"name": "epp"}, "kvEvents": {"modelName": "Qwen/Qwen3.5-4B"}}}})
+    deployment = cluster.wait_child("Deployment", ns, "s")
+    template = deployment["spec"]["template"]
+    container = template["spec"]["containers"][0]
+    assert template["metadata"]["labels"]["llm-d.ai/engine-type"] == "vllm"
+    config = container["args"][container["args"].index("--kv-events-config") + 1]
+    assert '"topic":"kv@$(POD_IP)@Qwen/Qwen3.5-4B"' in config
+    assert {"name": "POD_IP", "valueFrom": {"fieldRef": {
+        "apiVersion": "v1", "fieldPath": "status.podIP"}}} in container["env"] or {
+        "name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in \
+        container["env"]  # a real API server writes the fieldRef's default apiVersion
+    assert {"name": "kv-events", "containerPort": 5557, "protocol": "TCP"} in container["ports"]
+    picker = cluster.wait_child("ConfigMap", ns, "s")
+    assert "precise-prefix-cache-scorer" in picker["data"]["precise-prefix-cache-config.yaml"]
+    cluster.patch_spec(ns, "s", {"server": {"args": ["--kv-events-config", "{}"]}})
+    server = cluster.wait_condition(ns, "s", "Degraded", "True", "ReservedArgument")
+    assert "--kv-events-config" in condition(server, "Degraded")["message"]
+    cluster.patch_spec(ns, "s", {"server": {"args": None},
+                                 "routing": {"inferencePool": {"kvEvents": None}}})
+    cluster.wait_gone("ConfigMap", ns, "s")

@@ -94,6 +94,15 @@ def run_pool_scenario(cluster: Cluster, kind: str) -> None:
     cluster.patch_spec(ns, "p", {"routing": {"inferencePool": {"endpointPicker": {
         "name": "epp2"}}}})
     cluster.wait_child(kind, ns, "p", lambda pool: "epp2" in str(pool["spec"]))
+    # KV events: the picker's config as a ConfigMap, changed with the spec, gone without it
+    cluster.patch_spec(ns, "p", {"routing": {"inferencePool": {"kvEvents": {
+        "modelName": "m1"}}}})
+    cluster.wait_child("ConfigMap", ns, "p", lambda c: "m1" in str(c["data"]))
+    cluster.patch_spec(ns, "p", {"routing": {"inferencePool": {"kvEvents": {
+        "modelName": "m2"}}}})
+    cluster.wait_child("ConfigMap", ns, "p", lambda c: "m2" in str(c["data"]))
+    cluster.patch_spec(ns, "p", {"routing": {"inferencePool": {"kvEvents": None}}})
+    cluster.wait_gone("ConfigMap", ns, "p")
     cluster.patch_spec(ns, "p", {"routing": None})
     cluster.wait_gone(kind, ns, "p")
 

@@ -23,6 +23,8 @@ from test_operator_builders import build
 from test_operator_crd import all_errors, resource
 
 from kvpark.operator import autoscaling, builders
+from kvpark.pod.args import parse_args
+from kvpark.pod.serving.kv_event_publisher import parse_config
 
 V1, ALPHA = builders.INFERENCE_POOLS
 ROUTING = {"inferencePool": {"endpointPicker": {"name": "epp"}}}
@@ -199,3 +201,59 @@ def test_chart_ships_the_dashboard(helm: str) -> None:
         json.loads(DASHBOARD.read_text())
     for version in ("1.29", "1.33"):
         kv.validate(config_map, version, strict=True)
+
+
+KV_EVENTS = {"inferencePool": {"endpointPicker": {"name": "epp"},
+                               "kvEvents": {"modelName": "Qwen/Qwen3.5-4B"}}}
+
+
+def kv_events_config(container: dict) -> dict:
+    """The --kv-events-config the server gets, with the kubelet's $(POD_IP) expanded, read by
+    the server's own parser."""
+    args = container["args"]
+    text = args[args.index("--kv-events-config") + 1].replace("$(POD_IP)", "10.1.2.3")
+    assert parse_args(args, env={}).kv_events_config is not None
+    return json.loads(text) | {"parsed": parse_config(text)}
+
+
+@pytest.mark.parametrize("mode, endpoint, port, discover", [
+    ("podDiscovery", "tcp://*:5557", True, True),
+    ("central", "tcp://epp:5557", False, False),
+])
+def test_kv_events_for_llm_ds_precise_scorer(mode, endpoint, port, discover) -> None:
+    routing = json.loads(json.dumps(KV_EVENTS))
+    routing["inferencePool"]["kvEvents"]["mode"] = mode
+    _, full, _, children = build({"routing": routing, "pageSize": 32}, served={V1})
+    deployment = next(c for c in children.apply if c["kind"] == "Deployment")
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    config = kv_events_config(container)
+    assert config["parsed"].enabled and config["endpoint"] == endpoint
+    assert config["topic"] == "kv@10.1.2.3@Qwen/Qwen3.5-4B"  # llm-d's kv@<pod IP>@<model>
+    assert any(e["name"] == "POD_IP" for e in container["env"])
+    assert ({"name": "kv-events", "containerPort": 5557, "protocol": "TCP"}
+            in container["ports"]) is port
+    assert deployment["spec"]["template"]["metadata"]["labels"]["llm-d.ai/engine-type"] == "vllm"
+    [config_map] = [c for c in children.apply if c["kind"] == "ConfigMap"]
+    picker = yaml.safe_load(config_map["data"]["precise-prefix-cache-config.yaml"])
+    assert picker["kind"] == "EndpointPickerConfig"
+    [scorer] = [p for p in picker["plugins"] if p["type"] == "precise-prefix-cache-scorer"]
+    assert scorer["parameters"]["tokenProcessorConfig"]["blockSize"] == 32  # the page size
+    assert scorer["parameters"]["kvEventsConfig"]["discoverPods"] is discover
+    assert scorer["parameters"]["kvEventsConfig"]["topicFilter"] == "kv@"
+
+
+def test_without_kv_events_there_is_no_picker_config_and_the_flag_is_the_users() -> None:
+    _, _, _, children = build({"routing": ROUTING, "server": {"args": [
+        "--kv-events-config", '{"enable_kv_cache_events": true}']}}, served={V1})
+    assert not [c for c in children.apply if c["kind"] == "ConfigMap"]
+    assert ("v1", "ConfigMap", "llm") in children.delete and not children.problems
+    _, _, _, children = build({"routing": KV_EVENTS, "server": {"args": [
+        "--kv-events-config", "{}"]}}, served={V1})
+    assert [p.reason for p in children.problems] == ["ReservedArgument"]
+
+
+def test_kv_events_need_a_model_name() -> None:
+    spec = {"routing": {"inferencePool": {"endpointPicker": {"name": "epp"}, "kvEvents": {}}}}
+    assert all_errors(resource(spec)) == {"spec.routing.inferencePool.kvEvents: required"}
+    spec["routing"]["inferencePool"]["kvEvents"] = {"modelName": "m", "mode": "gossip"}
+    assert all_errors(resource(spec)) == {"spec.routing.inferencePool.kvEvents.mode: enum"}
