@@ -232,9 +232,10 @@ def test_auto_measures_then_logs_and_keeps_the_faster(smollm2, caplog, monkeypat
                       r"float32 oneDNN (\d+\.\d+) ms", line)
     assert found, line
     one, two, dense = map(float, found.groups())
-    threads = 2 if two < 0.95 * one else 1
+    busy = "the machine was busy while measuring" in line  # the defaults stay: 2, blocks
+    threads = 2 if busy or two < 0.95 * one else 1
     assert worker_pool.get_num_threads() == threads and f"kernel threads {threads}" in line
-    assert model.has_blocks == ((two if threads == 2 else one) <= dense), line
+    assert model.has_blocks == (busy or (two if threads == 2 else one) <= dense), line
     assert model.has_blocks == ("decode rows from blocks" in line), line
 
     caplog.clear()  # float32 measured faster: every row dense from then on
@@ -457,7 +458,8 @@ def test_threads_auto_takes_every_core_only_where_prompt_gemms_gain(smollm2, cap
                           r"(\d+\.\d+) ms at 2", caplog.text)
         assert found, caplog.text
         chosen, one, two = int(found[1]), float(found[2]), float(found[3])
-        assert chosen == (2 if two * 1.3 < one else 1) == torch.get_num_threads()
+        busy = "the machine was busy while measuring" in caplog.text  # the defaults stay
+        assert chosen == (2 if busy or two * 1.3 < one else 1) == torch.get_num_threads()
 
         for timings, expected in (({1: 0.010, 2: 0.005}, 2), ({1: 0.010, 2: 0.009}, 1)):
             measured = autotune.PromptTimings(timings, IDLE)
