@@ -21,6 +21,7 @@ an engine's keys to its request keys this way) can place them; the block size is
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
@@ -28,7 +29,9 @@ from dataclasses import dataclass
 
 MEDIUM_POOL = "GPU"  # vLLM's name for its main pool
 MEDIUM_HOST = "CPU"
-MAX_DESCRIBED = 1 << 18  # pages whose tokens are remembered (least recently described dropped)
+# pages whose tokens are remembered, least recently described dropped: about 13 MB at most
+# (a page's hash and parent, and its tokens as int32 bytes)
+MAX_DESCRIBED = 1 << 16
 
 
 def external_hash(h: bytes) -> int:
@@ -78,19 +81,19 @@ class KvEventLog:
         self.page_size = page_size
         self._events: list[_Run | KvEvent] = [AllCleared()]
         # page hash -> (its predecessor's hash, its tokens): filled as hashes are computed
-        self._described: OrderedDict[bytes, tuple[bytes | None, tuple[int, ...]]] = \
-            OrderedDict()
+        self._described: OrderedDict[bytes, tuple[bytes | None, bytes]] = OrderedDict()
 
     def describe(self, h: bytes, parent: bytes | None, tokens: Seq[int]) -> None:
         """What page `h` holds, for the stores that report it later."""
-        self._described[h] = (parent, tuple(tokens))
+        self._described[h] = (parent, array("i", tokens).tobytes())
         self._described.move_to_end(h)
         if len(self._described) > MAX_DESCRIBED:
             self._described.popitem(last=False)
 
     def stored(self, medium: str, hashes: Iterable[bytes]) -> None:
         for h in hashes:
-            parent, tokens = self._described.get(h, (None, None))
+            parent, packed = self._described.get(h, (None, None))
+            tokens = None if packed is None else tuple(array("i", packed))
             self._store_one(medium, external_hash(h),
                             None if parent is None else external_hash(parent), tokens)
 
