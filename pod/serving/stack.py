@@ -63,7 +63,7 @@ from .choices import (
     pick_dtype,
     pick_num_pages,
 )
-from .kv_event_publisher import ZmqEventPublisher
+from .kv_event_publisher import KvEventsConfig, ZmqEventPublisher
 from .kv_event_publisher import parse_config as parse_kv_events_config
 
 log = logging.getLogger("kvpark.server")
@@ -216,7 +216,7 @@ def build_stack(args: ServerArgs) -> ServingStack:
     defaults = defaults_for(args)  # a bad generation config fails before the weights load
     check_defaults(defaults)
     if args.kv_events_config is not None:  # its keys, before the weights load too
-        parse_kv_events_config(args.kv_events_config)
+        kv_events_config(args.kv_events_config)
     device = pick_device(args)
     prepare_machine(args, device)
     dtype = pick_dtype(args, device)
@@ -379,7 +379,7 @@ def make_kv_events(args: ServerArgs, pool: KVPool) -> KvEventOutlet | None:
     """--kv-events-config: the prefix cache and its host tier record, a publisher sends."""
     if args.kv_events_config is None:
         return None
-    config = parse_kv_events_config(args.kv_events_config)
+    config = kv_events_config(args.kv_events_config)
     if not config.enabled:
         log.info("KV events: off (--kv-events-config enables no zmq publisher)")
         return None
@@ -391,6 +391,13 @@ def make_kv_events(args: ServerArgs, pool: KVPool) -> KvEventOutlet | None:
     if pool.tier is not None:
         pool.tier.events = events
     return KvEventOutlet(events, ZmqEventPublisher(config))
+
+
+def kv_events_config(text: str) -> KvEventsConfig:
+    try:
+        return parse_kv_events_config(text)
+    except ValueError as exc:
+        raise ValueError(f"--kv-events-config: {exc}") from None
 
 
 @dataclass(frozen=True)

@@ -71,6 +71,8 @@ def test_the_default_seed_makes_sampled_answers_repeat(defaults_server):
 @pytest.mark.parametrize("flags, said", [
     (["--temp", "5"], "sampling default from flag: 'temperature': must be between 0.0 and 2.0"),
     (["--override-generation-config", '{"top_q": 1}'], "unknown key(s) top_q"),
+    (["--kv-events-config", '{"enable_kv_cache_events": true, "bogus": 1}'],
+     "--kv-events-config: unknown key(s) bogus"),
 ])
 def test_a_bad_default_stops_the_server_with_the_reason(flags, said):
     done = subprocess.run(
