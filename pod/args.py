@@ -337,15 +337,25 @@ def add_model_flags(g: argparse._ArgumentGroup) -> None:
          text="capture decode steps in CUDA graphs (FlashInfer backend)")
 
 
-def _json_object(value: str) -> str:
+def json_object(text: str) -> dict:
+    """A flag's JSON object (ValueError says what is wrong): the flags that take JSON read it
+    here, and check their keys themselves."""
     import json
 
     try:
-        parsed = json.loads(value)
+        parsed = json.loads(text)
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+        raise ValueError(f"not JSON: {exc}") from None
     if not isinstance(parsed, dict):
-        raise argparse.ArgumentTypeError("expected a JSON object")
+        raise ValueError("expected a JSON object")
+    return parsed
+
+
+def _json_object(value: str) -> str:
+    try:
+        json_object(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return value
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
-from ..args import ServerArgs
+from ..args import ServerArgs, json_object
 from .fields import COMMON_MAX_TOKENS
 
 log = logging.getLogger("kvpark.defaults")
@@ -109,11 +109,9 @@ def parse_override(text: str) -> dict[str, Any]:
     """--override-generation-config's JSON object, keys checked (values checked by the parser
     of the request field they become)."""
     try:
-        override = json.loads(text)
+        override = json_object(text)
     except ValueError as exc:
-        raise ValueError(f"--override-generation-config: not JSON: {exc}") from None
-    if not isinstance(override, dict):
-        raise ValueError("--override-generation-config: expected a JSON object")
+        raise ValueError(f"--override-generation-config: {exc}") from None
     unknown = sorted(set(override) - set(OVERRIDE_KEYS))
     if unknown:
         raise ValueError(f"--override-generation-config: unknown key(s) {', '.join(unknown)}; "
@@ -144,7 +142,7 @@ def from_flags(args: ServerArgs) -> dict[str, Any]:
 
 def chat_from_flags(args: ServerArgs) -> dict[str, Any]:
     """The reasoning flags as chat request fields (`reasoning_fields.py` reads them)."""
-    kwargs = json.loads(args.chat_template_kwargs) if args.chat_template_kwargs else {}
+    kwargs = json_object(args.chat_template_kwargs) if args.chat_template_kwargs else {}
     if "enable_thinking" in kwargs:
         log.warning("setting enable_thinking through --chat-template-kwargs: --reasoning on|off "
                     "says the same")

@@ -16,7 +16,6 @@ logged once: the engine never waits on a subscriber.
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
@@ -25,6 +24,7 @@ from collections import deque
 from dataclasses import dataclass, fields
 from typing import Any
 
+from ..args import json_object
 from ..memory.kv_events import AllCleared, BlocksRemoved, BlocksStored, KvEvent
 
 log = logging.getLogger("kvpark.kv_events")
@@ -53,12 +53,7 @@ class KvEventsConfig:
 
 def parse_config(text: str) -> KvEventsConfig:
     """--kv-events-config's JSON, checked key by key (ValueError names the problem)."""
-    try:
-        raw = json.loads(text)
-    except ValueError as exc:
-        raise ValueError(f"not JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise ValueError("expected a JSON object")
+    raw = json_object(text)
     known = {f.name: f for f in fields(KvEventsConfig)}
     unknown = sorted(set(raw) - set(known))
     if unknown:
