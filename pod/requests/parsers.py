@@ -226,8 +226,7 @@ def parse_chat(body: dict, tokenizer: Tokenizer, limits: InputLimits) -> Generat
         grammar=grammar,
         tools=plan if plan is not None and plan.can_call else None,
         echo=_chat_echo(body, messages),
-        thinking=reasoning_fields.thinking_rule(body, tokenizer, prompt_ids),
-        thinking_gate=reasoning_fields.thinking_gate(body, tokenizer, prompt_ids),
+        **reasoning_fields.thinking(body, tokenizer, prompt_ids),
     )
 
 
@@ -253,8 +252,9 @@ def parse_completion(body: dict, tokenizer: Tokenizer, limits: InputLimits) -> G
     )
 
 
-def parse_llama_completion(body: dict, tokenizer: Tokenizer, limits: InputLimits
-                           ) -> GenerationRequest:
+def parse_llama_completion(body: dict, tokenizer: Tokenizer, limits: InputLimits,
+                           prompt_ids: list[int] | None = None) -> GenerationRequest:
+    """`prompt_ids`: one prompt of several, read already (`body`'s prompt is not read)."""
     check_fields(body, "llama")
     params = sampling_params(body, limits.max_context, API_FIELDS["llama"].limit_names,
                              tokenizer, "llama")
@@ -270,7 +270,7 @@ def parse_llama_completion(body: dict, tokenizer: Tokenizer, limits: InputLimits
         model=_model(body),
         return_tokens=boolean_field(body, "return_tokens", False),
         priority=_priority(body),
-        prompt_ids=raw_prompt_ids(body, tokenizer, limits),
+        prompt_ids=raw_prompt_ids(body, tokenizer, limits) if prompt_ids is None else prompt_ids,
         grammar=structured_output(body, tokenizer),
     )
 
@@ -308,16 +308,21 @@ def parse_completions(body: dict, tokenizer: Tokenizer, limits: InputLimits
                    "in one request")
     common = dict(kind="completion", params=_completion_params(body, tokenizer, limits),
                   **_answer_options(body), grammar=structured_output(body, tokenizer))
-    requests = []
+    return [GenerationRequest(prompt_ids=ids, echo=_echo_text(body, prompt, ids, tokenizer),
+                              **common)
+            for prompt, ids in zip(prompts, each_prompt_ids(prompts, tokenizer, limits))]
+
+
+def each_prompt_ids(prompts: list[Any], tokenizer: Tokenizer, limits: InputLimits
+                    ) -> list[list[int]]:
+    """A batch's prompts as ids, each checked like a lone prompt; errors name `prompt[i]`."""
+    ids = []
     for i, prompt in enumerate(prompts):
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            raise _bad(f"prompt[{i}]", "expected a string or a list of token ids")
         name = f"prompt[{i}]"
-        prompt_ids = raw_prompt_ids({name: prompt}, tokenizer, limits, name)
-        requests.append(GenerationRequest(
-            prompt_ids=prompt_ids, echo=_echo_text(body, prompt, prompt_ids, tokenizer),
-            **common))
-    return requests
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            raise _bad(name, "expected a string or a list of token ids")
+        ids.append(raw_prompt_ids({name: prompt}, tokenizer, limits, name))
+    return ids
 
 
 def parse_llama_completions(body: dict, tokenizer: Tokenizer, limits: InputLimits
@@ -333,15 +338,9 @@ def parse_llama_completions(body: dict, tokenizer: Tokenizer, limits: InputLimit
     if len(prompts) > MAX_BATCH_PROMPTS:
         raise _bad("prompt", f"{len(prompts)} prompts; at most {MAX_BATCH_PROMPTS} are accepted "
                    "in one request")
-    requests = []
-    for i, prompt in enumerate(prompts):
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            raise _bad(f"prompt[{i}]", "expected a string or a list of token ids")
-        name = f"prompt[{i}]"
-        one = parse_llama_completion({**body, "prompt": prompt}, tokenizer, limits)
-        requests.append(dataclasses.replace(
-            one, prompt_ids=raw_prompt_ids({name: prompt}, tokenizer, limits, name)))
-    return requests
+    ids = each_prompt_ids(prompts, tokenizer, limits)
+    first = parse_llama_completion(body, tokenizer, limits, ids[0])  # the fields, read once
+    return [dataclasses.replace(first, prompt_ids=prompt_ids) for prompt_ids in ids]
 
 
 def parse_messages(body: dict, tokenizer: Tokenizer, limits: InputLimits,

@@ -80,16 +80,6 @@ def opened_block(prompt_ids: list[int], tokenizer: Tokenizer) -> bool:
     return tail.rstrip().endswith(THINK_START)
 
 
-def thinking_rule(body: dict[str, Any], tokenizer: Tokenizer, prompt_ids: list[int]
-                  ) -> ThinkingRule | None:
-    """How the output's reasoning is returned (None: as content, untouched)."""
-    chosen = reasoning_format(body)
-    if chosen == "none" or (chosen == "auto" and not template_thinks(tokenizer)):
-        return None
-    return ThinkingRule(opened_block(prompt_ids, tokenizer),
-                        keep_tags=chosen == "deepseek-legacy")
-
-
 def budget_tokens(body: dict[str, Any]) -> int | None:
     """The budget a body asks for, under either name (None: unlimited)."""
     for name in ("reasoning_budget_tokens", "thinking_budget_tokens"):
@@ -113,11 +103,18 @@ def budget_message(body: dict[str, Any]) -> str:
     return message
 
 
-def thinking_gate(body: dict[str, Any], tokenizer: Tokenizer, prompt_ids: list[int]
-                  ) -> ThinkingGate | None:
-    """The budget and the grammar's wait, where the model has think blocks."""
+def thinking(body: dict[str, Any], tokenizer: Tokenizer, prompt_ids: list[int]
+             ) -> dict[str, ThinkingRule | ThinkingGate | None]:
+    """A chat request's `thinking` (how the output's think block is returned; None: as
+    content, untouched) and `thinking_gate` (its budget and the grammar's wait; None where the
+    model has no think blocks)."""
+    chosen = reasoning_format(body)
     budget, message = budget_tokens(body), budget_message(body)
-    if not (template_thinks(tokenizer) or reasoning_format(body).startswith("deepseek")):
-        return None
+    tags = template_thinks(tokenizer) or chosen.startswith("deepseek")
+    if not tags:
+        return {"thinking": None, "thinking_gate": None}
+    opened = opened_block(prompt_ids, tokenizer)
+    rule = None if chosen == "none" else ThinkingRule(opened,
+                                                      keep_tags=chosen == "deepseek-legacy")
     forced = tokenizer.encode(message + THINK_END, add_bos=False)
-    return ThinkingGate(opened_block(prompt_ids, tokenizer), budget, tuple(forced))
+    return {"thinking": rule, "thinking_gate": ThinkingGate(opened, budget, tuple(forced))}

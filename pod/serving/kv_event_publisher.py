@@ -25,7 +25,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from ..args import json_object
-from ..memory.kv_events import AllCleared, BlocksRemoved, BlocksStored, KvEvent
+from ..memory.kv_events import AllCleared, BlocksRemoved, BlocksStored, KvEvent, KvEventLog
 
 log = logging.getLogger("kvpark.kv_events")
 
@@ -212,3 +212,20 @@ class ZmqEventPublisher:
             if number >= start:
                 self._replay.send_multipart((client, b"", number.to_bytes(8, "big"), payload))
         self._replay.send_multipart((client, b"", END_OF_REPLAY, b""))
+
+
+@dataclass(frozen=True)
+class KvEventOutlet:
+    """Where the engine's KV events go: recorded by the memory layer, drained after each
+    step into the publisher's queue."""
+
+    log: KvEventLog
+    publisher: ZmqEventPublisher
+
+    def flush(self) -> None:
+        events = self.log.drain()
+        if events:
+            self.publisher.publish(events)
+
+    def close(self) -> None:
+        self.publisher.close()

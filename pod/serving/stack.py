@@ -63,7 +63,7 @@ from .choices import (
     pick_dtype,
     pick_num_pages,
 )
-from .kv_event_publisher import KvEventsConfig, ZmqEventPublisher
+from .kv_event_publisher import KvEventOutlet, KvEventsConfig, ZmqEventPublisher
 from .kv_event_publisher import parse_config as parse_kv_events_config
 
 log = logging.getLogger("kvpark.server")
@@ -398,23 +398,6 @@ def kv_events_config(text: str) -> KvEventsConfig:
         return parse_kv_events_config(text)
     except ValueError as exc:
         raise ValueError(f"--kv-events-config: {exc}") from None
-
-
-@dataclass(frozen=True)
-class KvEventOutlet:
-    """Where the engine's KV events go: recorded by the memory layer, drained after each
-    step into the publisher's queue."""
-
-    log: KvEventLog
-    publisher: ZmqEventPublisher
-
-    def flush(self) -> None:
-        events = self.log.drain()
-        if events:
-            self.publisher.publish(events)
-
-    def close(self) -> None:
-        self.publisher.close()
 
 
 def log_summary(args: ServerArgs, target: Target, memory: Memory, draft: DraftStack | None,

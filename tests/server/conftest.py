@@ -1,6 +1,7 @@
 import sys
 from pathlib import Path
 
+import openai
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -23,3 +24,9 @@ def smollm2_server():
     with ServerProcess(["-np", "4", "-c", "4096", "--weights", "gguf"],
                        model="builtin://smollm2-135m") as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def smollm2_openai(smollm2_server):
+    """The real `openai` client on the shared SmolLM2 server."""
+    return openai.OpenAI(base_url=f"{smollm2_server.url}/v1", api_key="unused", max_retries=0)

@@ -11,7 +11,6 @@ import json
 
 import anthropic
 import httpx
-import openai
 import pytest
 
 from kvpark.pod.sampling.reasoning import ThinkingRule, split_reasoning
@@ -104,8 +103,8 @@ def test_the_anthropic_sdk_gets_a_thinking_block_then_the_text(server, answer):
     assert [b.model_dump() for b in final.content] == [b.model_dump() for b in whole.content]
 
 
-def test_the_responses_api_gives_a_reasoning_item_then_the_message(server, answer):
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+def test_the_responses_api_gives_a_reasoning_item_then_the_message(smollm2_openai, answer):
+    client = smollm2_openai
     kwargs = {"model": "m", "max_output_tokens": 24, "input": OPEN_BLOCK,
               "extra_body": {"temperature": 0, "reasoning_format": "deepseek",
                              "thinking_budget_tokens": BUDGET}}

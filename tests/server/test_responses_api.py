@@ -28,8 +28,8 @@ def server(smollm2_server):
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+def client(smollm2_openai):
+    return smollm2_openai
 
 
 def chat(server, body: dict) -> dict:

@@ -8,7 +8,6 @@ import re
 
 import httpx
 import jsonschema
-import openai
 import pytest
 from pydantic import BaseModel
 from serverproc import ServerProcess, poll
@@ -44,8 +43,8 @@ def server(smollm2_server):
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+def client(smollm2_openai):
+    return smollm2_openai
 
 
 def test_json_object_output_parses(client):

@@ -23,6 +23,11 @@ class AnthropicFormat(WireFormat):
     ends_with_done: ClassVar[bool] = False
     named_events: ClassVar[bool] = True  # each SSE data line under `event: <its type>`
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._open: str | None = None  # a stream's block now open: its type
+        self._index = -1  # and its index
+
     @property
     def message_id(self) -> str:
         return "msg_" + self.id_suffix
@@ -68,11 +73,6 @@ class AnthropicFormat(WireFormat):
     # ---- a stream ----------------------------------------------------------------------------
     # Without tools the blocks go out as the text comes: a thinking block while the model
     # reasons, then the text block. With tools they are known once the output is complete.
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._open: str | None = None  # a stream's block now open: its type
-        self._index = -1  # and its index
-
     def opening(self) -> list[dict[str, Any]]:
         return [{"type": "message_start", "message": {
             **self.message([]), "usage": {"input_tokens": len(self.stream.prompts[0]),
@@ -162,23 +162,20 @@ def thinking_block(text: str) -> dict[str, Any]:
 
 
 def streamed_block(index: int, block: dict[str, Any]) -> list[dict[str, Any]]:
-    """A complete block as a stream sends it: start (empty), one delta, stop."""
+    """A complete block as a stream sends it: start (empty), its deltas, stop."""
     if block["type"] == "text":
-        start, delta = {"type": "text", "text": ""}, {"type": "text_delta",
-                                                      "text": block["text"]}
-    elif block["type"] == "thinking":
-        events = streamed_block(index, {"type": "text", "text": block["thinking"]})
-        events[0]["content_block"] = thinking_block("")
-        events[1]["delta"] = {"type": "thinking_delta", "thinking": block["thinking"]}
-        signature = {"type": "content_block_delta", "index": index,
-                     "delta": {"type": "signature_delta", "signature": ""}}
-        return [*events[:2], signature, events[2]]
+        start = {"type": "text", "text": ""}
+        deltas = [{"type": "text_delta", "text": block["text"]}]
+    elif block["type"] == "thinking":  # its (empty) signature before the stop, as the API's
+        start = thinking_block("")
+        deltas = [{"type": "thinking_delta", "thinking": block["thinking"]},
+                  {"type": "signature_delta", "signature": ""}]
     else:
         start = {**block, "input": {}}
-        delta = {"type": "input_json_delta",
-                 "partial_json": json.dumps(block["input"], ensure_ascii=False)}
+        deltas = [{"type": "input_json_delta",
+                   "partial_json": json.dumps(block["input"], ensure_ascii=False)}]
     return [{"type": "content_block_start", "index": index, "content_block": start},
-            {"type": "content_block_delta", "index": index, "delta": delta},
+            *({"type": "content_block_delta", "index": index, "delta": d} for d in deltas),
             {"type": "content_block_stop", "index": index}]
 
 

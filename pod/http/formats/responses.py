@@ -24,8 +24,7 @@ class ResponsesFormat(WireFormat):
         super().__init__(*args, **kwargs)
         self._sequence = 0
         self._created = int(time.time())
-        self._open: str | None = None  # a stream's output item now open: its type
-        self._opened: list[str] = []  # the types of the items a stream opened, in order
+        self._opened: list[str] = []  # the types of the items a stream opened (the last open)
 
     @property
     def response_id(self) -> str:
@@ -144,9 +143,8 @@ class ResponsesFormat(WireFormat):
 
     def open_item(self, kind: str) -> list[dict[str, Any]]:
         """Events that open a `kind` item (a reasoning item stays open until the message)."""
-        if self._open == kind:
+        if self._opened[-1:] == [kind]:
             return []
-        self._open = kind
         self._opened.append(kind)
         if kind == "reasoning":
             return [self.event("response.output_item.added", output_index=self.item_index,
