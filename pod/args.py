@@ -93,6 +93,9 @@ class ServerArgs:
     chat_template_kwargs: str | None = None  # a JSON object of template variables
     kv_events_config: str | None = None  # vLLM's JSON: publish KV events for a router
     slot_save_path: str | None = None  # POST /slots/{id}?action=save|restore: files live here
+    cache_disk: str | None = None  # the prefix cache's disk tier: page files live here
+    cache_disk_size: float = 16.0  # GiB the disk tier's folder may hold
+    cache_disk_write_out: float = 10.0  # seconds at shutdown to write what the disk lacks
     preempt_async: bool = True  # CUDA: swap copies on their own stream (off: synchronous)
     # speculative decoding: none, ngram-simple (prompt lookup) or draft-simple (a draft model;
     # the default once --model-draft is given)
@@ -144,6 +147,13 @@ def _cache_ram(value: str) -> int:
     if mib < -1:
         raise argparse.ArgumentTypeError(f"--cache-ram must be >= -1, got {mib}")
     return mib
+
+
+def _gib(value: str) -> float:
+    number = _number(float, value)
+    if not 0 < number < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected GiB > 0, got {value}")
+    return number
 
 
 def _percent(value: str) -> float:
@@ -290,6 +300,15 @@ def add_server_flags(g: argparse._ArgumentGroup) -> None:
     _add(g, "--slot-save-path", dest="slot_save_path", metavar="DIR",
          text="directory for POST /slots/{id}?action=save|restore (llama-server's); created "
          "if missing; without it those actions answer 400", default="off")
+    _add(g, "--cache-disk", dest="cache_disk", metavar="DIR",
+         text="the prefix cache's disk tier: full KV pages as checked files under DIR, read "
+         "back on a miss in the pool and host RAM, shared by servers of the same model on the "
+         "same machine kind and kept across restarts; created if missing", default="off")
+    _add(g, "--cache-disk-size", dest="cache_disk_size", type=_gib, metavar="GIB",
+         text="GiB the disk tier may hold; least recently used pages are deleted past it")
+    _add(g, "--cache-disk-write-out", dest="cache_disk_write_out", type=_seconds_or_zero,
+         metavar="SECONDS", text="at shutdown, after the drain: seconds to write the pages the "
+         "disk tier lacks (0 = none)")
     _add(g, "--cors-origin", dest="cors_origin", action=_Names, metavar="ORIGIN",
          text="let browsers on ORIGIN call the API (repeatable or comma-separated; * for any)",
          default="off")
@@ -640,15 +659,15 @@ def model_problem(spec: str | None, flag: str = "--model") -> str | None:
     return None
 
 
-def slot_path_problem(path: str | None) -> str | None:
-    """A --slot-save-path that can never hold files, said before anything starts (a missing
-    directory is created at start-up, as llama-server does)."""
+def slot_path_problem(path: str | None, flag: str = "--slot-save-path") -> str | None:
+    """A --slot-save-path (or --cache-disk) that can never hold files, said before anything
+    starts (a missing directory is created at start-up, as llama-server does)."""
     if path is None:
         return None
     if os.path.exists(path) and not os.path.isdir(path):
-        return f"--slot-save-path {path}: not a directory"
+        return f"{flag} {path}: not a directory"
     if os.path.isdir(path) and not os.access(path, os.W_OK | os.X_OK):
-        return f"--slot-save-path {path}: not writable (permission denied)"
+        return f"{flag} {path}: not writable (permission denied)"
     return None
 
 
@@ -662,7 +681,8 @@ def parse_args(argv: Sequence[str] | None = None,
                          if parsed.get(f.name) is not None})
     problem = (check(args) or model_problem(args.model)
                or model_problem(args.model_draft, "--model-draft")
-               or slot_path_problem(args.slot_save_path))
+               or slot_path_problem(args.slot_save_path)
+               or slot_path_problem(args.cache_disk, "--cache-disk"))
     if problem:
         parser.error(problem)
     return with_draft_default(args)

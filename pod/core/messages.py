@@ -174,3 +174,4 @@ class SlotView:
     priority: int
     phase: str  # parked, replay, prompt or generating
     resumed_from: tuple[str, ...]  # where its latest resume found its K/V (empty: never)
+    cached_from: tuple[str, ...] = ()  # where its prompt's cached pages were found

@@ -64,4 +64,5 @@ def slot_view(seq: Sequence) -> SlotView:
     return SlotView(seq.request_id, seq.is_parked, seq.parking.n_preempt,
                     seq.parking.n_recompute, mode.value if mode else None, seq.parking.manual,
                     seq.parking.for_reader, seq.num_computed, seq.num_prompt,
-                    seq.num_generated, seq.priority, phase, seq.parking.resumed_from)
+                    seq.num_generated, seq.priority, phase, seq.parking.resumed_from,
+                    seq.cached_from)

@@ -127,13 +127,13 @@ class Scheduler:
         if self.pool.cache is None:
             return
         self._hash_pages(seq, (seq.num_prompt - 1) // self.pool.page_size)
-        pages = self.pool.take_cached_prefix(seq.page_hashes, seq.num_prompt)
+        found = self.pool.take_cached_prefix(seq.page_hashes, seq.num_prompt)
+        seq.page_table, ps = found.pages, self.pool.page_size
         if self.pool.checkpoints is not None:  # a hybrid: only up to a state checkpoint
-            pages = checkpointing.cut_to_checkpoint(self.pool, self.pool.checkpoints,
-                                                    seq.slot_id, seq.page_hashes, pages)
-        seq.page_table = pages
-        seq.num_computed = seq.num_cached = len(pages) * self.pool.page_size
-        seq.checkpoint_at = seq.num_computed
+            seq.page_table = checkpointing.cut_to_checkpoint(
+                self.pool, self.pool.checkpoints, seq.slot_id, seq.page_hashes, found.pages)
+        seq.cached_from = found.sources(len(seq.page_table))
+        seq.num_computed = seq.num_cached = seq.checkpoint_at = len(seq.page_table) * ps
 
     def _hash_pages(self, seq: Sequence, num_full_pages: int) -> None:
         """The prefix cache's hashes of the sequence's first `num_full_pages` pages."""

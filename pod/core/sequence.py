@@ -65,7 +65,8 @@ class ParkState:
     cached_pages: list[int] = field(default_factory=list)
     restored_pages: int = 0
     restored_from_host: int = 0  # pages copied back from the host tier
-    resumed_from: tuple[str, ...] = ()  # the latest resume's sources: pool, host, recompute
+    restored_from_disk: int = 0  # pages read back from the disk tier (a recompute's)
+    resumed_from: tuple[str, ...] = ()  # the latest resume's sources: pool, host, disk, recompute
     held_pages: list[int] = field(default_factory=list)
     tokens_since_forced: int = 0  # for KVPARK_PREEMPT_EVERY
     manual: bool = False  # parked through POST /slots/{id}?action=park; waits for unpark
@@ -147,6 +148,7 @@ class Sequence:
     page_table: list[int] = field(default_factory=list)
     page_hashes: list[bytes] = field(default_factory=list)  # of its full pages (prefix cache)
     num_cached: int = 0  # prompt tokens found in the prefix cache at admission
+    cached_from: tuple[str, ...] = ()  # where they were found: pool, host, disk
     # a hybrid model with a prefix cache: the page boundary its slot's state snapshot is at
     checkpoint_at: int = 0
     failed_steps: int = 0  # a hybrid's steps that failed in a row (`step_failure.py`)

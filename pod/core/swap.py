@@ -180,10 +180,12 @@ class Swapper:
         p = seq.parking
         replay = p.replay_until - seq.num_computed if seq.is_replaying else 0
         swapped = p.mode is PreemptMode.SWAP and not replay
-        from_pool = p.restored_pages - (0 if swapped else p.restored_from_host)
+        from_pool = p.restored_pages - (0 if swapped else p.restored_from_host
+                                        + p.restored_from_disk)
         from_host = p.restored_from_host > 0 or (
             swapped and from_pool < self.pool.pages_for(p.swapped_tokens))
         sources = tuple(name for name, used in (("pool", from_pool > 0), ("host", from_host),
+                                                ("disk", p.restored_from_disk > 0),
                                                 ("recompute", replay > 0)) if used)
         return ResumeReport(len(p.cached_pages), p.restored_pages, replay, sources)
 
@@ -313,10 +315,11 @@ class Swapper:
         """A recompute: pages with the content of those its park released (any origin) that
         the tier holds after what the pool still had."""
         released = len(seq.parking.cached_pages)
-        pages = self.pool.load_from_host(seq.page_hashes[num_found:released])
-        seq.parking.restored_pages += len(pages)
-        seq.parking.restored_from_host = len(pages)
-        return pages
+        found = self.pool.load_from_tiers(seq.page_hashes[num_found:released])
+        seq.parking.restored_pages += len(found.pages)
+        seq.parking.restored_from_host = found.from_host
+        seq.parking.restored_from_disk = found.from_disk
+        return found.pages
 
     def _drop_host_copy(self, seq: Sequence) -> int:
         """The swap's copy cannot fill a hole the pool left: drop it; the tokens to replay."""
@@ -335,6 +338,7 @@ class Swapper:
         recomputed one any page with the same content."""
         cache, released = self.pool.cache, seq.parking.cached_pages
         seq.parking.restored_pages = seq.parking.restored_from_host = 0
+        seq.parking.restored_from_disk = 0
         if cache is None or not released:
             return []
         found = cache.lookup(seq.page_hashes[:len(released)])

@@ -17,7 +17,7 @@ from ..core.messages import FinishReason
 from ..requests.errors import ApiError
 from ..requests.input_limits import InputLimits
 from ..requests.response_store import ResponseStore
-from ..serving.stack import ServingStack, build_stack
+from ..serving.stack import ServingStack, build_stack, stop_stack
 from .config import HttpConfig
 
 log = logging.getLogger("kvpark.api")
@@ -66,7 +66,7 @@ class Server:
 
     def stop(self) -> None:
         if self.stack is not None:
-            self.stack.engine.stop()
+            stop_stack(self.stack)
 
     def ready_stack(self) -> ServingStack:
         if self.stack is None:

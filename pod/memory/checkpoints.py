@@ -114,6 +114,11 @@ class CheckpointStore:
         self._on_host[key] = buffer
         return True
 
+    def saved(self) -> list[tuple[bytes, torch.Tensor]]:
+        """Every checkpoint (key, state bytes), in the pool's memory and in host RAM."""
+        return [*((key, self.pool_area[row]) for key, row in self._in_pool.items()),
+                *self._on_host.items()]
+
     def get(self, key: bytes) -> torch.Tensor:
         """The saved state (marked recently used): a row of the pool's area or a host buffer."""
         if key in self._in_pool:

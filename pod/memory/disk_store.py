@@ -37,6 +37,8 @@ log = logging.getLogger("kvpark.disk")
 MAGIC = b"KVPPAGE\0"
 VERSION = 1
 SUFFIX = ".kvpage"
+STATE_SUFFIX = ".kvstate"  # a hybrid model's state checkpoint, under its page's hash
+SUFFIXES = (SUFFIX, STATE_SUFFIX)  # the folder's one size budget counts both kinds
 _HEADER = struct.Struct("<8sI32s32s16s6IQ32s")
 FULL_DISK = (errno.ENOSPC, errno.EDQUOT)
 
@@ -51,10 +53,13 @@ class DiskStats:
     misses: int = 0
     rejected: int = 0  # files refused (foreign, truncated, damaged) and deleted
     evicted: int = 0  # files deleted for room
+    bytes: int = 0  # the folder's page files, as of the latest trim plus writes since
 
 
-def identity_digest(identity: ModelIdentity) -> bytes:
-    return hashlib.sha256(identity.text.encode()).digest()
+def identity_digest(identity: ModelIdentity, numerics: str = "") -> bytes:
+    """The model identity and `numerics` (the kernels and the machine kind that computed the
+    K/V: another CPU's kernels may round differently, and a page must change no output)."""
+    return hashlib.sha256(f"{identity.text}|{numerics}".encode()).digest()
 
 
 def checksum(payload: bytes | memoryview) -> bytes:
@@ -65,8 +70,11 @@ class DiskPageStore:
     """Pages of one model in one folder (shared with other servers of the same model)."""
 
     def __init__(self, root: str | Path, identity: ModelIdentity, page_shape: tuple[int, ...],
-                 dtype: torch.dtype, max_bytes: int) -> None:
-        self.identity = identity_digest(identity)
+                 dtype: torch.dtype, max_bytes: int, numerics: str = "", suffix: str = SUFFIX,
+                 stats: DiskStats | None = None) -> None:
+        """`suffix`: the kind of file (pages, or a hybrid's state checkpoints: a second store
+        on the same folder, sharing its `stats` and its size)."""
+        self.identity = identity_digest(identity, numerics)
         # a folder per identity: another model's pages are never even looked at
         self.folder = Path(root) / self.identity.hex()[:32]
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -75,8 +83,9 @@ class DiskPageStore:
         self.payload_bytes = torch.Size(page_shape).numel() * dtype.itemsize
         self.file_bytes = _HEADER.size + self.payload_bytes
         self.max_bytes = max_bytes
+        self.suffix = suffix
         self.writable = True
-        self.stats = DiskStats()
+        self.stats = stats if stats is not None else DiskStats()
         self._dtype_name = str(dtype).removeprefix("torch.").encode()
         removed = remove_stale_temp_files(str(self.folder))
         if removed:
@@ -84,7 +93,7 @@ class DiskPageStore:
 
     # ---- names -------------------------------------------------------------------------------
     def path(self, page_hash: bytes) -> Path:
-        return self.folder / f"{page_hash.hex()}{SUFFIX}"
+        return self.folder / f"{page_hash.hex()}{self.suffix}"
 
     def contains(self, page_hash: bytes) -> bool:
         return self.path(page_hash).is_file()
@@ -115,6 +124,7 @@ class DiskPageStore:
             return False
         self.stats.writes += 1
         self.stats.write_bytes += self.file_bytes
+        self.stats.bytes += self.file_bytes
         return True
 
     def _write_failed(self, exc: OSError) -> None:
@@ -182,9 +192,9 @@ class DiskPageStore:
 
     # ---- room --------------------------------------------------------------------------------
     def files(self) -> list[tuple[float, int, Path]]:
-        """(last use, size, path) of every page file, least recently used first."""
+        """(last use, size, path) of every page and state file, least recently used first."""
         found = []
-        for path in self.folder.glob(f"*{SUFFIX}"):
+        for path in (p for suffix in SUFFIXES for p in self.folder.glob(f"*{suffix}")):
             try:
                 stat = path.stat()
             except OSError:
@@ -211,5 +221,6 @@ class DiskPageStore:
             used -= size
             deleted += 1
         self.stats.evicted += deleted
+        self.stats.bytes = used
         return deleted
 

@@ -97,6 +97,10 @@ class HostTier:
         """Bytes of pages parked sequences hold (counted as parked, never as cached)."""
         return (len(self._pages) - len(self._lru)) * self.page_bytes
 
+    def pages(self) -> list[HostPage]:
+        """Every page here, held or cached (the disk tier's write-out reads them)."""
+        return list(self._pages.values())
+
     def lookup(self, hashes: Seq[bytes]) -> list[HostPage]:
         """The pages holding the longest run of `hashes` found here."""
         self.stats.lookups += len(hashes)

@@ -9,13 +9,15 @@ Swapping (`swap.py`, with `kernels/kv_copy.py`) moves whole pages between the po
 buffer, so a parked sequence comes back bit for bit.
 
 With a host tier (`host_tier.py`) an evicted cached page is copied to host RAM before its new
-owner writes it, and a prefix the pool misses is looked up there next and copied back.
+owner writes it, and a prefix the pool misses is looked up there next and copied back. With a
+disk tier (`disk_tier.py`) every page registered is also written through to disk, and a prefix
+that host RAM misses too is read back from there.
 """
 
 from __future__ import annotations
 
 import heapq
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -24,8 +26,39 @@ from .prefix_cache import Evicted, PrefixCache
 
 if TYPE_CHECKING:
     from .checkpoints import CheckpointStore
+    from .disk_tier import DiskTier
     from .host_tier import HostTier
     from .state_pool import StatePool
+
+
+class TierLoad(NamedTuple):
+    """Pages a lookup past the pool found, fresh in the pool: the first `from_host` copied
+    from host RAM, the rest read from disk."""
+
+    pages: list[int]
+    from_host: int
+    from_disk: int
+
+
+class CachedPrefix(NamedTuple):
+    """A new prompt's cached pages (one reference each), by where they were found in order:
+    the pool's own first, then host RAM's, then the disk's."""
+
+    pages: list[int]
+    from_pool: int
+    from_host: int
+    from_disk: int
+
+    def sources(self, num_kept: int) -> tuple[str, ...]:
+        """Where the first `num_kept` pages came from (a hybrid may keep fewer)."""
+        ends = (("pool", self.from_pool), ("host", self.from_pool + self.from_host),
+                ("disk", len(self.pages)))
+        start, found = 0, []
+        for name, end in ends:
+            if min(end, num_kept) > start:
+                found.append(name)
+            start = end
+        return tuple(found)
 
 
 class KVPool:
@@ -49,6 +82,7 @@ class KVPool:
         self._refs = [0] * num_pages  # holders of each page: page tables and copies in flight
         self.cache = cache
         self.tier: HostTier | None = None  # set once the copy engine exists (server wiring)
+        self.disk: DiskTier | None = None  # --cache-disk (server wiring)
         # a hybrid model's state slots, the pool's second kind of memory, and with a prefix
         # cache the checkpoints that make its cached pages usable (server wiring)
         self.states: StatePool | None = None
@@ -128,21 +162,28 @@ class KVPool:
             if self._refs[page] == 0 and not (self.cache is not None and self.cache.keep(page)):
                 heapq.heappush(self._free, page)
 
-    def take_cached_prefix(self, hashes: list[bytes], num_queried: int) -> list[int]:
+    def take_cached_prefix(self, hashes: list[bytes], num_queried: int) -> CachedPrefix:
         """Pages (one reference each) holding the longest run of a new prompt's page `hashes`
-        cached in the pool, then in the host tier; `num_queried` prompt tokens count as looked
-        up."""
+        cached in the pool, then in the host tier, then on disk; `num_queried` prompt tokens
+        count as looked up."""
         if self.cache is None:
-            return []
+            return CachedPrefix([], 0, 0, 0)
         pages = self.cache.lookup(hashes)
         self.share(pages)
         self.cache.stats.queries += num_queried
         self.cache.stats.hits += len(pages) * self.page_size
-        return pages + self.load_from_host(hashes[len(pages):])
+        found = self.load_from_tiers(hashes[len(pages):])
+        return CachedPrefix(pages + found.pages, len(pages), found.from_host, found.from_disk)
 
-    def load_from_host(self, hashes: list[bytes]) -> list[int]:
+    def load_from_tiers(self, hashes: list[bytes]) -> TierLoad:
         """Fresh pages (one reference each) holding the longest run of `hashes` the host tier
-        has, as many as the pool can give; registered as cached content with their origins."""
+        has, continued by what the disk tier has, as many as the pool can give; registered as
+        cached content (host pages with their origins, disk pages with new ones)."""
+        pages = self._load_from_host(hashes)
+        more = self._load_from_disk(hashes[len(pages):]) if len(pages) < len(hashes) else []
+        return TierLoad(pages + more, len(pages), len(more))
+
+    def _load_from_host(self, hashes: list[bytes]) -> list[int]:
         if self.tier is None or not hashes:
             return []
         run = self.tier.lookup(hashes)[:self.num_free_pages]
@@ -154,6 +195,18 @@ class KVPool:
         self.tier.let_go(run)
         return pages
 
+    def _load_from_disk(self, hashes: list[bytes]) -> list[int]:
+        if self.disk is None or not hashes:
+            return []
+        run = self.disk.read_run(hashes, self.num_free_pages)
+        if not run:
+            return []
+        pages = self.allocate(len(run))
+        self.write_pages(pages, torch.stack(run, dim=1))
+        for page, h in zip(pages, hashes):
+            self.cache.register(page, h, self.cache.new_origin())
+        return pages
+
     def register_complete(self, page_table: list[int], hashes: list[bytes], first: int) -> None:
         """Pages full of K/V of every layer become findable in the prefix cache: those of
         `page_table` from index `first` on, under `hashes` (one per full page)."""
@@ -161,12 +214,33 @@ class KVPool:
             return
         for page, h in zip(page_table[first:len(hashes)], hashes[first:]):
             self.cache.register(page, h)
+        if self.disk is not None:
+            self._write_through(page_table[first:len(hashes)], hashes[first:])
+
+    def _write_through(self, pages: list[int], hashes: list[bytes]) -> None:
+        """Pages the disk tier lacks, copied out for its writer (values: the pool may reuse
+        the pages before they are written)."""
+        lacking = [i for i, h in enumerate(hashes) if self.disk.lacks(h)]
+        if lacking:
+            self.disk.offer([hashes[i] for i in lacking],
+                            self.read_pages([pages[i] for i in lacking]))
 
     # ---- slot files (POST /slots/{id}?action=save|restore|erase) ------------------------------
     def read_pages(self, pages: list[int]) -> torch.Tensor:
         """A copy of these pages on the CPU: [layers, pages, 2, page_size, Hkv, D]."""
         index = torch.tensor(pages, dtype=torch.long, device=self.device)
         return torch.stack([cache.index_select(0, index) for cache in self.caches]).cpu()
+
+    def write_pages(self, pages: list[int], kv: torch.Tensor) -> None:
+        """`kv` ([layers, len(pages), 2, page_size, Hkv, D], any device) into these pages."""
+        index = torch.tensor(pages, dtype=torch.long, device=self.device)
+        rows = kv.to(device=self.device, dtype=self.dtype)
+        for cache, layer_rows in zip(self.caches, rows):
+            cache.index_copy_(0, index, layer_rows)
+
+    def registered_pages(self) -> list[tuple[int, bytes]]:
+        """(page, hash) of every page the prefix cache can find (the disk's write-out)."""
+        return self.cache.registered() if self.cache is not None else []
 
     def insert_cached(self, hashes: list[bytes], kv: torch.Tensor) -> bool:
         """Make `kv` ([layers, len(hashes), 2, page_size, Hkv, D]) cached pages under `hashes`,
@@ -181,13 +255,12 @@ class KVPool:
             return False
         fresh = self.allocate(len(missing))
         if missing:
-            index = torch.tensor(fresh, dtype=torch.long, device=self.device)
-            rows = kv[:, missing].to(device=self.device, dtype=self.dtype)
-            for cache, layer_rows in zip(self.caches, rows):
-                cache.index_copy_(0, index, layer_rows)
+            self.write_pages(fresh, kv[:, missing])
         for page, i in zip(fresh, missing):
             self.cache.register(page, hashes[i])
             found[i] = page
+        if self.disk is not None:
+            self._write_through(fresh, [hashes[i] for i in missing])
         self.free([p for p in found if p is not None])  # tail first into the LRU, as a finish
         return True
 

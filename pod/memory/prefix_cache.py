@@ -95,6 +95,10 @@ class PrefixCache:
     def is_registered(self, page: int) -> bool:
         return page in self._hash_of
 
+    def registered(self) -> list[tuple[int, bytes]]:
+        """(page, hash) of every registered page."""
+        return list(self._hash_of.items())
+
     # ---- hashes ------------------------------------------------------------------------------
     def grow_hashes(self, hashes: list[bytes], tokens: Seq[int], num_prompt: int,
                     num_full_pages: int) -> list[bytes]:

@@ -31,6 +31,8 @@ from ..core.sequence import Sequence
 from ..core.speculation import SpecStats
 from ..core.step_plan import ScheduledSeq
 from ..core.swap import CopyTimes
+from ..memory.disk_store import DiskStats
+from ..memory.disk_tier import DiskTier, DiskTierStats
 from ..memory.host_store import HostStore
 from ..memory.host_tier import HostTier, TierStats
 from ..memory.kv_pool import KVPool
@@ -133,6 +135,7 @@ class SchedulerCollector(Collector):
         yield _gauge("host_ram_peak_bytes", "Most host bytes held at once, parked and cached "
                      "together (never past the budget)", self.host.peak_bytes)
         yield from _host_cache_families(tier)
+        yield from _disk_cache_families(s.pool.disk)
         yield from _spec_decode_families(s.speculator.stats, self.model_name)
         yield _spec_type_family(s.speculator.config.kind)
         yield _counter("n_preempt", "Parks, swap and recompute", stats.n_preempt)
@@ -178,6 +181,33 @@ def _host_cache_families(tier: HostTier | None) -> Iterator[GaugeMetricFamily |
     yield _counter("host_cache_skipped", "Pages the pool evicted with no room in host RAM",
                    stats.skipped)
     yield _counter("host_cache_evictions", "Cached host pages dropped for room", stats.drops)
+
+
+def _disk_cache_families(disk: DiskTier | None) -> Iterator[GaugeMetricFamily |
+                                                             CounterMetricFamily]:
+    """The disk tier of the prefix cache, --cache-disk (zeros when it is off)."""
+    files = disk.store.stats if disk is not None else DiskStats()
+    tier = disk.stats if disk is not None else DiskTierStats()
+    yield _gauge("disk_cache_bytes", "Bytes of page files in the disk tier's folder (every "
+                 "server sharing it), as of its latest count", files.bytes)
+    yield _gauge("disk_cache_writable", "1 while the disk tier writes (0: off, or the disk "
+                 "filled up and it stopped)", int(disk is not None and disk.store.writable))
+    yield _gauge("disk_cache_queued_bytes", "Bytes waiting for the disk tier's writer (host "
+                 "RAM outside the preempt-ram budget, capped)",
+                 disk.writer.pending_bytes if disk is not None else 0)
+    yield _counter("disk_cache_lookups", "Pages looked up on disk after the pool and host RAM "
+                   "missed them", tier.lookups)
+    yield _counter("disk_cache_hits", "Pages read back from the disk tier", files.hits)
+    yield _counter("disk_cache_writes", "Pages written to the disk tier", files.writes)
+    yield _counter("disk_cache_write_bytes", "Bytes written to the disk tier", files.write_bytes)
+    yield _counter("disk_cache_dropped", "Pages not written: the writer's queue was full",
+                   tier.dropped)
+    yield _counter("disk_cache_rejected", "Files refused (another model's, truncated, damaged) "
+                   "and removed", files.rejected)
+    yield _counter("disk_cache_evictions", "Files deleted for room, least recently used first",
+                   files.evicted)
+    yield _counter("disk_cache_write_out_pages", "Pages written at shutdown (the drain's "
+                   "write-out)", tier.write_out_pages)
 
 
 def _spec_decode_families(stats: SpecStats, model_name: str) -> Iterator[CounterMetricFamily]:

@@ -63,6 +63,7 @@ from .choices import (
     pick_dtype,
     pick_num_pages,
 )
+from .disk_cache import make_disk_tier, write_out
 from .kv_event_publisher import KvEventOutlet, KvEventsConfig, ZmqEventPublisher
 from .kv_event_publisher import parse_config as parse_kv_events_config
 
@@ -227,16 +228,23 @@ def build_stack(args: ServerArgs) -> ServingStack:
     memory = build_memory(args, target, draft, device, dtype, stages)
     budget = resolve_budget(args.preempt_ram)  # after the load: auto subtracts resident size
     engine, metrics = build_engine(args, target, memory, budget, device)
+    kernels = f"{device}|{memory.backend.name}|invariant={target.model.batch_invariant}"
+    memory.pool.disk = make_disk_tier(args, memory.pool, memory.identity, kernels)
     log_summary(args, target, memory, draft, budget, engine.scheduler.config, defaults)
     prepare_slot_files(args)
     log.info("model loaded in %.1f s", stages.total)
-    kernels = f"{device}|{memory.backend.name}|invariant={target.model.batch_invariant}"
     return ServingStack(args, target.loaded.name, target.loaded.tokenizer,
                         engine.scheduler.config.max_context, engine.scheduler, engine, metrics,
                         budget, model_path=target.loaded.source, defaults=defaults,
                         numerics=memory.identity.fingerprint(kernels), identity=memory.identity,
                         kv_dtype=dtype,
                         state_layout=memory.pool.states.layout if memory.pool.states else ())
+
+
+def stop_stack(stack: ServingStack) -> None:
+    """After the drain: the engine stopped, then what the disk tier lacks written out."""
+    stack.engine.stop()
+    write_out(stack.scheduler.pool, stack.args.cache_disk_write_out)
 
 
 def prepare_machine(args: ServerArgs, device: torch.device) -> None:

@@ -133,7 +133,7 @@ def slot_entry(slot_id: int, view: SlotView | None, share: int, state_bytes: int
                              "preempt_mode": None, "task": None, "n_tokens": 0,
                              "n_prompt_tokens": 0, "n_generated": 0, "priority": 0,
                              "preempt_manual": False, "preempt_for_reader": False,
-                             "resumed_from": []}
+                             "resumed_from": [], "cached_from": []}
     if view is not None:
         entry.update(
             is_preempted=view.parked, n_preempt=view.n_preempt, n_recompute=view.n_recompute,
@@ -141,6 +141,6 @@ def slot_entry(slot_id: int, view: SlotView | None, share: int, state_bytes: int
             n_prompt_tokens=view.num_prompt, n_generated=view.num_generated,
             priority=view.priority, preempt_manual=view.manual,
             preempt_for_reader=view.for_reader, phase=view.phase,
-            resumed_from=list(view.resumed_from),
+            resumed_from=list(view.resumed_from), cached_from=list(view.cached_from),
             state_resident=bool(state_bytes) and not view.parked)
     return entry

@@ -1,0 +1,220 @@
+"""The disk tier (--cache-disk) over real HTTP with real weights: greedy output is the same bytes
+with it on and off; a conversation started on one server continues from cache on a second one
+sharing the folder; SIGTERM in the middle of four conversations, then a restart: each next turn
+is served from disk (>= 90% of its history) and says the same as an uninterrupted run; damaged,
+truncated, foreign and half-written files are refused; a full disk costs the tier its writes
+and nothing else; flags it cannot use exit 2 with one line."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import signal
+import socket
+import subprocess
+import sys
+
+import httpx
+import pytest
+from serverproc import ServerProcess, poll
+
+MODEL = "builtin://smollm2-135m"  # real weights: GGUF blocks for decode rows, fp32 prompt rows
+FLAGS = ["-np", "4", "-c", "4096"]
+ANSWER = 16  # tokens per answer: short beside the history, as a chat's next turn
+
+
+def disk_server(folder, *flags: str) -> ServerProcess:
+    return ServerProcess([*FLAGS, "--cache-disk", str(folder), *flags], model=MODEL)
+
+
+def first_turn(n: int) -> list[dict]:
+    words = " ".join(f"item{n}-{i}" for i in range(60))
+    return [{"role": "user", "content": f"Conversation {n}. Keep these in mind: {words}"}]
+
+
+def ask(server: ServerProcess, messages: list[dict]) -> dict:
+    body = {"messages": messages, "max_tokens": ANSWER, "temperature": 0, "ignore_eos": True}
+    response = server.post("/v1/chat/completions", body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def next_turn(messages: list[dict], answer: dict, n: int) -> list[dict]:
+    return [*messages, {"role": "assistant", "content": answer["choices"][0]["message"][
+        "content"]}, {"role": "user", "content": f"And what came after item{n}-7?"}]
+
+
+def text(answer: dict) -> bytes:
+    return answer["choices"][0]["message"]["content"].encode()
+
+
+def cached(answer: dict) -> int:
+    return answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def history(answer: dict) -> int:
+    """The tokens of the turn it answered: its prompt and its answer."""
+    return answer["usage"]["prompt_tokens"] + answer["usage"]["completion_tokens"]
+
+
+def wait_written(server: ServerProcess) -> None:
+    """Until the writer thread has published every page queued (written-through pages trail
+    the response that filled them by a moment)."""
+    poll(lambda: server.metric("kvpark:disk_cache_writes_total") > 0
+         and server.metric("kvpark:disk_cache_queued_bytes") == 0, "pages written")
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Two turns of four conversations on one server without a disk tier, never restarted."""
+    with ServerProcess(FLAGS, model=MODEL) as server:
+        turns = {}
+        for n in range(4):
+            first = ask(server, first_turn(n))
+            turns[n] = (first, ask(server, next_turn(first_turn(n), first, n)))
+        return turns
+
+
+def test_greedy_output_is_the_same_bytes_with_the_tier_on_and_off(reference, tmp_path):
+    with disk_server(tmp_path) as server:
+        first = ask(server, first_turn(0))
+        assert text(first) == text(reference[0][0])
+        wait_written(server)
+    with disk_server(tmp_path) as server:  # everything below comes from disk now
+        second = ask(server, next_turn(first_turn(0), first, 0))
+        assert cached(second) > 0 and server.metric("kvpark:disk_cache_hits_total") > 0
+        assert text(second) == text(reference[0][1])
+
+
+def test_two_servers_share_one_folder(reference, tmp_path):
+    with disk_server(tmp_path) as one, disk_server(tmp_path) as two:
+        first = ask(one, first_turn(1))
+        wait_written(one)
+        second = ask(two, next_turn(first_turn(1), first, 1))
+        # the first turn's full prompt pages (its answer's were decode rows: not reused)
+        assert cached(second) == first["usage"]["prompt_tokens"] // 16 * 16
+        assert two.metric("kvpark:disk_cache_hits_total") * 16 == cached(second)
+        assert two.metric("kvpark:prefix_cache_hits_total") == 0  # not its own pool's
+        assert text(second) == text(reference[1][1])
+
+
+def stream(server: ServerProcess, messages: list[dict], started: cf.Future) -> dict:
+    """A streamed turn; `started` is set once its first token arrived. Returns the whole
+    answer shaped as a chat completion."""
+    body = {"messages": messages, "max_tokens": ANSWER, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    parts, usage = [], None
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body,
+                      timeout=120) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            usage = chunk.get("usage") or usage
+            for choice in chunk.get("choices", []):
+                parts.append(choice["delta"].get("content") or "")
+                if parts[-1] and not started.done():
+                    started.set_result(True)
+    return {"choices": [{"message": {"content": "".join(parts)}}], "usage": usage}
+
+
+def test_sigterm_mid_generation_then_restart_every_next_turn_comes_from_disk(reference,
+                                                                            tmp_path):
+    server = disk_server(tmp_path).start()
+    started = [cf.Future() for _ in range(4)]
+    with cf.ThreadPoolExecutor(4) as pool:
+        running = [pool.submit(stream, server, first_turn(n), started[n]) for n in range(4)]
+        cf.wait(started)  # every conversation is generating
+        assert server.stop(signal.SIGTERM, timeout=60) == 0  # the drain finishes them
+        answers = [future.result(timeout=60) for future in running]
+    assert server.count_in_log("disk tier at shutdown") == 1
+    for n, answer in enumerate(answers):
+        assert text(answer) == text(reference[n][0])
+    with disk_server(tmp_path) as restarted:
+        from_cache = 0
+        for n, answer in enumerate(answers):
+            turn = ask(restarted, next_turn(first_turn(n), answer, n))
+            assert cached(turn) >= 0.9 * history(answer), (n, cached(turn), history(answer))
+            assert text(turn) == text(reference[n][1])
+            from_cache += cached(turn)
+        # the system prompt's pages, read from disk once, are the pool's for the others
+        from_disk = restarted.metric("kvpark:disk_cache_hits_total") * 16
+        assert from_disk + restarted.metric("kvpark:prefix_cache_hits_total") == from_cache
+        assert from_disk >= 0.9 * from_cache
+
+
+def damage(folder) -> dict[str, str]:
+    """One file each: a flipped payload byte, a truncation, another model's header, and a
+    temporary file of a writer that died; returns what was done to which name."""
+    [identity_dir] = [p for p in folder.iterdir() if p.is_dir()]
+    files = sorted(identity_dir.glob("*.kvpage"))
+    flipped, cut, foreign = files[0], files[1], files[2]
+    data = bytearray(flipped.read_bytes())
+    data[-100] ^= 0x55
+    flipped.write_bytes(bytes(data))
+    cut.write_bytes(cut.read_bytes()[:-1000])
+    data = bytearray(foreign.read_bytes())
+    data[12:44] = bytes(32)  # the identity digest of some other model
+    foreign.write_bytes(bytes(data))
+    dead = identity_dir / f".kvpark-{socket.gethostname()}-999999-x.tmp"
+    dead.write_bytes(b"half a page")
+    return {"flipped": flipped.name, "cut": cut.name, "foreign": foreign.name,
+            "dead": dead.name}
+
+
+def test_bad_files_are_refused_and_the_answer_is_still_right(reference, tmp_path):
+    with disk_server(tmp_path) as server:
+        first = ask(server, first_turn(2))
+        wait_written(server)
+    names = damage(tmp_path)
+    [identity_dir] = [p for p in tmp_path.iterdir() if p.is_dir()]
+    bad = {name: (identity_dir / name).read_bytes() for name in names.values()}
+    with disk_server(tmp_path) as server:
+        second = ask(server, next_turn(first_turn(2), first, 2))
+        assert text(second) == text(reference[2][1])
+        assert server.metric("kvpark:disk_cache_rejected_total") >= 1  # the run's first bad
+        log = server.log()
+        assert "temporary files of writers that died" in log
+    assert not (identity_dir / names["dead"]).exists()
+    refused = [name for name in (names["flipped"], names["cut"], names["foreign"])
+               if f"{name} refused and removed" in log]
+    assert refused
+    for name in refused:  # gone, or written again from the K/V computed in its place
+        path = identity_dir / name
+        assert not path.exists() or path.read_bytes() != bad[name]
+
+
+def test_a_full_disk_stops_the_writes_with_one_line_and_nothing_fails(reference, tmp_path):
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)],
+                          capture_output=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        with disk_server(mount) as server:
+            first = ask(server, first_turn(3))
+            poll(lambda: server.metric("kvpark:disk_cache_writable") == 0, "the disk filled")
+            again = ask(server, next_turn(first_turn(3), first, 3))
+            assert text(first) == text(reference[3][0])
+            assert text(again) == text(reference[3][1])
+            assert server.count_in_log("is full") == 1
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--cache-disk", "{file}"], "--cache-disk {file}: not a directory"),
+    (["--cache-disk", "{dir}", "--no-prefix-cache"], "--cache-disk needs the prefix cache"),
+    (["--cache-disk", "{dir}", "--cache-disk-size", "0"], "expected GiB > 0"),
+])
+def test_a_disk_tier_it_cannot_use_is_one_line_and_exit_2(tmp_path, flags, says):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    fill = {"file": str(a_file), "dir": str(tmp_path / "d")}
+    argv = [sys.executable, "-m", "kvpark.pod", "--port", "0", "--model", "synthetic:tiny",
+            *[f.format(**fill) for f in flags]]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert says.format(**fill) in done.stderr
+    assert "Traceback" not in done.stderr
