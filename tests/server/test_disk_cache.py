@@ -81,7 +81,13 @@ def test_greedy_output_is_the_same_bytes_with_the_tier_on_and_off(reference, tmp
         assert text(first) == text(reference[0][0])
         wait_written(server)
     with disk_server(tmp_path) as server:  # everything below comes from disk now
-        second = ask(server, next_turn(first_turn(0), first, 0))
+        started = cf.Future()
+        with cf.ThreadPoolExecutor(1) as pool:
+            running = pool.submit(stream, server, next_turn(first_turn(0), first, 0), started)
+            cf.wait([started, running], return_when=cf.FIRST_COMPLETED)
+            slots = server.slots()
+            second = running.result(timeout=60)
+        assert [s["cached_from"] for s in slots if s["is_processing"]] == [["disk"]]
         assert cached(second) > 0 and server.metric("kvpark:disk_cache_hits_total") > 0
         assert text(second) == text(reference[0][1])
 
@@ -218,3 +224,35 @@ def test_a_disk_tier_it_cannot_use_is_one_line_and_exit_2(tmp_path, flags, says)
     assert done.returncode == 2
     assert says.format(**fill) in done.stderr
     assert "Traceback" not in done.stderr
+
+
+# ---- a hybrid model: its state checkpoints go to disk beside its pages -------------------------
+def hybrid_server(*flags: str) -> ServerProcess:
+    """Dense linears: a generated token's page is then the next turn's prompt page too."""
+    return ServerProcess(["-np", "2", "--weights", "fp32", *flags], model="synthetic:tiny-hybrid")
+
+
+def complete(server: ServerProcess, prompt: list[int]) -> dict:
+    body = {"prompt": prompt, "n_predict": 8, "temperature": 0, "ignore_eos": True,
+            "return_tokens": True}
+    response = server.post("/completion", body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_a_hybrids_next_turn_after_a_restart_starts_from_a_checkpoint_on_disk(tmp_path):
+    turn1 = list(range(100, 180))
+    with hybrid_server() as server:  # the reference: never restarted, no disk tier
+        first = complete(server, turn1)
+        turn2 = turn1 + first["tokens"] + list(range(300, 320))
+        expected = complete(server, turn2)
+    with hybrid_server("--cache-disk", str(tmp_path)) as server:
+        assert complete(server, turn1)["tokens"] == first["tokens"]
+        wait_written(server)
+        assert list(tmp_path.glob("*/*.kvstate"))  # the turn's checkpoint, written through
+    with hybrid_server("--cache-disk", str(tmp_path)) as server:
+        again = complete(server, turn2)
+        assert again["tokens"] == expected["tokens"]
+        assert again["timings"]["cache_n"] >= len(turn1) // 16 * 16
+        assert server.metric("kvpark:state_checkpoint_hits_total") == 1
+        assert server.metric("kvpark:disk_cache_hits_total") > 0
