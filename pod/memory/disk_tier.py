@@ -27,6 +27,7 @@ log = logging.getLogger("kvpark.disk")
 
 MIB = 1 << 20
 WRITE_OUT_BATCH = 64  # pages read from the pool at once during the shutdown write-out
+KNOWN_AT_LEAST = 4096  # hashes remembered as on disk, at least (else twice what the size holds)
 
 
 @dataclass
@@ -64,6 +65,7 @@ class DiskTier:
         # offered again. A page another server evicts stays "known" until it is looked up.
         self._known: set[bytes] = set()
         self._known_states: set[bytes] = set()
+        self._max_known = max(KNOWN_AT_LEAST, 2 * store.max_bytes // store.file_bytes)
 
     @property
     def page_shape(self) -> tuple[int, ...]:
@@ -82,12 +84,35 @@ class DiskTier:
 
     def _queue(self, h: bytes, page: torch.Tensor, timeout: float | None = None) -> bool:
         if self.writer.put(h, page, timeout):
-            self._known.add(h)
+            self._remember(h)
             self.stats.queued += 1
             return True
         self.stats.dropped += 1
         return False
 
+    def _remember(self, h: bytes) -> None:
+        # files evicted from the folder stay known until looked up: start over past a bound
+        # (a forgotten page costs one copy and one `exists` when it is offered again)
+        if len(self._known) >= self._max_known:
+            self._known.clear()
+        self._known.add(h)
+
+    # ---- reading -----------------------------------------------------------------------------
+    def read_run(self, hashes: list[bytes], limit: int) -> list[torch.Tensor]:
+        """The pages ([layers, 2, page_size, Hkv, D] each) of the longest run of `hashes` on
+        disk, at most `limit`; a bad file ends the run (and is removed by the store)."""
+        run: list[torch.Tensor] = []
+        for h in hashes[:limit]:
+            self.stats.lookups += 1
+            kv = self.store.read(h)
+            if kv is None:
+                self._known.discard(h)  # evicted by someone, or refused: write it again
+                break
+            self._remember(h)
+            run.append(kv)
+        return run
+
+    # ---- a hybrid's state checkpoints -------------------------------------------------------
     def offer_state(self, key: bytes, state: torch.Tensor, timeout: float | None = None
                     ) -> bool:
         """Queue a hybrid's state checkpoint (flat bytes of a state slot) under the hash of
@@ -97,6 +122,8 @@ class DiskTier:
         if not self.writer.put(key, state.clone(), timeout, store=self.states):
             self.stats.dropped += 1
             return False
+        if len(self._known_states) >= self._max_known:
+            self._known_states.clear()
         self._known_states.add(key)
         self.stats.queued += 1
         return True
@@ -114,21 +141,6 @@ class DiskTier:
         else:
             self._known_states.add(key)
         return state
-
-    # ---- reading -----------------------------------------------------------------------------
-    def read_run(self, hashes: list[bytes], limit: int) -> list[torch.Tensor]:
-        """The pages ([layers, 2, page_size, Hkv, D] each) of the longest run of `hashes` on
-        disk, at most `limit`; a bad file ends the run (and is removed by the store)."""
-        run: list[torch.Tensor] = []
-        for h in hashes[:limit]:
-            self.stats.lookups += 1
-            kv = self.store.read(h)
-            if kv is None:
-                self._known.discard(h)  # evicted by someone, or refused: write it again
-                break
-            self._known.add(h)
-            run.append(kv)
-        return run
 
     # ---- shutdown ----------------------------------------------------------------------------
     def write_out(self, pages: Iterable[tuple[list[bytes], Callable[[], torch.Tensor]]],
