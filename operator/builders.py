@@ -1,10 +1,11 @@
 """Pure: a PreemptServer -> the plain dicts of its children (and, from `validation.py`, the
 problems only we can see): the server's Deployment and pod, its Service, PodDisruptionBudget and
-InferencePool here; the model's volumes in `model_source.py`, the autoscaler and PodMonitor in
-`autoscaling.py`.
+InferencePool here; the model's volumes in `model_source.py`, the KV disk tier's in `kv_cache.py`,
+the autoscaler and PodMonitor in `autoscaling.py`.
 
-Every child is named like the PreemptServer, lives in its namespace and is owned by it (a
-controller owner reference, `metadata.py`), so deleting the PreemptServer garbage-collects them.
+Every child is named like the PreemptServer (the KV disk tier's shared claim `<name>-kv-cache`),
+lives in its namespace and is owned by it (a controller owner reference, `metadata.py`), so
+deleting the PreemptServer garbage-collects them.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any, NamedTuple
 
 from kubernetes.utils.quantity import parse_quantity
 
-from kvpark.operator import autoscaling, kv_events, model_source, podtemplate, validation
+from kvpark.operator import autoscaling, kv_cache, kv_events, model_source, podtemplate, validation
 from kvpark.operator.config import OperatorConfig
 from kvpark.operator.metadata import get_labels, get_metadata, get_selector_labels
 from kvpark.operator.security import get_container_security, get_pod_security
@@ -68,7 +69,8 @@ def get_server_args(spec: Mapping[str, Any], sizing: Sizing, model_flag: str) ->
     if threads is not None:  # within the server's own limits on each flag
         args += ["--threads", str(min(threads, server_args.MAX_TORCH_THREADS)),
                  "--kernel-threads", str(min(threads, server_args.MAX_KERNEL_THREADS))]
-    return args + kv_events.get_server_args(spec) + list(spec["server"].get("args", []))
+    return args + kv_cache.get_server_args(spec) + kv_events.get_server_args(spec) \
+        + list(spec["server"].get("args", []))
 
 
 def get_env(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -130,11 +132,18 @@ def get_container(spec: Mapping[str, Any], sizing: Sizing, source: model_source.
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SECONDS)]}}},
         "securityContext": get_container_security(),
         "volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"},
-                         {"name": "tmp", "mountPath": "/tmp"}, *source.mounts],
+                         {"name": "tmp", "mountPath": "/tmp"}, *source.mounts,
+                         *kv_cache.get_mounts(spec)],
     }
     if "imagePullPolicy" in spec:
         container["imagePullPolicy"] = spec["imagePullPolicy"]
     return container
+
+
+def get_grace_seconds(spec: Mapping[str, Any]) -> int:
+    """preStop, the drain, then the disk tier's write-out must all end before the SIGKILL."""
+    return PRESTOP_SECONDS + spec["server"]["shutdownTimeoutSeconds"] \
+        + kv_cache.get_write_out_seconds(spec) + GRACE_MARGIN_SECONDS
 
 
 def get_pod_spec(name: str, spec: Mapping[str, Any], sizing: Sizing,
@@ -149,15 +158,15 @@ def get_pod_spec(name: str, spec: Mapping[str, Any], sizing: Sizing,
         # Service links would put e.g. KVPARK_PORT=tcp://... into the env for a Service named
         # kvpark, and every KVPARK_<FLAG> variable is a server flag.
         "enableServiceLinks": False,
-        "securityContext": get_pod_security(),
-        "terminationGracePeriodSeconds": PRESTOP_SECONDS
-        + spec["server"]["shutdownTimeoutSeconds"] + GRACE_MARGIN_SECONDS,
+        "securityContext": {**get_pod_security(), **kv_cache.get_pod_security(spec)},
+        "terminationGracePeriodSeconds": get_grace_seconds(spec),
         "initContainers": source.init_containers,
         "containers": [get_container(spec, sizing, source, image)],
         "volumes": [
             {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{sizing.shm_mib}Mi"}},
             {"name": "tmp", "emptyDir": {"sizeLimit": TMP_SIZE}},
             *source.volumes,
+            *kv_cache.get_volumes(name, spec),
         ],
         "nodeSelector": dict(spec.get("nodeSelector", {})),
         "tolerations": tolerations,
@@ -247,6 +256,15 @@ def get_inference_pool(body: Mapping[str, Any], spec: Mapping[str, Any],
             "spec": pool}
 
 
+def get_claims(body: Mapping[str, Any],
+               spec: Mapping[str, Any]) -> dict[str, dict[str, Any] | None]:
+    """The PersistentVolumeClaims the operator may make, by name; None: not wanted (one it made
+    before is deleted)."""
+    name = body["metadata"]["name"]
+    return {name: model_source.get_cache_pvc(body, spec),
+            kv_cache.get_claim_name(name): kv_cache.get_pvc(body, spec)}
+
+
 def get_children(body: Mapping[str, Any], spec: Mapping[str, Any], sizing: Sizing,
                  config: OperatorConfig, served: Set[str]) -> Children:
     """What to apply and what to delete; `served` holds the optional APIs the cluster serves."""
@@ -255,14 +273,12 @@ def get_children(body: Mapping[str, Any], spec: Mapping[str, Any], sizing: Sizin
                                                  config.protected_namespaces)
     problems += validation.get_spec_problems(spec, get_selector_labels(name), CONTAINER)
     problems += [sizing.problem] if sizing.problem else []
-    apply = [get_deployment(body, spec, sizing, config), get_service(body)]
-    delete: list[tuple[str, str, str]] = []
+    claims = get_claims(body, spec)
+    apply = [claim for claim in claims.values() if claim is not None]  # before their pods
+    apply += [get_deployment(body, spec, sizing, config), get_service(body)]
+    delete = [("v1", "PersistentVolumeClaim", claim_name)
+              for claim_name, claim in claims.items() if claim is None]
     notes: list[str] = []
-    cache = model_source.get_cache_pvc(body, spec)
-    if cache is not None:
-        apply.insert(0, cache)  # before the pods that mount it
-    else:
-        delete.append(("v1", "PersistentVolumeClaim", name))
     if spec["replicas"] > 1:
         apply.append(get_pdb(body))
     else:

@@ -27,6 +27,8 @@ DEFAULT_MODEL = "builtin://smollm2-135m"
 SIGNALS = ["parkedRequests", "preemptRate", "kvUsage"]
 CONDITION_TYPES = ["Ready", "Progressing", "Degraded"]
 MAX_GPUS = 1  # kvpark-server runs on one device: more would sit idle
+KV_CACHE_MOUNT = "/var/cache/kvpark/kv"  # where the pods mount kvCache.disk
+MAX_WRITE_OUT_SECONDS = 600  # pages written at shutdown are a bonus: a drain waits this long
 DEFAULT_DOWNLOAD_SIZE = "64Gi"  # an hf:// model's emptyDir when neither its size is given
 
 # builtin://NAME, pvc://CLAIM[/path], hf://ORG/REPO[/file], file:///path
@@ -182,6 +184,60 @@ def get_cache_schema() -> dict[str, Any]:
                     _rule("has(self.size) || !has(self.storageClassName)",
                           "storageClassName applies with size only"),
                 ],
+            },
+        },
+    }
+
+
+def _positive_quantity(description: str) -> dict[str, Any]:
+    # in QUANTITY_PATTERN's form, a mantissa with a nonzero digit and no sign is > 0 (the API
+    # server's quantity() CEL library would say it too, but the offline check, cel-python in
+    # tests/operator/crd_check.py, cannot run it)
+    return {**_quantity(description), "x-kubernetes-validations": [_rule(
+        "type(self) == int ? self > 0 : self.matches('^[+]?[0-9]*[.]?[0-9]*[1-9]')",
+        "must be greater than 0")]}
+
+
+def get_kv_cache_schema() -> dict[str, Any]:
+    return {
+        "type": "object",
+        "description": "Where the server keeps KV beyond the device pool and host RAM.",
+        "properties": {
+            "disk": {
+                "type": "object",
+                "description": "The prefix cache's disk tier (the server's --cache-disk): full "
+                "KV pages as files, read back on a miss in the pool and host RAM, in a volume "
+                f"mounted at {KV_CACHE_MOUNT} (volume kv-cache). The pods run with fsGroup "
+                "10001: the volume must be writable by that group.",
+                "required": ["size"],
+                "properties": {
+                    "size": _positive_quantity(
+                        "Storage per claim. The server may fill 95% of it (--cache-disk-size, "
+                        "in GiB), leaving room for the filesystem and temporary files. A "
+                        "shared claim can only grow, where its storage class allows volume "
+                        "expansion: the API server refuses other changes to it (Degraded, "
+                        "ChildRejected)."),
+                    "storageClassName": _str("Storage class of the claims; default: the "
+                                             "cluster's default class.", minLength=1),
+                    "shared": {
+                        "type": "boolean",
+                        "default": False,
+                        "description": "true: one ReadWriteMany PersistentVolumeClaim, "
+                        "<name>-kv-cache, that every pod mounts, made by the operator and "
+                        "deleted with the PreemptServer (or when disk or shared goes): the "
+                        "pages outlive the pods, through rolling updates and rescheduling "
+                        "(the storage class must offer ReadWriteMany). false: a generic "
+                        "ephemeral volume per pod (ReadWriteOnce), whose claim Kubernetes "
+                        "names <pod name>-kv-cache: it survives container restarts (an OOM "
+                        "kill, a crash) but not the pod's replacement, which starts empty.",
+                    },
+                    "writeOutSeconds": _int(
+                        "On SIGTERM, after the drain: how long the server may write KV pages "
+                        "the disk lacks (--cache-disk-write-out); the pod's grace period grows "
+                        "by as much. 0: none.",
+                        minimum=0, maximum=MAX_WRITE_OUT_SECONDS, default=10,
+                    ),
+                },
             },
         },
     }
@@ -372,8 +428,10 @@ def get_server_schema() -> dict[str, Any]:
                 "type": "array",
                 "description": "Extra kvpark-server flags, spelled in full. Flags the operator "
                 "sets itself (--model, --parallel, --ctx-size, --page-size, --preempt-ram, "
-                "--preempt, --host, --port, --api-key, --shutdown-timeout), by any spelling, "
-                "and abbreviations are refused.",
+                "--preempt, --host, --port, --api-key, --shutdown-timeout; with kvCache.disk "
+                "--cache-disk, --cache-disk-size and --cache-disk-write-out; with "
+                "routing.inferencePool.kvEvents --kv-events-config), by any spelling, and "
+                "abbreviations are refused.",
                 "items": {"type": "string"},
                 "maxItems": 64,
             },
@@ -467,6 +525,7 @@ def get_spec_schema() -> dict[str, Any]:
                     ),
                 },
             },
+            "kvCache": get_kv_cache_schema(),
             "strategy": get_strategy_schema(),
             "podTemplate": get_pod_template_schema(),
             "autoscaling": get_autoscaling_schema(),

@@ -58,9 +58,10 @@ class Memory:
     generations: dict[str, int] = field(default_factory=dict)
     # uid -> what its last successful reconcile followed (get_version); absent: retry it
     versions: dict[str, tuple[int, str, str]] = field(default_factory=dict)
-    # (uid, kind): children it must not have, seen absent or not its own. Only the operator
-    # makes objects owned by a PreemptServer, so those stay absent and are not asked again.
-    absent: set[tuple[str, str]] = field(default_factory=set)
+    # (uid, kind, name): children it must not have, seen absent or not its own. Only the
+    # operator makes objects owned by a PreemptServer, so those stay absent and are not asked
+    # again.
+    absent: set[tuple[str, str, str]] = field(default_factory=set)
 
     def forget(self, uid: str) -> None:
         self.written.pop(uid, None)
@@ -235,12 +236,12 @@ def reconcile(body: Mapping[str, Any]) -> None:
         served = kube.get_served(OPTIONAL_APIS)
         children = builders.get_children(body, spec, sizing, CONFIG, served)
         problems = list(children.problems)
-        existing: dict[str, dict[str, Any] | None] = {}
+        existing: dict[plan_.Key, dict[str, Any] | None] = {}
         if not any(p.blocking for p in problems):
             problems += sync_children(body, children, existing)
         deployment, conflict = get_own_deployment(existing, namespace, name, uid)
         applied = not problems  # before what the children report, which is no failure to apply
-        problems += get_autoscaler_problems(existing, uid)
+        problems += get_autoscaler_problems(existing, name, uid)
         selector = metadata.get_selector(name)
         pods = kube.list_objects("Pod", namespace, selector) \
             if status_.needs_pods(spec["replicas"], deployment) else []
@@ -260,39 +261,42 @@ def reconcile(body: Mapping[str, Any]) -> None:
             kube.post_event(body, "Warning", problem.reason, problem.message)
 
 
-def get_own_deployment(existing: Mapping[str, dict[str, Any] | None], namespace: str,
+def get_own_deployment(existing: Mapping[plan_.Key, dict[str, Any] | None], namespace: str,
                        name: str, uid: str) -> tuple[dict[str, Any] | None, Problem | None]:
     """The Deployment the status follows, or None and the conflict when the one of the name is
     someone else's (its rollout says nothing about this PreemptServer)."""
-    deployment = existing["Deployment"] if "Deployment" in existing else \
-        kube.get("Deployment", namespace, name)
+    key = ("Deployment", name)
+    deployment = existing[key] if key in existing else kube.get("Deployment", namespace, name)
     if deployment is not None and not plan_.is_owned(deployment, uid):
         return None, plan_.get_conflict("Deployment", deployment)
     return deployment, None
 
 
-def get_autoscaler_problems(existing: Mapping[str, dict[str, Any] | None],
+def get_autoscaler_problems(existing: Mapping[plan_.Key, dict[str, Any] | None], name: str,
                             uid: str) -> list[Problem]:
     """What our HPA or ScaledObject, as read or applied this round, says it cannot do."""
-    return [problem for kind in AUTOSCALERS if plan_.is_owned(existing.get(kind) or {}, uid)
-            for problem in status_.get_autoscaler_problems(kind, existing[kind])]
+    return [problem for kind in AUTOSCALERS
+            if plan_.is_owned(existing.get((kind, name)) or {}, uid)
+            for problem in status_.get_autoscaler_problems(kind, existing[kind, name])]
 
 
 def sync_children(body: Mapping[str, Any], children: builders.Children,
-                  existing: dict[str, dict[str, Any] | None]) -> list[Problem]:
+                  existing: dict[plan_.Key, dict[str, Any] | None]) -> list[Problem]:
     """Read the children, then write only what must change (plan.py); `existing` ends up
-    holding what each child is now. API errors become problems: the next reconcile retries."""
+    holding what each child is now, by (kind, name). API errors become problems: the next
+    reconcile retries."""
     meta = body["metadata"]
-    namespace, name, uid = meta["namespace"], meta["name"], meta["uid"]
+    namespace, uid = meta["namespace"], meta["uid"]
     problems = []
-    wanted = [o["kind"] for o in children.apply]
-    unwanted = [k for _, k, _ in children.delete if (uid, k) not in MEMORY.absent]
-    MEMORY.absent.difference_update((uid, kind) for kind in wanted)
-    versions = {k: v for v, k, _ in children.delete} | {o["kind"]: o["apiVersion"]
-                                                         for o in children.apply}
-    for kind in wanted + unwanted:
+    wanted = [plan_.get_key(o) for o in children.apply]
+    unwanted = [(k, n) for _, k, n in children.delete if (uid, k, n) not in MEMORY.absent]
+    MEMORY.absent.difference_update((uid, *key) for key in wanted)
+    versions = {(k, n): v for v, k, n in children.delete} | {plan_.get_key(o): o["apiVersion"]
+                                                             for o in children.apply}
+    for kind, name in wanted + unwanted:
         try:
-            existing[kind] = kube.get(kind, namespace, name, api_version=versions[kind])
+            existing[kind, name] = kube.get(kind, namespace, name,
+                                            api_version=versions[kind, name])
         except kube.ApiError as e:
             problems.append(Problem("ApiError", f"reading {kind} {name}: {e}", blocking=False))
     plan = plan_.get_plan(children.apply, children.delete, existing, uid)
@@ -301,15 +305,15 @@ def sync_children(body: Mapping[str, Any], children: builders.Children,
             if write.verb == "delete":
                 kube.delete(write.kind, namespace, write.name, write.uid,
                             api_version=write.api_version)
-                existing[write.kind] = None
+                existing[write.kind, write.name] = None
             else:
-                existing[write.kind] = kube.apply(write.obj)
+                existing[write.kind, write.name] = kube.apply(write.obj)
         except kube.Rejected as e:
             problems.append(Problem("ChildRejected", f"{write.kind}: {e}", blocking=False))
         except kube.ApiError as e:
             problems.append(Problem("ApiError", f"{write.verb} {write.kind} {write.name}: {e}",
                                     blocking=False))
-    for kind in unwanted:
-        if kind in existing and not plan_.is_owned(existing[kind] or {}, uid):
-            MEMORY.absent.add((uid, kind))
+    for key in unwanted:
+        if key in existing and not plan_.is_owned(existing[key] or {}, uid):
+            MEMORY.absent.add((uid, *key))
     return plan.problems + problems

@@ -26,6 +26,7 @@ from kvpark.operator import crd
 from kvpark.operator.status import Problem
 
 HASH_ANNOTATION = f"{crd.GROUP}/spec-hash"
+Key = tuple[str, str]  # (kind, name): a PreemptServer may have two children of a kind (PVCs)
 
 
 class Write(NamedTuple):
@@ -99,26 +100,30 @@ def get_conflict(kind: str, have: Mapping[str, Any]) -> Problem:
                    "alone (delete or rename it, or rename the PreemptServer)", blocking=False)
 
 
+def get_key(obj: Mapping[str, Any]) -> Key:
+    return obj["kind"], obj["metadata"]["name"]
+
+
 def get_plan(apply: list[dict[str, Any]], delete: list[tuple[str, str, str]],
-             existing: Mapping[str, Mapping[str, Any] | None], owner_uid: str) -> Plan:
+             existing: Mapping[Key, Mapping[str, Any] | None], owner_uid: str) -> Plan:
     """`apply`: wanted children; `delete`: (apiVersion, kind, name) not wanted; `existing`: what
-    a GET found by kind (None: absent). Kinds missing from `existing` could not be read and are
-    left for the next reconcile."""
+    a GET found by (kind, name) (None: absent). Children missing from `existing` could not be
+    read and are left for the next reconcile."""
     deletes, applies, problems = [], [], []
     for api_version, kind, name in delete:
-        have = existing.get(kind)
+        have = existing.get((kind, name))
         if have is not None and is_owned(have, owner_uid):
             deletes.append(Write("delete", kind, name, uid=have["metadata"]["uid"],
                                  api_version=api_version))
     for obj in apply:
-        kind = obj["kind"]
-        if kind not in existing:
+        kind, name = key = get_key(obj)
+        if key not in existing:
             continue
-        have = existing[kind]
+        have = existing[key]
         if have is not None and not is_owned(have, owner_uid):
             problems.append(get_conflict(kind, have))
             continue
         want = with_hash(obj)
         if needs_apply(want, have):
-            applies.append(Write("apply", kind, obj["metadata"]["name"], obj=want))
+            applies.append(Write("apply", kind, name, obj=want))
     return Plan(deletes + applies, problems)

@@ -1,7 +1,7 @@
 """Pure: the problems in a PreemptServer's spec that only the operator can see (the CRD's schema
 cannot say them): server.args that kvpark-server would refuse or that set what the operator
 sets from the spec, reserved server.env names, a spec.podTemplate overriding what the operator
-owns, more GPUs than the server uses.
+owns, more GPUs than the server uses, a kvCache.disk too small for the disk tier.
 
 server.args are read by the server's own flag parser (argparse only: the operator's image has
 no torch), so the operator refuses what kvpark-server would: a blocking problem in the status,
@@ -14,7 +14,7 @@ import argparse
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvpark.operator import crd, podtemplate
+from kvpark.operator import crd, kv_cache, podtemplate
 from kvpark.operator.status import Problem
 from kvpark.pod import args as server_args  # argparse only: the operator needs no torch
 
@@ -27,6 +27,8 @@ RESERVED_ENV = frozenset(
     + [f"KVPARK_{f.upper()}" for f in RESERVED_FIELDS]
     + [alias for f in RESERVED_FIELDS for alias in server_args.ALIASES.get(f, ())]
 )
+# the flags kvCache.disk sets (reserved only then: without it server.args may run a tier in /tmp)
+KV_CACHE_FIELDS = ("cache_disk", "cache_disk_size", "cache_disk_write_out")
 
 
 class ArgsError(Exception):
@@ -69,18 +71,36 @@ def get_args_problems(args: Sequence[str]) -> list[Problem]:
     return problems
 
 
-def get_kv_events_problems(spec: Mapping[str, Any]) -> list[Problem]:
-    """routing.inferencePool.kvEvents sets --kv-events-config: server.args may not too."""
-    if "kvEvents" not in spec.get("routing", {}).get("inferencePool", {}):
-        return []
+def get_part_flag_problems(args: Sequence[str], fields: Sequence[str],
+                           part: str) -> list[Problem]:
+    """The flags (ServerArgs `fields`) that the operator sets from the spec's `part` while it is
+    given: server.args may not set them too."""
     try:
-        parsed, _ = parse_server_args(spec["server"].get("args", []))
+        parsed, _ = parse_server_args(args)
     except ArgsError:
         return []  # said by get_args_problems
-    if parsed.kv_events_config is None:
+    parser = server_args.build_parser()
+    flags = [get_flag(parser, f) for f in fields if getattr(parsed, f) is not None]
+    if not flags:
         return []
-    return [Problem("ReservedArgument", "server.args sets --kv-events-config, which the "
-                    "operator sets from routing.inferencePool.kvEvents")]
+    return [Problem("ReservedArgument", f"server.args sets {', '.join(flags)}, which the "
+                    f"operator sets from {part}")]
+
+
+def get_kv_events_problems(spec: Mapping[str, Any]) -> list[Problem]:
+    """routing.inferencePool.kvEvents sets --kv-events-config."""
+    if "kvEvents" not in spec.get("routing", {}).get("inferencePool", {}):
+        return []
+    return get_part_flag_problems(spec["server"].get("args", []), ("kv_events_config",),
+                                  "routing.inferencePool.kvEvents")
+
+
+def get_kv_cache_problems(spec: Mapping[str, Any]) -> list[Problem]:
+    """kvCache.disk sets the disk tier's flags; a size the tier cannot use is refused."""
+    if kv_cache.get_settings(spec) is None:
+        return []
+    return get_part_flag_problems(spec["server"].get("args", []), KV_CACHE_FIELDS,
+                                  "kvCache.disk") + kv_cache.get_problems(spec)
 
 
 def get_namespace_problems(namespace: str, protected: Sequence[str]) -> list[Problem]:
@@ -99,6 +119,7 @@ def get_spec_problems(spec: Mapping[str, Any], selector: Mapping[str, str],
     which spec.podTemplate may not change."""
     problems = get_args_problems(spec["server"].get("args", []))
     problems += get_kv_events_problems(spec)
+    problems += get_kv_cache_problems(spec)
     problems += podtemplate.get_template_problems(
         spec.get("podTemplate") or {}, selector, container, RESERVED_ENV)
     if spec["resources"]["gpus"] > crd.MAX_GPUS:  # a CRD from before the cap let it through

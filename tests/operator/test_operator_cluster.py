@@ -13,7 +13,7 @@ import os
 from collections.abc import Iterator
 
 import pytest
-from kmock_harness import RealCluster, condition
+from kmock_harness import RealCluster, condition, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -34,7 +34,9 @@ def spec() -> dict:
 @pytest.mark.parametrize("bad", [
     {"parallel": 0}, {"model": {"uri": "hf://org/repo"}},
     {"autoscaling": {"minReplicas": 3, "maxReplicas": 2}}, {"preempt": {"ramMiB": "lots"}},
-], ids=["minimum", "cel-revision", "cel-min-max", "type"])
+    {"kvCache": {"disk": {"size": "0Gi"}}}, {"kvCache": {"disk": {"shared": True}}},
+], ids=["minimum", "cel-revision", "cel-min-max", "type", "cel-kv-disk-size",
+        "kv-disk-without-size"])
 def test_the_api_server_enforces_the_schema_and_cel(real_cluster: RealCluster, ns: str,
                                                     bad: dict) -> None:
     from kubernetes.client import ApiException
@@ -88,3 +90,45 @@ def test_lifecycle_on_a_real_cluster(real_cluster: RealCluster, ns: str) -> None
     cluster.delete("PreemptServer", ns, "s")  # the garbage collector takes the children
     for kind in ("Deployment", "Service", "PodDisruptionBudget"):
         cluster.wait_gone(kind, ns, "s", timeout=120)
+
+
+def claims(cluster: RealCluster, ns: str) -> list[dict]:
+    listing = cluster.api.get(f"/api/v1/namespaces/{ns}/persistentvolumeclaims") or {}
+    return listing.get("items") or []
+
+
+def test_kv_cache_disk_claims_on_a_real_cluster(real_cluster: RealCluster, ns: str) -> None:
+    """Issue 42, what only controllers show: a pod's ephemeral volume becomes a claim named
+    <pod name>-kv-cache, owned by the pod (kube-controller-manager's ephemeral-volume
+    controller, on a pod not even scheduled), and the shared claim goes with the PreemptServer
+    (the garbage collector; the pvc-protection finalizer holds it only while a scheduled pod
+    uses it). And what kmock takes: a change to the made claim's spec is refused."""
+    cluster = real_cluster
+    cluster.create_server(ns, "own", {**spec(), "kvCache": {"disk": {"size": "1Gi"}}})
+
+    def pod_claim() -> dict | None:
+        return next((c for c in claims(cluster, ns) if c["metadata"].get("ownerReferences")
+                     and c["metadata"]["ownerReferences"][0]["kind"] == "Pod"), None)
+
+    claim = wait_for("the pod's ephemeral claim", pod_claim, timeout=120)
+    pod = claim["metadata"]["ownerReferences"][0]["name"]
+    assert pod.startswith("own-") and claim["metadata"]["name"] == f"{pod}-kv-cache"
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    assert claim["metadata"]["labels"]["app.kubernetes.io/instance"] == "own"
+    assert cluster.get("PersistentVolumeClaim", ns, "own-kv-cache") is None  # none of ours
+
+    server = cluster.create_server(ns, "shared", {**spec(), "replicas": 2, "kvCache": {
+        "disk": {"size": "1Gi", "storageClassName": "nfs", "shared": True}}})
+    made = cluster.wait_child("PersistentVolumeClaim", ns, "shared-kv-cache", timeout=60)
+    assert made["metadata"]["ownerReferences"][0]["uid"] == server["metadata"]["uid"]
+    # a claim's spec is immutable (but for growing a bound one, or naming a class where an
+    # unbound one had none): kmock takes the change, the API server refuses it, and the
+    # PreemptServer says so
+    cluster.patch_spec(ns, "shared", {"kvCache": {"disk": {"storageClassName": "other"}}})
+    refused = cluster.wait_condition(ns, "shared", "Degraded", "True", "ChildRejected",
+                                     timeout=60)
+    assert "immutable" in condition(refused, "Degraded")["message"]
+    kept = cluster.get("PersistentVolumeClaim", ns, "shared-kv-cache")
+    assert kept["spec"]["storageClassName"] == "nfs"
+    cluster.delete("PreemptServer", ns, "shared")
+    cluster.wait_gone("PersistentVolumeClaim", ns, "shared-kv-cache", timeout=120)

@@ -98,7 +98,7 @@ def readme_servers() -> list[dict]:
 
 
 def test_every_example_preemptserver_is_accepted(kubectl: str, real_cluster: RealCluster) -> None:
-    assert len(EXAMPLES) == 3
+    assert len(EXAMPLES) == 4
     with real_cluster.namespace("examples") as ns:
         for path in EXAMPLES:
             run(kubectl, "apply", "-n", ns, "-f", path)

@@ -118,13 +118,14 @@ def test_examples_are_valid(path: Path) -> None:
     assert all_errors(obj) == set()
 
 
-def test_the_three_examples_exist() -> None:
+def test_the_examples_exist() -> None:
     specs = {p.stem: yaml.safe_load(p.read_text())["spec"] for p in EXAMPLES}
-    assert set(specs) == {"minimal", "gpu-autoscaling", "cpu"}
+    assert set(specs) == {"minimal", "gpu-autoscaling", "cpu", "kv-disk"}
     assert specs["minimal"] == {}
     assert specs["gpu-autoscaling"]["resources"]["gpus"] >= 1
     assert "autoscaling" in specs["gpu-autoscaling"]
     assert specs["cpu"]["resources"]["gpus"] == 0
+    assert specs["kv-disk"]["kvCache"]["disk"]["shared"] is True
 
 
 BAD = [
@@ -193,6 +194,21 @@ BAD = [
      "spec.server.apiKeySecretRef: required"),
     ("env without name", {"server": {"env": [{"value": "1"}]}}, "spec.server.env.0: required"),
     ("args not strings", {"server": {"args": [1]}}, "spec.server.args.0: type"),
+    ("kv disk of size 0", {"kvCache": {"disk": {"size": "0Gi"}}},
+     "spec.kvCache.disk.size: must be greater than 0"),
+    ("kv disk of a negative size", {"kvCache": {"disk": {"size": "-20Gi", "shared": True}}},
+     "spec.kvCache.disk.size: must be greater than 0"),
+    ("kv disk size word", {"kvCache": {"disk": {"size": "lots"}}},
+     "spec.kvCache.disk.size: pattern"),
+    ("kv disk without size", {"kvCache": {"disk": {"shared": True}}},
+     "spec.kvCache.disk: required"),
+    ("kv disk write-out past the cap", {"kvCache": {"disk": {"size": "1Gi",
+                                                             "writeOutSeconds": 601}}},
+     "spec.kvCache.disk.writeOutSeconds: maximum"),
+    ("kv disk negative write-out", {"kvCache": {"disk": {"size": "1Gi", "writeOutSeconds": -1}}},
+     "spec.kvCache.disk.writeOutSeconds: minimum"),
+    ("kv disk empty class", {"kvCache": {"disk": {"size": "1Gi", "storageClassName": ""}}},
+     "spec.kvCache.disk.storageClassName: minLength"),
 ]
 
 
@@ -209,7 +225,9 @@ def test_each_bad_resource_is_one_change_from_a_good_one() -> None:
         "uri": "hf://org/repo", "revision": "v1"}}, "min above max": {"autoscaling": {
             "minReplicas": 2, "maxReplicas": 2}}, "ram below -1": {"preempt": {"ramMiB": -1}},
         "no rollout can move": {"strategy": {"maxSurge": 0, "maxUnavailable": "10%"}},
-        "surge word": {"strategy": {"maxSurge": "25%"}}}
+        "surge word": {"strategy": {"maxSurge": "25%"}},
+        "kv disk of size 0": {"kvCache": {"disk": {"size": "1Gi"}}},
+        "kv disk without size": {"kvCache": {"disk": {"shared": True, "size": "1Gi"}}}}
     for name, spec, _ in BAD:
         if name in fixes:
             fixed = copy.deepcopy(spec) | fixes[name]

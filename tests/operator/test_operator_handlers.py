@@ -330,3 +330,27 @@ def test_an_autoscaler_that_cannot_scale_degrades_an_applied_generation(fake: Fa
     degraded = conditions(fake)["Degraded"]
     assert degraded["reason"] == "NameConflict" and "FailedGetPodsMetric" not in degraded[
         "message"]
+
+
+def test_two_claims_are_kept_apart_and_only_the_unwanted_one_goes(fake: FakeKube) -> None:
+    """Issue 42: the KV disk tier's shared claim (`s-kv-cache`) beside the model cache's (`s`);
+    children were read and kept by kind alone, so the second claim was never made."""
+    model = {"uri": "hf://O/R", "revision": "main", "sizeMiB": 100,
+             "cache": {"pvc": {"size": "50Gi"}}}
+    body = add_server(fake, {"model": model, "kvCache": {"disk": {"size": "20Gi",
+                                                                  "shared": True}}})
+    handlers.reconcile(body)
+    claims = {n: o for (k, _, n), o in fake.objects.items() if k == "PersistentVolumeClaim"}
+    assert {n: c["spec"]["resources"]["requests"]["storage"] for n, c in claims.items()} == {
+        "s": "50Gi", "s-kv-cache": "20Gi"}
+    fake.writes.clear()
+    body = fake.get(crd.KIND, "ns", "s")
+    del body["spec"]["kvCache"]
+    body["metadata"]["generation"] = 2
+    handlers.reconcile(body)
+    assert [w for w in fake.writes if w[1] == "PersistentVolumeClaim"] == [
+        ("delete", "PersistentVolumeClaim", "s-kv-cache")]
+    assert ("PersistentVolumeClaim", "ns", "s") in fake.objects
+    fake.writes.clear()
+    handlers.reconcile(fake.get(crd.KIND, "ns", "s"))
+    assert [w for w in fake.writes if w[0] != "status"] == []  # gone is remembered as gone

@@ -1,11 +1,14 @@
 """The platform features end to end against kmock and, with $KUBECONFIG, a real API server (the
 `cluster` fixture, conftest.py): a pod template patch, a refused override, the model-cache claim
 and the InferencePool (a stand-in CRD on a real cluster without the Gateway API Inference
-Extension). kmock treats server-side apply as a merge patch and validates nothing."""
+Extension), the KV disk tier's volumes. kmock treats server-side apply as a merge patch and
+validates nothing."""
 
 from __future__ import annotations
 
 from kmock_harness import CORE_RESOURCES, INFERENCE_POOLS, Cluster, condition
+
+from kvpark.operator import builders
 
 POD_TEMPLATE = {"metadata": {"annotations": {"team": "ml"}},
                 "spec": {"priorityClassName": "inference-high",
@@ -83,3 +86,66 @@ def test_kv_events_for_the_precise_prefix_scorer(cluster: Cluster, ns: str) -> N
     cluster.patch_spec(ns, "s", {"server": {"args": None},
                                  "routing": {"inferencePool": {"kvEvents": None}}})
     cluster.wait_gone("ConfigMap", ns, "s")
+
+
+def kv_volume(deployment: dict) -> dict | None:
+    volumes = deployment["spec"]["template"]["spec"]["volumes"]
+    return next((v for v in volumes if v["name"] == "kv-cache"), None)
+
+
+def test_kv_cache_disk_shared_then_per_pod_then_none(cluster: Cluster, ns: str) -> None:
+    """Issue 42: shared: one ReadWriteMany claim of ours that every pod mounts; per pod: a
+    generic ephemeral volume (our claim goes); no disk: no flags, no volume, the grace period
+    back to the drain's."""
+    server = cluster.create_server(ns, "s", {"replicas": 2, "kvCache": {"disk": {
+        "size": "20Gi", "storageClassName": "nfs", "shared": True, "writeOutSeconds": 30}}})
+    claim = cluster.wait_child("PersistentVolumeClaim", ns, "s-kv-cache")
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert claim["spec"]["resources"]["requests"]["storage"] == "20Gi"
+    assert claim["spec"]["storageClassName"] == "nfs"
+    owner = claim["metadata"]["ownerReferences"][0]
+    assert (owner["kind"], owner["uid"], owner["controller"]) == (
+        "PreemptServer", server["metadata"]["uid"], True)
+    assert claim["metadata"]["labels"]["app.kubernetes.io/instance"] == "s"
+    deployment = cluster.wait_child("Deployment", ns, "s")
+    pod = deployment["spec"]["template"]["spec"]
+    assert kv_volume(deployment) == {"name": "kv-cache",
+                                     "persistentVolumeClaim": {"claimName": "s-kv-cache"}}
+    assert {"name": "kv-cache", "mountPath": "/var/cache/kvpark/kv"} in \
+        pod["containers"][0]["volumeMounts"]
+    args = pod["containers"][0]["args"]
+    start = args.index("--cache-disk")
+    assert args[start:start + 6] == ["--cache-disk", "/var/cache/kvpark/kv",
+                                     "--cache-disk-size", "19.00", "--cache-disk-write-out", "30"]
+    drain = builders.PRESTOP_SECONDS + 120 + builders.GRACE_MARGIN_SECONDS
+    assert pod["terminationGracePeriodSeconds"] == drain + 30
+    assert pod["securityContext"]["fsGroup"] == 10001
+
+    cluster.patch_spec(ns, "s", {"kvCache": {"disk": {"shared": False}}})
+    cluster.wait_gone("PersistentVolumeClaim", ns, "s-kv-cache")  # ours, no longer wanted
+    deployment = cluster.wait_child("Deployment", ns, "s",
+                                    lambda d: "ephemeral" in (kv_volume(d) or {}))
+    template = kv_volume(deployment)["ephemeral"]["volumeClaimTemplate"]
+    assert template["spec"]["accessModes"] == ["ReadWriteOnce"]
+    assert template["spec"]["resources"]["requests"]["storage"] == "20Gi"
+    assert template["spec"]["storageClassName"] == "nfs"
+
+    cluster.patch_spec(ns, "s", {"kvCache": None})
+    deployment = cluster.wait_child("Deployment", ns, "s", lambda d: kv_volume(d) is None)
+    pod = deployment["spec"]["template"]["spec"]
+    assert not [a for a in pod["containers"][0]["args"] if a.startswith("--cache-disk")]
+    assert "/var/cache/kvpark/kv" not in [m["mountPath"]
+                                          for m in pod["containers"][0]["volumeMounts"]]
+    assert pod["terminationGracePeriodSeconds"] == drain
+    server = cluster.wait_condition(ns, "s", "Degraded", "False")
+    assert cluster.get("PersistentVolumeClaim", ns, "s-kv-cache") is None
+
+
+def test_a_kv_cache_disk_too_small_is_degraded(cluster: Cluster, ns: str) -> None:
+    """The CRD takes any size above 0; the operator refuses one whose 95% rounds to 0 GiB (the
+    server would exit on --cache-disk-size 0.00) and applies nothing."""
+    cluster.create_server(ns, "s", {"kvCache": {"disk": {"size": "10Mi", "shared": True}}})
+    server = cluster.wait_condition(ns, "s", "Degraded", "True", "KvCacheDiskTooSmall")
+    assert "10Mi" in condition(server, "Degraded")["message"]
+    assert cluster.get("Deployment", ns, "s") is None
+    assert cluster.get("PersistentVolumeClaim", ns, "s-kv-cache") is None

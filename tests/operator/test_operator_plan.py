@@ -7,8 +7,8 @@ from kvpark.operator import crd, plan
 UID = "u-1"
 
 
-def owned(kind: str, uid: str = UID, **spec) -> dict:
-    return {"kind": kind, "metadata": {"name": "s", "namespace": "ns", "uid": f"{kind}-uid",
+def owned(kind: str, uid: str = UID, name: str = "s", **spec) -> dict:
+    return {"kind": kind, "metadata": {"name": name, "namespace": "ns", "uid": f"{kind}-uid",
                                        "ownerReferences": [{"apiVersion": crd.API_VERSION,
                                                             "kind": crd.KIND, "name": "s",
                                                             "uid": uid, "controller": True}]},
@@ -45,9 +45,9 @@ def test_plan_deletes_first_and_only_what_is_ours() -> None:
     wanted = [owned("Deployment", replicas=1), owned("ScaledObject", maxReplicaCount=3)]
     unwanted = [("autoscaling/v2", "HorizontalPodAutoscaler", "s"),
                 ("policy/v1", "PodDisruptionBudget", "s")]
-    existing = {"Deployment": None, "ScaledObject": None,
-                "HorizontalPodAutoscaler": owned("HorizontalPodAutoscaler"),
-                "PodDisruptionBudget": owned("PodDisruptionBudget", uid="someone")}
+    existing = {("Deployment", "s"): None, ("ScaledObject", "s"): None,
+                ("HorizontalPodAutoscaler", "s"): owned("HorizontalPodAutoscaler"),
+                ("PodDisruptionBudget", "s"): owned("PodDisruptionBudget", uid="someone")}
     result = plan.get_plan(wanted, unwanted, existing, UID)
     assert [(w.verb, w.kind) for w in result.writes] == [
         ("delete", "HorizontalPodAutoscaler"), ("apply", "Deployment"), ("apply", "ScaledObject")]
@@ -57,7 +57,8 @@ def test_plan_deletes_first_and_only_what_is_ours() -> None:
 
 def test_plan_reports_a_conflict_and_skips_what_it_could_not_read() -> None:
     team = {"kind": "Service", "metadata": {"name": "s", "uid": "x"}, "spec": {}}
-    result = plan.get_plan([owned("Service"), owned("Deployment")], [], {"Service": team}, UID)
+    result = plan.get_plan([owned("Service"), owned("Deployment")], [], {("Service", "s"): team},
+                           UID)
     assert result.writes == []  # Deployment: not read (an API error), left for the next time
     (problem,) = result.problems
     assert problem.reason == "NameConflict" and not problem.blocking
@@ -67,7 +68,18 @@ def test_an_unchanged_child_is_not_applied_again() -> None:
     want = plan.with_hash(owned("Service", type="ClusterIP"))
     have = {**want, "spec": {"type": "ClusterIP", "clusterIP": "10.0.0.1"}}
     assert not plan.needs_apply(want, have)
-    assert plan.get_plan([owned("Service", type="ClusterIP")], [], {"Service": have}, UID) == \
-        plan.Plan([], [])
+    assert plan.get_plan([owned("Service", type="ClusterIP")], [], {("Service", "s"): have},
+                         UID) == plan.Plan([], [])
     stale = plan.with_hash(owned("Service", type="NodePort"))  # a field dropped since
     assert plan.needs_apply(want, {**have, "metadata": stale["metadata"]})
+
+
+def test_two_children_of_a_kind_are_told_apart_by_name() -> None:
+    """The model cache's claim (named like the PreemptServer) and the KV disk tier's
+    (`<name>-kv-cache`): one wanted, the other ours and not wanted any more."""
+    model = owned("PersistentVolumeClaim", storage="50Gi")
+    kv = owned("PersistentVolumeClaim", name="s-kv-cache", storage="20Gi")
+    existing = {("PersistentVolumeClaim", "s"): None, ("PersistentVolumeClaim", "s-kv-cache"): kv}
+    result = plan.get_plan([model], [("v1", "PersistentVolumeClaim", "s-kv-cache")], existing, UID)
+    assert [(w.verb, w.kind, w.name) for w in result.writes] == [
+        ("delete", "PersistentVolumeClaim", "s-kv-cache"), ("apply", "PersistentVolumeClaim", "s")]
