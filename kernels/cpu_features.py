@@ -72,6 +72,11 @@ class CpuFeatures:
         return self.isas[0]
 
     @property
+    def has_amx_bf16(self) -> bool:
+        """AMX tiles with bf16 dot products (after the cap: an AVX2 cap leaves none)."""
+        return self.is_x86 and {"amx_tile", "amx_bf16"} <= self.flags
+
+    @property
     def can_bf16_gemm(self) -> bool:
         """oneDNN's bf16 linears (prepacked weights) run here."""
         if not self.torch_bf16_gemm:
@@ -131,7 +136,7 @@ def cap_flags(flags: frozenset[str], max_isa: str) -> frozenset[str]:
         raise ValueError(f"{MAX_ISA_ENV} must be one of {sorted(allowed)}, not {max_isa!r}")
     if max_isa == Isa.AVX512.value:
         return flags
-    kept = {f for f in flags if not f.startswith("avx512") and f != "avx_ne_convert"}
+    kept = {f for f in flags if not f.startswith(("avx512", "amx")) and f != "avx_ne_convert"}
     if max_isa == Isa.GENERIC.value:
         kept -= AVX2_FLAGS
     return frozenset(kept)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvpark.kernels import cpu_features
+from kvpark.kernels import amx_gemm, cpu_features
 from kvpark.kernels.quant_linear import QuantizedWeight, quant_linear
 
 # A GEMM of very few rows takes a different kernel whose sums round differently: oneDNN (the CPU
@@ -45,6 +45,18 @@ def can_prepack(weight: torch.Tensor) -> bool:
     if weight.dtype == torch.bfloat16:  # torch raises on CPUs without AVX-512 or AVX-NE-CONVERT
         return cpu_features.detect().can_bf16_gemm
     return weight.dtype == torch.float32
+
+
+def uses_amx(fmt: WeightFormat, weight: torch.Tensor) -> bool:
+    """bf16 linears run in the AMX tile kernel: a CPU weight where AMX runs."""
+    return fmt is WeightFormat.BF16 and weight.device.type == "cpu" and amx_gemm.usable()
+
+
+def gemm_engine(fmt: WeightFormat, device: torch.device) -> str:
+    """What computes the dense linears' products (part of what decides the output's bits)."""
+    if device.type != "cpu":
+        return "torch"
+    return "amx" if uses_amx(fmt, torch.empty(0)) else "onednn"
 
 
 @dataclass(frozen=True)
@@ -91,11 +103,15 @@ class Linear:
         self.blocks = blocks  # the checkpoint's quantised blocks: decode rows read these
         self.out_features, self.in_features = weight.shape
         self.compute_dtype = torch.bfloat16 if fmt is WeightFormat.BF16 else weight.dtype
+        # bf16 on AMX: kvpark's tile kernel, invariant at any row count (oneDNN's AMX kernels
+        # are not, so oneDNN is kept below AMX: kernels/onednn_isa.py)
+        self.amx = amx_gemm.pack(weight) if uses_amx(fmt, weight) else None
         weight = weight.to(self.compute_dtype)
         self.bias = None if bias is None else bias.to(self.compute_dtype)
         self.packed = (torch.ops.mkldnn._reorder_linear_weight(weight, MIN_INVARIANT_ROWS)
-                       if can_prepack(weight) else None)
-        self.weight = None if self.packed is not None else weight  # no second copy in RAM
+                       if self.amx is None and can_prepack(weight) else None)
+        # one copy of the weights in RAM
+        self.weight = None if self.packed is not None or self.amx is not None else weight
 
     def __call__(self, x: torch.Tensor, rows: BlockRows | None = None) -> torch.Tensor:
         """With `rows`, the rows it names read the quantised blocks (when there are any)."""
@@ -119,6 +135,10 @@ class Linear:
 
     def dense(self, x: torch.Tensor) -> torch.Tensor:
         out_dtype = x.dtype
+        if self.amx is not None:  # float32 sums of bf16 products, then a bf16 output as oneDNN
+            y = amx_gemm.gemm(x, self.amx)
+            y = (y if self.bias is None else y + self.bias).to(torch.bfloat16)
+            return y if y.dtype == out_dtype else y.to(out_dtype)
         if x.dtype != self.compute_dtype:
             x = x.to(self.compute_dtype)
         if self.packed is not None:  # a bounded set of row counts (see EXACT_GEMM_ROWS)

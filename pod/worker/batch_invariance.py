@@ -21,7 +21,7 @@ import torch
 
 from kvpark.kernels import cpu_features, onednn_isa
 
-from ..model.linear import MIN_INVARIANT_ROWS
+from ..model.linear import MIN_INVARIANT_ROWS, gemm_engine
 from ..model.llama import LlamaModel
 
 log = logging.getLogger("kvpark.server")
@@ -82,8 +82,12 @@ def check_gemm_kernels(model: LlamaModel, batch_size: int) -> GemmKernels | None
     """Logs whether one oneDNN kernel serves every row count (None: nothing to check)."""
     if not model.batch_invariant or model.device.type != "cpu":
         return None
-    found = probe_gemm_kernels(model, probe_rows(batch_size))
     fmt = model.weight_format.value
+    if gemm_engine(model.weight_format, model.device) == "amx":
+        log.info("batch invariance: the %s linears run in kvpark's AMX tile kernel (fixed tiles "
+                 "of 16 rows, one instruction order: a row's bits at any row count)", fmt)
+        return None
+    found = probe_gemm_kernels(model, probe_rows(batch_size))
     if not found.kernels:
         log.info("batch invariance: the %s linears do not run in oneDNN here (torch's own "
                  "GEMMs, padded to %d rows)", fmt, MIN_INVARIANT_ROWS)

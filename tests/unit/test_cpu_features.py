@@ -35,6 +35,14 @@ def test_bf16_gemm_needs_avx512_or_avx_ne_convert_and_torch_agreeing():
     assert not cpu(AVX512_EPYC, torch_bf16=False).can_bf16_gemm
 
 
+def test_amx_tiles_need_both_flags_and_no_cap_below_avx512():
+    sapphire_rapids = AVX512_EPYC | {"amx_tile", "amx_bf16", "amx_int8"}
+    assert cpu(sapphire_rapids).has_amx_bf16
+    assert not cpu(AVX512_EPYC | {"amx_tile"}).has_amx_bf16
+    assert not cpu(cap_flags(sapphire_rapids, "avx2")).has_amx_bf16
+    assert not cpu(sapphire_rapids, machine="aarch64").has_amx_bf16
+
+
 def test_the_cap_makes_an_avx512_cpu_look_like_an_avx2_one():
     assert cap_flags(AVX512_EPYC, "avx2") == AVX2_EPYC
     assert cap_flags(AVX512_EPYC, "avx512") == AVX512_EPYC

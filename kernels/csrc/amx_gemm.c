@@ -1,0 +1,231 @@
+/* bf16 GEMM on AMX tiles, y[m, n] = sum_k x[m, k] W[n, k] (issue 41, first step: prompt rows).
+ *
+ * Batch-invariant by construction: x is cut into fixed tiles of 16 rows (the last one padded
+ * with zero rows), every tile goes through the same sequence of tile instructions over the same
+ * k blocks in the same order, and an AMX dot product computes each output element from its own
+ * row and column alone. So a row's bits do not depend on how many rows came with it, nor where
+ * it sat in its tile. Threads split the outputs (groups of 32 columns), never a sum.
+ *
+ * W is packed once (`kvpark_amx_pack_bf16`) into the B tiles' layout: for each block of 16
+ * outputs and each block of 32 inputs, 16 rows of input pairs x 16 outputs x 2 (VNNI), 1 KiB:
+ *   packed[nb][kb][p][j][h] = bf16(W[16 nb + j][32 kb + 2 p + h]), zero past n or k.
+ *
+ * `emulate` runs the same packing, tiling and order in scalar code, each tile dot product as the
+ * SDM's pseudocode states it (two rounded fp32 adds per input pair), so the layout, padding and
+ * invariance are tested on CPUs without AMX. It is not the hardware's bits: a Sapphire Rapids
+ * rounds inside a tile dot product in its own way (about 7 in 10 outputs equal, the rest a few
+ * ulps off; tests/unit/test_amx_gemm.py holds both to a float64 reference).
+ *
+ * The AMX code is compiled per function (target attributes) where the compiler knows AMX, so
+ * the library builds anywhere; `kvpark_amx_usable` says whether this CPU and OS run it (the
+ * CPUID bits, then the kernel's permission for the tile data, asked once per process). */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "worker_pool.h"
+
+#if defined(__x86_64__) && ((defined(__clang__) && __clang_major__ >= 12) || \
+                            (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
+#define KVPARK_AMX_BUILD 1
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16")))
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#endif
+
+#define TILE_ROWS 16  /* rows of x per tile, and outputs per B tile */
+#define TILE_K 32     /* inputs per tile row: 64 bytes of bf16 */
+#define BLOCK_ELEMS (TILE_K * TILE_ROWS)  /* bf16 values in one packed 16 x 32 block */
+#define GROUP 2       /* output blocks per part: two C tiles share each A tile */
+
+static int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+static uint16_t to_bf16(float f) {  /* round to nearest even, as torch's .to(torch.bfloat16) */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static float from_bf16(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* ---- availability ------------------------------------------------------------------------ */
+int kvpark_amx_built(void) {
+#ifdef KVPARK_AMX_BUILD
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+int kvpark_amx_usable(void) {
+#ifdef KVPARK_AMX_BUILD
+    static int usable = -1;
+    if (usable < 0) {
+        unsigned a, b, c, d;
+        int bits = __get_cpuid_count(7, 0, &a, &b, &c, &d)
+                   && (d & (1u << 24)) && (d & (1u << 22));  /* AMX-TILE, AMX-BF16 */
+        usable = bits && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    }
+    return usable;
+#else
+    return 0;
+#endif
+}
+
+/* ---- packing ----------------------------------------------------------------------------- */
+long kvpark_amx_packed_elems(int n, int k) {
+    return (long)ceil_div(n, TILE_ROWS) * ceil_div(k, TILE_K) * BLOCK_ELEMS;
+}
+
+void kvpark_amx_pack_bf16(const float *w, int n, int k, uint16_t *packed) {
+    int nbs = ceil_div(n, TILE_ROWS), kbs = ceil_div(k, TILE_K);
+    for (int nb = 0; nb < nbs; nb++)
+        for (int kb = 0; kb < kbs; kb++) {
+            uint16_t *block = packed + ((long)nb * kbs + kb) * BLOCK_ELEMS;
+            for (int p = 0; p < TILE_K / 2; p++)
+                for (int j = 0; j < TILE_ROWS; j++)
+                    for (int h = 0; h < 2; h++) {
+                        int row = nb * TILE_ROWS + j, col = kb * TILE_K + 2 * p + h;
+                        block[(p * TILE_ROWS + j) * 2 + h] =
+                            row < n && col < k ? to_bf16(w[(long)row * k + col]) : 0;
+                    }
+        }
+}
+
+/* ---- one call ---------------------------------------------------------------------------- */
+typedef struct {
+    const float *x;
+    uint16_t *a;  /* x as bf16, [row tiles * 16][kbs * 32], zero-padded */
+    const uint16_t *packed;
+    float *y;
+    int m, n, k, kbs, row_tiles, emulate;
+} Call;
+
+static void convert_part(void *arg, int part, int num_parts) {
+    const Call *c = arg;
+    int lda = c->kbs * TILE_K;
+    (void)num_parts;
+    for (int r = part * TILE_ROWS; r < (part + 1) * TILE_ROWS; r++)
+        for (int i = 0; i < lda; i++)
+            c->a[(long)r * lda + i] = r < c->m && i < c->k ? to_bf16(c->x[(long)r * c->k + i]) : 0;
+}
+
+/* a 16 x 16 output tile: C += A[16 x 32] . B[32 x 16] for each k block, in order (scalar) */
+static void emulate_tile(const uint16_t *a, int lda, const uint16_t *b, int kbs, float *tile) {
+    for (int i = 0; i < TILE_ROWS * TILE_ROWS; i++) tile[i] = 0.0f;
+    for (int kb = 0; kb < kbs; kb++) {
+        const uint16_t *block = b + (long)kb * BLOCK_ELEMS;
+        for (int r = 0; r < TILE_ROWS; r++)
+            for (int p = 0; p < TILE_K / 2; p++) {
+                float a0 = from_bf16(a[(long)r * lda + kb * TILE_K + 2 * p]);
+                float a1 = from_bf16(a[(long)r * lda + kb * TILE_K + 2 * p + 1]);
+                for (int j = 0; j < TILE_ROWS; j++) {
+                    /* a bf16 product is exact in float32: fused or not, each add rounds once */
+                    float acc = tile[r * TILE_ROWS + j];
+                    acc += a0 * from_bf16(block[(p * TILE_ROWS + j) * 2]);
+                    acc += a1 * from_bf16(block[(p * TILE_ROWS + j) * 2 + 1]);
+                    tile[r * TILE_ROWS + j] = acc;
+                }
+            }
+    }
+}
+
+#ifdef KVPARK_AMX_BUILD
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+AMX_TARGET static void configure_tiles(void) {
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 5; t++) {  /* 0, 1: C; 2: A; 3, 4: B */
+        cfg.rows[t] = TILE_ROWS;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* two 16 x 16 output tiles (the second only if `two`) over every k block, in order */
+AMX_TARGET static void amx_tiles(const uint16_t *a, int lda, const uint16_t *b0,
+                                 const uint16_t *b1, int kbs, int two, float *c0, float *c1) {
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int kb = 0; kb < kbs; kb++) {
+        _tile_loadd(2, a + kb * TILE_K, lda * 2);
+        _tile_loadd(3, b0 + (long)kb * BLOCK_ELEMS, 64);
+        _tile_dpbf16ps(0, 2, 3);
+        if (two) {
+            _tile_loadd(4, b1 + (long)kb * BLOCK_ELEMS, 64);
+            _tile_dpbf16ps(1, 2, 4);
+        }
+    }
+    _tile_stored(0, c0, TILE_ROWS * 4);
+    _tile_stored(1, c1, TILE_ROWS * 4);
+}
+
+AMX_TARGET static void release_tiles(void) { _tile_release(); }
+#endif
+
+static void store_tile(const Call *c, const float *tile, int row0, int col0) {
+    for (int r = 0; r < TILE_ROWS && row0 + r < c->m; r++)
+        for (int j = 0; j < TILE_ROWS && col0 + j < c->n; j++)
+            c->y[(long)(row0 + r) * c->n + col0 + j] = tile[r * TILE_ROWS + j];
+}
+
+static void gemm_part(void *arg, int part, int num_parts) {
+    const Call *c = arg;
+    int lda = c->kbs * TILE_K, nbs = ceil_div(c->n, TILE_ROWS);
+    int nb0 = part * GROUP, two = nb0 + 1 < nbs;
+    float tiles[2][TILE_ROWS * TILE_ROWS];
+    (void)num_parts;
+#ifdef KVPARK_AMX_BUILD
+    if (!c->emulate) configure_tiles();
+#endif
+    for (int rt = 0; rt < c->row_tiles; rt++) {
+        const uint16_t *a = c->a + (long)rt * TILE_ROWS * lda;
+        const uint16_t *b0 = c->packed + (long)nb0 * c->kbs * BLOCK_ELEMS;
+        const uint16_t *b1 = b0 + (long)c->kbs * BLOCK_ELEMS;
+        if (c->emulate) {
+            emulate_tile(a, lda, b0, c->kbs, tiles[0]);
+            if (two) emulate_tile(a, lda, b1, c->kbs, tiles[1]);
+        } else {
+#ifdef KVPARK_AMX_BUILD
+            amx_tiles(a, lda, b0, b1, c->kbs, two, tiles[0], tiles[1]);
+#endif
+        }
+        store_tile(c, tiles[0], rt * TILE_ROWS, nb0 * TILE_ROWS);
+        if (two) store_tile(c, tiles[1], rt * TILE_ROWS, (nb0 + 1) * TILE_ROWS);
+    }
+#ifdef KVPARK_AMX_BUILD
+    if (!c->emulate) release_tiles();
+#endif
+}
+
+/* y[m, n] (float32) = x[m, k] (float32, rounded to bf16) . W^T (packed bf16). Returns 0, or -1
+ * where AMX was asked for and this CPU or OS cannot run it (nothing is written then). */
+int kvpark_amx_gemm_bf16(const float *x, int m, int k, const uint16_t *packed, int n, float *y,
+                         int num_threads, int emulate) {
+    if (!emulate && !kvpark_amx_usable()) return -1;
+    if (m <= 0) return 0;
+    Call c = {x, NULL, packed, y, m, n, k, ceil_div(k, TILE_K), ceil_div(m, TILE_ROWS), emulate};
+    c.a = malloc((size_t)c.row_tiles * TILE_ROWS * c.kbs * TILE_K * sizeof(uint16_t));
+    if (c.a == NULL) return -2;
+    kvpark_pool_run(convert_part, &c, c.row_tiles, num_threads);
+    kvpark_pool_run(gemm_part, &c, ceil_div(ceil_div(n, TILE_ROWS), GROUP), num_threads);
+    free(c.a);
+    return 0;
+}

@@ -1,0 +1,82 @@
+"""The AMX bf16 GEMM (issue 41, first step): the B tiles' packed layout; a row's bits do not
+depend on how many rows came with it, where it sat in its tile, or the thread count, at 1..600
+rows and several offsets; the result is the bf16-rounded product to float32 accuracy. The
+scalar emulation (same layout, tiling and order) runs everywhere; the AMX tiles where the CPU
+and OS run them."""
+
+import pytest
+import torch
+
+from kvpark.kernels import amx_gemm
+from kvpark.kernels.cbuild import KernelUnavailable
+
+ROWS = (1, 2, 15, 16, 17, 31, 33, 64, 100, 255, 257, 600)
+OFFSETS = (0, 1, 7, 16, 23)
+MODES = [pytest.param(True, id="emulated"),
+         pytest.param(False, id="amx", marks=pytest.mark.skipif(
+             not amx_gemm.usable(), reason="this CPU or OS does not run AMX tiles"))]
+
+
+def operands(n: int, k: int, m: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, k, generator=g), torch.randn(m, k, generator=g)
+
+
+def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The same bf16 inputs, multiplied and summed in float64."""
+    return x.bfloat16().double() @ w.bfloat16().double().T
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def test_the_packed_layout_is_the_b_tiles():
+    n, k = 20, 40  # a partial output block and a partial input block: zero padding
+    w, _ = operands(n, k, 1)
+    packed = amx_gemm.pack(w).data.view(torch.bfloat16)
+    kbs = 2
+    bf = w.bfloat16()
+    for nb, kb, p, j, h in [(0, 0, 0, 0, 0), (0, 1, 3, 5, 1), (1, 0, 15, 3, 1), (1, 1, 2, 0, 0),
+                            (1, 1, 15, 15, 1)]:
+        row, col = 16 * nb + j, 32 * kb + 2 * p + h
+        got = packed[((nb * kbs + kb) * 16 + p) * 32 + j * 2 + h]
+        want = bf[row, col] if row < n and col < k else torch.tensor(0, dtype=torch.bfloat16)
+        assert got.view(torch.int16) == want.view(torch.int16), (nb, kb, p, j, h)
+
+
+@pytest.mark.parametrize("emulate", MODES)
+def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(emulate):
+    n, k = 40, 80  # three output blocks (an odd group), three input blocks, the last partial
+    w, x = operands(n, k, max(ROWS) + max(OFFSETS))
+    packed = amx_gemm.pack(w)
+    whole = amx_gemm.gemm(x, packed, emulate=emulate)
+    for m in ROWS:
+        for offset in OFFSETS:
+            part = amx_gemm.gemm(x[offset:offset + m], packed, emulate=emulate)
+            assert same_bits(part, whole[offset:offset + m]), (m, offset)
+
+
+@pytest.mark.parametrize("emulate", MODES)
+def test_the_thread_count_changes_no_bit(emulate):
+    w, x = operands(72, 96, 50)
+    packed = amx_gemm.pack(w)
+    one = amx_gemm.gemm(x, packed, emulate=emulate, num_threads=1)
+    for threads in (2, 3, 5):
+        assert same_bits(amx_gemm.gemm(x, packed, emulate=emulate, num_threads=threads), one)
+
+
+@pytest.mark.parametrize("emulate", MODES)
+def test_the_result_is_the_bf16_product_to_float32_accuracy(emulate):
+    w, x = operands(48, 576, 33)
+    got = amx_gemm.gemm(x, amx_gemm.pack(w), emulate=emulate).double()
+    want = reference(x, w)
+    scale = (x.bfloat16().double().abs() @ w.bfloat16().double().abs().T)
+    assert ((got - want).abs() <= 576 * 2 ** -24 * scale + 1e-30).all()
+
+
+@pytest.mark.skipif(amx_gemm.usable(), reason="AMX runs here")
+def test_without_amx_the_tile_path_says_so_and_writes_nothing():
+    w, x = operands(16, 32, 4)
+    with pytest.raises(KernelUnavailable, match="AMX is not usable here"):
+        amx_gemm.gemm(x, amx_gemm.pack(w))
