@@ -41,6 +41,8 @@ STATE_SUFFIX = ".kvstate"  # a hybrid model's state checkpoint, under its page's
 SUFFIXES = (SUFFIX, STATE_SUFFIX)  # the folder's one size budget counts both kinds
 _HEADER = struct.Struct("<8sI32s32s16s6IQ32s")
 FULL_DISK = (errno.ENOSPC, errno.EDQUOT)
+# errors that stay: the store stops writing with one line rather than one per page
+STOPS_WRITING = (*FULL_DISK, errno.EROFS, errno.EACCES, errno.EPERM)
 
 
 @dataclass
@@ -112,14 +114,16 @@ class DiskPageStore:
             return False
         assert tuple(kv.shape) == self.page_shape and kv.dtype == self.dtype
         payload = kv.contiguous().view(torch.uint8).numpy().tobytes()
-        fd, tmp = tempfile.mkstemp(prefix=temp_prefix(), suffix=TEMP_SUFFIX, dir=self.folder)
+        tmp = None
         try:
+            fd, tmp = tempfile.mkstemp(prefix=temp_prefix(), suffix=TEMP_SUFFIX, dir=self.folder)
             with os.fdopen(fd, "wb") as file:
                 file.write(self.header(page_hash, payload))
                 file.write(payload)
             os.replace(tmp, target)
         except OSError as exc:
-            Path(tmp).unlink(missing_ok=True)
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
             self._write_failed(exc)
             return False
         self.stats.writes += 1
@@ -128,10 +132,11 @@ class DiskPageStore:
         return True
 
     def _write_failed(self, exc: OSError) -> None:
-        if exc.errno in FULL_DISK:
+        if exc.errno in STOPS_WRITING:
             self.writable = False
-            log.warning("disk tier: %s is full (%s); it stops writing, reads go on",
-                        self.folder, exc.strerror)
+            log.warning("disk tier: %s %s (%s); it stops writing, reads go on", self.folder,
+                        "is full" if exc.errno in FULL_DISK else "cannot be written",
+                        exc.strerror)
         else:
             log.warning("disk tier: writing a page failed: %s", exc)
 

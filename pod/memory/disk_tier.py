@@ -27,6 +27,8 @@ log = logging.getLogger("kvpark.disk")
 
 MIB = 1 << 20
 WRITE_OUT_BATCH = 64  # pages read from the pool at once during the shutdown write-out
+# seconds one lookup may spend reading pages on the engine thread (a slow network volume)
+READ_BUDGET_S = 1.0
 KNOWN_AT_LEAST = 4096  # hashes remembered as on disk, at least (else twice what the size holds)
 
 
@@ -36,6 +38,7 @@ class DiskTierStats:
 
     lookups: int = 0  # pages looked up after the pool and host RAM missed them
     state_hits: int = 0  # a hybrid's state checkpoints read back
+    slow_reads: int = 0  # lookups cut short by READ_BUDGET_S
     queued: int = 0  # pages handed to the writer
     dropped: int = 0  # pages the writer's full queue turned away
     write_out_pages: int = 0  # pages written at the latest shutdown
@@ -98,11 +101,18 @@ class DiskTier:
         self._known.add(h)
 
     # ---- reading -----------------------------------------------------------------------------
-    def read_run(self, hashes: list[bytes], limit: int) -> list[torch.Tensor]:
+    def read_run(self, hashes: list[bytes], limit: int,
+                 budget_s: float = READ_BUDGET_S) -> list[torch.Tensor]:
         """The pages ([layers, 2, page_size, Hkv, D] each) of the longest run of `hashes` on
-        disk, at most `limit`; a bad file ends the run (and is removed by the store)."""
+        disk, at most `limit`; a bad file ends the run (and is removed by the store), and so
+        does `budget_s` spent reading (the step waits: a slow disk must not stall the batch
+        longer; the rest is computed)."""
         run: list[torch.Tensor] = []
+        started = time.monotonic()
         for h in hashes[:limit]:
+            if run and time.monotonic() - started > budget_s:
+                self.stats.slow_reads += 1
+                break
             self.stats.lookups += 1
             kv = self.store.read(h)
             if kv is None:

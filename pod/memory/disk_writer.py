@@ -9,6 +9,7 @@ and the engine never waits on a disk. Only the shutdown write-out waits for room
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -16,6 +17,8 @@ from collections import deque
 import torch
 
 from .disk_store import DiskPageStore
+
+log = logging.getLogger("kvpark.disk")
 
 TRIM_EVERY = 64  # files written between two trims (a trim lists the folder)
 
@@ -28,6 +31,7 @@ class DiskWriter:
         self.store = store
         self.max_pending_bytes = max_pending_bytes
         self.num_dropped = 0  # pages the full queue turned away
+        self.num_failed = 0  # pages whose write raised (logged once)
         self._items: deque[Item] = deque()
         self._pending_bytes = 0
         self._cond = threading.Condition()
@@ -104,8 +108,13 @@ class DiskWriter:
                 item.set()
                 continue
             store, page_hash, kv = item
-            if store.write(page_hash, kv):
-                self._since_trim += 1
+            try:
+                if store.write(page_hash, kv):
+                    self._since_trim += 1
+            except Exception:  # a bug must not stop the thread: the queue would only fill
+                self.num_failed += 1
+                if self.num_failed == 1:
+                    log.exception("disk tier: writing a page failed")
             self._done(item)
             if self._since_trim >= TRIM_EVERY:
                 self._since_trim = 0

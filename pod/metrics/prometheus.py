@@ -206,6 +206,8 @@ def _disk_cache_families(disk: DiskTier | None) -> Iterator[GaugeMetricFamily |
                    "and removed", files.rejected)
     yield _counter("disk_cache_evictions", "Files deleted for room, least recently used first",
                    files.evicted)
+    yield _counter("disk_cache_slow_reads", "Lookups whose reading was cut short after 1 s "
+                   "(the rest of the prefix is computed)", tier.slow_reads)
     yield _counter("disk_cache_write_out_pages", "Pages written at shutdown (the drain's "
                    "write-out)", tier.write_out_pages)
 

@@ -6,6 +6,7 @@ what time did not allow is counted as dropped; a planted link is never followed.
 
 import logging
 import os
+import subprocess
 
 import pytest
 import torch
@@ -264,3 +265,57 @@ def test_the_shutdown_write_out_keeps_checkpoints_too(tmp_path):
 def test_write_out_without_a_disk_tier_does_nothing(seconds):
     _, pool, _ = make_with_host_tier()
     assert write_out(pool, seconds) is None
+
+
+def test_a_slow_disk_cuts_a_lookup_short_and_the_rest_is_computed(tmp_path, monkeypatch):
+    scheduler, pool, _ = make(tmp_path)
+    prompt = list(range(1, 18))  # four full pages
+    finished_run(scheduler, prompt, 17)
+    pool.disk.writer.flush(10)
+    second, pool2, _ = make(tmp_path)
+    clock = iter(range(0, 100, 1))  # every read takes one second
+    monkeypatch.setattr("kvpark.pod.memory.disk_tier.time.monotonic", lambda: next(clock))
+    again = make_seq(prompt)
+    second.add(again)
+    second.schedule()
+    monkeypatch.undo()
+    assert again.num_cached == 2 * PS  # two reads fit the one-second budget, then it stops
+    assert pool2.disk.stats.slow_reads == 1
+
+
+def test_a_read_only_volume_stops_the_writes_with_one_line(tmp_path, caplog):
+    mount = tmp_path / "volume"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)],
+                          capture_output=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        scheduler, pool, _ = make(mount)  # made while writable, then remounted read-only
+        subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
+        with caplog.at_level(logging.WARNING, logger="kvpark.disk"):
+            finished_run(scheduler, list(range(1, 30)), 29)
+            assert pool.disk.writer.flush(10)
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+    assert not pool.disk.store.writable
+    assert caplog.text.count("cannot be written") == 1
+
+
+def test_a_write_that_raises_does_not_stop_the_writer(tmp_path, caplog):
+    scheduler, pool, _ = make(tmp_path)
+    writes = pool.disk.store.write
+    calls = []
+
+    def fails_once(page_hash, kv):
+        calls.append(page_hash)
+        if len(calls) == 1:
+            raise RuntimeError("a bug")
+        return writes(page_hash, kv)
+
+    pool.disk.store.write = fails_once
+    with caplog.at_level(logging.ERROR, logger="kvpark.disk"):
+        finished_run(scheduler, list(range(1, 14)), 13)
+        assert pool.disk.writer.flush(10)
+    assert pool.disk.writer.num_failed == 1 and pool.disk.store.stats.writes == 2
+    assert caplog.text.count("writing a page failed") == 1
