@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import pytest
@@ -75,23 +78,6 @@ def reference():
         return turns
 
 
-def test_greedy_output_is_the_same_bytes_with_the_tier_on_and_off(reference, tmp_path):
-    with disk_server(tmp_path) as server:
-        first = ask(server, first_turn(0))
-        assert text(first) == text(reference[0][0])
-        wait_written(server)
-    with disk_server(tmp_path) as server:  # everything below comes from disk now
-        started = cf.Future()
-        with cf.ThreadPoolExecutor(1) as pool:
-            running = pool.submit(stream, server, next_turn(first_turn(0), first, 0), started)
-            cf.wait([started, running], return_when=cf.FIRST_COMPLETED)
-            slots = server.slots()
-            second = running.result(timeout=60)
-        assert [s["cached_from"] for s in slots if s["is_processing"]] == [["disk"]]
-        assert cached(second) > 0 and server.metric("kvpark:disk_cache_hits_total") > 0
-        assert text(second) == text(reference[0][1])
-
-
 def test_two_servers_share_one_folder(reference, tmp_path):
     with disk_server(tmp_path) as one, disk_server(tmp_path) as two:
         first = ask(one, first_turn(1))
@@ -124,29 +110,61 @@ def stream(server: ServerProcess, messages: list[dict], started: cf.Future) -> d
     return {"choices": [{"message": {"content": "".join(parts)}}], "usage": usage}
 
 
-def test_sigterm_mid_generation_then_restart_every_next_turn_comes_from_disk(reference,
-                                                                            tmp_path):
-    server = disk_server(tmp_path).start()
+@dataclass
+class SigtermRun:
+    folder: Path
+    answers: list[dict]
+    log: str
+    exit_code: int
+
+
+@pytest.fixture(scope="module")
+def after_sigterm(tmp_path_factory) -> SigtermRun:
+    """Four streamed conversations on a disk-tier server, SIGTERM once all four generate."""
+    folder = tmp_path_factory.mktemp("disk")
+    server = disk_server(folder).start()
     started = [cf.Future() for _ in range(4)]
     with cf.ThreadPoolExecutor(4) as pool:
         running = [pool.submit(stream, server, first_turn(n), started[n]) for n in range(4)]
         cf.wait(started)  # every conversation is generating
-        assert server.stop(signal.SIGTERM, timeout=60) == 0  # the drain finishes them
+        code = server.stop(signal.SIGTERM, timeout=60)  # the drain finishes them
         answers = [future.result(timeout=60) for future in running]
-    assert server.count_in_log("disk tier at shutdown") == 1
-    for n, answer in enumerate(answers):
+    return SigtermRun(folder, answers, server.log(), code)
+
+
+def copy_of(run: SigtermRun, tmp_path: Path) -> Path:
+    """The folder as the run left it, for one test to use (and spoil)."""
+    return Path(shutil.copytree(run.folder, tmp_path / "disk"))
+
+
+def test_sigterm_mid_generation_drains_and_says_what_it_kept(after_sigterm, reference):
+    assert after_sigterm.exit_code == 0
+    assert after_sigterm.log.count("disk tier at shutdown") == 1
+    for n, answer in enumerate(after_sigterm.answers):  # the tier on: the same bytes as off
         assert text(answer) == text(reference[n][0])
-    with disk_server(tmp_path) as restarted:
-        from_cache = 0
-        for n, answer in enumerate(answers):
-            turn = ask(restarted, next_turn(first_turn(n), answer, n))
-            assert cached(turn) >= 0.9 * history(answer), (n, cached(turn), history(answer))
-            assert text(turn) == text(reference[n][1])
-            from_cache += cached(turn)
-        # the system prompt's pages, read from disk once, are the pool's for the others
+
+
+def test_after_a_restart_every_next_turn_comes_from_disk_with_the_same_text(
+        after_sigterm, reference, tmp_path):
+    with disk_server(copy_of(after_sigterm, tmp_path)) as restarted:
+        turns, slots = [], []
+        for n, answer in enumerate(after_sigterm.answers):
+            started = cf.Future()
+            with cf.ThreadPoolExecutor(1) as pool:
+                running = pool.submit(stream, restarted, next_turn(first_turn(n), answer, n),
+                                      started)
+                cf.wait([started, running], return_when=cf.FIRST_COMPLETED)
+                slots.append(restarted.slots())
+                turns.append(running.result(timeout=60))
         from_disk = restarted.metric("kvpark:disk_cache_hits_total") * 16
-        assert from_disk + restarted.metric("kvpark:prefix_cache_hits_total") == from_cache
-        assert from_disk >= 0.9 * from_cache
+        from_pool = restarted.metric("kvpark:prefix_cache_hits_total")
+    assert [s["cached_from"] for s in slots[0] if s["is_processing"]] == [["disk"]]
+    for n, (answer, turn) in enumerate(zip(after_sigterm.answers, turns)):
+        assert cached(turn) >= 0.9 * history(answer), (n, cached(turn), history(answer))
+        assert text(turn) == text(reference[n][1])
+    # the system prompt's pages, read from disk once, are the pool's for the others
+    assert from_disk + from_pool == sum(cached(turn) for turn in turns)
+    assert from_disk >= 0.9 * sum(cached(turn) for turn in turns)
 
 
 def damage(folder) -> dict[str, str]:
@@ -168,17 +186,17 @@ def damage(folder) -> dict[str, str]:
             "dead": dead.name}
 
 
-def test_bad_files_are_refused_and_the_answer_is_still_right(reference, tmp_path):
-    with disk_server(tmp_path) as server:
-        first = ask(server, first_turn(2))
-        wait_written(server)
-    names = damage(tmp_path)
-    [identity_dir] = [p for p in tmp_path.iterdir() if p.is_dir()]
+def test_bad_files_are_refused_and_the_answers_are_still_right(after_sigterm, reference,
+                                                                tmp_path):
+    folder = copy_of(after_sigterm, tmp_path)
+    names = damage(folder)
+    [identity_dir] = [p for p in folder.iterdir() if p.is_dir()]
     bad = {name: (identity_dir / name).read_bytes() for name in names.values()}
-    with disk_server(tmp_path) as server:
-        second = ask(server, next_turn(first_turn(2), first, 2))
-        assert text(second) == text(reference[2][1])
-        assert server.metric("kvpark:disk_cache_rejected_total") >= 1  # the run's first bad
+    with disk_server(folder) as server:
+        for n, answer in enumerate(after_sigterm.answers):  # every chain: each bad file's too
+            turn = ask(server, next_turn(first_turn(n), answer, n))
+            assert text(turn) == text(reference[n][1])
+        assert server.metric("kvpark:disk_cache_rejected_total") >= 1  # a chain's first bad
         log = server.log()
         assert "temporary files of writers that died" in log
     assert not (identity_dir / names["dead"]).exists()
