@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 from serverproc import ServerProcess, poll
+from tmpfs import tmpfs
 
 MODEL = "builtin://smollm2-135m"  # real weights: GGUF blocks for decode rows, fp32 prompt rows
 FLAGS = ["-np", "4", "-c", "4096"]
@@ -209,22 +210,13 @@ def test_bad_files_are_refused_and_the_answers_are_still_right(after_sigterm, re
 
 
 def test_a_full_disk_stops_the_writes_with_one_line_and_nothing_fails(reference, tmp_path):
-    mount = tmp_path / "small"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)],
-                          capture_output=True)
-    if done.returncode:
-        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.decode().strip()}")
-    try:
-        with disk_server(mount) as server:
-            first = ask(server, first_turn(3))
-            poll(lambda: server.metric("kvpark:disk_cache_writable") == 0, "the disk filled")
-            again = ask(server, next_turn(first_turn(3), first, 3))
-            assert text(first) == text(reference[3][0])
-            assert text(again) == text(reference[3][1])
-            assert server.count_in_log("is full") == 1
-    finally:
-        subprocess.run(["umount", str(mount)], check=False)
+    with tmpfs(tmp_path / "small", "2m") as mount, disk_server(mount) as server:
+        first = ask(server, first_turn(3))
+        poll(lambda: server.metric("kvpark:disk_cache_writable") == 0, "the disk filled")
+        again = ask(server, next_turn(first_turn(3), first, 3))
+        assert text(first) == text(reference[3][0])
+        assert text(again) == text(reference[3][1])
+        assert server.count_in_log("is full") == 1
 
 
 @pytest.mark.parametrize("flags, says", [

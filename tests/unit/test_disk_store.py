@@ -11,11 +11,11 @@ import dataclasses
 import logging
 import os
 import socket
-import subprocess
 import time
 
 import pytest
 import torch
+from tmpfs import tmpfs
 
 from kvpark.pod.memory.disk_store import SUFFIX, DiskPageStore
 from kvpark.pod.memory.disk_writer import DiskWriter
@@ -104,13 +104,7 @@ def test_the_folder_is_held_to_its_size_least_recently_used_first(tmp_path):
 
 
 def test_a_full_disk_stops_the_writing_with_one_line(tmp_path, caplog):
-    mount = tmp_path / "small"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)],
-                          capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.decode().strip()}")
-    try:
+    with tmpfs(tmp_path / "small", "64k") as mount:
         store = store_at(mount)
         with caplog.at_level(logging.WARNING, logger="kvpark.disk"):
             written = [store.write(bytes([i]) * 32, page(i)) for i in range(40)]
@@ -119,8 +113,6 @@ def test_a_full_disk_stops_the_writing_with_one_line(tmp_path, caplog):
         assert not list(store.folder.glob(f"*{TEMP_SUFFIX}"))  # no partial file left
         good = [i for i, ok in enumerate(written) if ok]
         assert all(same_bits(store.read(bytes([i]) * 32), page(i)) for i in good)  # reads go on
-    finally:
-        subprocess.run(["umount", str(mount)], check=False)
 
 
 def test_the_writer_thread_publishes_and_flushes(tmp_path):

@@ -6,13 +6,13 @@ what time did not allow is counted as dropped; a planted link is never followed.
 
 import logging
 import os
-import subprocess
 
 import pytest
 import torch
 from test_host_tier import finished_run, flush_pool
 from test_host_tier import make as make_with_host_tier
 from test_prefix_cache import PS, kv_bytes, make_seq, run_to
+from tmpfs import remount_read_only, tmpfs
 
 from kvpark.pod.core import checkpointing
 from kvpark.pod.core.reporting import slot_view
@@ -284,20 +284,12 @@ def test_a_slow_disk_cuts_a_lookup_short_and_the_rest_is_computed(tmp_path, monk
 
 
 def test_a_read_only_volume_stops_the_writes_with_one_line(tmp_path, caplog):
-    mount = tmp_path / "volume"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)],
-                          capture_output=True)
-    if done.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
+    with tmpfs(tmp_path / "volume", "4m") as mount:
         scheduler, pool, _ = make(mount)  # made while writable, then remounted read-only
-        subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
+        remount_read_only(mount)
         with caplog.at_level(logging.WARNING, logger="kvpark.disk"):
             finished_run(scheduler, list(range(1, 30)), 29)
             assert pool.disk.writer.flush(10)
-    finally:
-        subprocess.run(["umount", str(mount)], check=False)
     assert not pool.disk.store.writable
     assert caplog.text.count("cannot be written") == 1
 
