@@ -19,6 +19,7 @@
  * The AMX code is compiled per function (target attributes) where the compiler knows AMX, so
  * the library builds anywhere; `kvpark_amx_usable` says whether this CPU and OS run it (the
  * CPUID bits, then the kernel's permission for the tile data, asked once per process). */
+#define _GNU_SOURCE /* syscall() under -std=c11 (gcc 14 refuses an implicit declaration) */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>

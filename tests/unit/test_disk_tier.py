@@ -7,7 +7,6 @@ what time did not allow is counted as dropped; a planted link is never followed.
 import logging
 import os
 
-import pytest
 import torch
 from test_host_tier import finished_run, flush_pool
 from test_host_tier import make as make_with_host_tier
@@ -261,10 +260,9 @@ def test_the_shutdown_write_out_keeps_checkpoints_too(tmp_path):
     assert result.pages == 1 and pool.disk.states.contains(hashes[1])
 
 
-@pytest.mark.parametrize("seconds", [30])
-def test_write_out_without_a_disk_tier_does_nothing(seconds):
+def test_write_out_without_a_disk_tier_does_nothing():
     _, pool, _ = make_with_host_tier()
-    assert write_out(pool, seconds) is None
+    assert write_out(pool, 30) is None
 
 
 def test_a_slow_disk_cuts_a_lookup_short_and_the_rest_is_computed(tmp_path, monkeypatch):
