@@ -168,9 +168,20 @@ def print_cells(title: str, measured: dict[tuple[str, int], list[dict]],
         print_table(HEADERS, [cell_row(n, measured[(n, cell)], best) for n in names])
 
 
+def kvpark_servers(args: argparse.Namespace, ports: Iterator[int], pool: list[str]
+                   ) -> list[Launched]:
+    """kvpark at its defaults, on the bf16 directory (unless --no-hf), and each --variant."""
+    servers = [kvpark("kvpark", args.model, next(ports), pool)]
+    if args.hf:
+        servers.append(kvpark("kvpark-hf", args.hf_dir, next(ports), pool))
+    for variant in args.variant:
+        name, _, flags = variant.partition("=")
+        servers.append(kvpark(name, args.model, next(ports), [*pool, *flags.split()]))
+    return servers
+
+
 def streams_phase(args: argparse.Namespace, ports: Iterator[int]) -> dict:
-    servers = [kvpark("kvpark", args.model, next(ports), ["-np", "32", "-c", "16384"]),
-               kvpark("kvpark-hf", args.hf_dir, next(ports), ["-np", "32", "-c", "16384"])]
+    servers = kvpark_servers(args, ports, ["-np", "32", "-c", "16384"])
     servers += [vllm(f"vllm r{n}", args.vllm_python, args.hf_dir, next(ports), n,
                      ["--max-num-seqs", "32", "--max-model-len", "4096"])
                 for n in args.vllm_reserved]
@@ -200,9 +211,7 @@ def streams_phase(args: argparse.Namespace, ports: Iterator[int]) -> dict:
 
 
 def pressure_phase(args: argparse.Namespace, ports: Iterator[int]) -> dict:
-    pool = ["-np", "4", "-c", "4096"]
-    servers = [kvpark("kvpark", args.model, next(ports), pool),
-               kvpark("kvpark-hf", args.hf_dir, next(ports), pool)]
+    servers = kvpark_servers(args, ports, ["-np", "4", "-c", "4096"])
     # vLLM's CPU KV blocks hold 128 tokens: 32 of them are the same ~4096-token pool (it keeps
     # one back, and refuses to start unless one request of --max-model-len fits in the rest)
     servers += [vllm(f"vllm r{n}", args.vllm_python, args.hf_dir, next(ports), n,
@@ -239,6 +248,11 @@ def main() -> None:
     p.add_argument("--model", default="builtin://smollm2-135m", help="kvpark's own model")
     p.add_argument("--vllm-reserved", type=int, nargs="+", default=[0],
                    help="VLLM_CPU_NUM_OF_RESERVED_CPU values, one vLLM target each")
+    p.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True,
+                   help="also kvpark on the bf16 directory vLLM serves")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                   help="one more kvpark on its own model with these flags, e.g. "
+                   "'kvpark amx-off=--amx off' (repeatable)")
     p.add_argument("--concurrency", type=int, nargs="*", default=[1, 4, 16, 32])
     p.add_argument("--prompt-tokens", type=int, default=330)
     p.add_argument("--max-tokens", type=int, default=96)

@@ -77,6 +77,7 @@ class ServerArgs:
     attention_backend: str = "auto"
     dtype: str = "auto"
     weights: str = "auto"  # CPU linears: auto / gguf (decode rows from blocks), fp32, bf16
+    amx: str = "auto"  # prompt rows on AMX tiles (bf16 products) where they run: auto, on, off
     device: str = "auto"
     batch_invariant: bool = True
     cuda_graph: bool = True
@@ -345,8 +346,13 @@ def add_model_flags(g: argparse._ArgumentGroup) -> None:
     _add(g, "--weights", dest="weights", choices=["auto", "gguf", "fp32", "bf16"],
          text="CPU linears. auto: decode rows read blocks where a start-up measurement finds "
          "them faster (a GGUF's own Q4_1/Q8_0, Q8_0 made at load for linears stored without "
-         "them, e.g. safetensors), prefill rows float32; gguf: blocks, unmeasured; fp32: "
-         "float32 for all rows; bf16: bf16 weights, activations rounded to bf16 in each GEMM")
+         "them, e.g. safetensors), prefill rows float32 (on AMX tiles where they run: --amx); "
+         "gguf: blocks, unmeasured; fp32: float32 for all rows; bf16: bf16 weights, "
+         "activations rounded to bf16 in each GEMM")
+    _add(g, "--amx", dest="amx", choices=["auto", "on", "off"],
+         text="with --weights auto/gguf, prefill rows on Intel AMX tiles: bf16 products, "
+         "float32 sums and outputs (amx-bf16 linears). auto: where the CPU and OS run AMX; "
+         "on: refuse to start without it; off: float32 products (exact, slower)")
     _add(g, "--attention-backend", dest="attention_backend",
          choices=["auto", "torch", "cpu", "flashinfer"],
          text="paged attention kernel; auto = FlashInfer on CUDA, the C kernel on the CPU")

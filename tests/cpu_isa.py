@@ -19,3 +19,13 @@ requires_bf16_gemm = pytest.mark.skipif(
     not detect().can_bf16_gemm,
     reason=f"no oneDNN bf16 GEMMs on this CPU (they need AVX-512 BW/VL/DQ or AVX-NE-CONVERT): "
            f"{detect().describe()}")
+
+
+def _amx_runs() -> bool:
+    from kvpark.kernels import amx_gemm
+
+    return amx_gemm.usable()
+
+
+requires_amx = pytest.mark.skipif(not _amx_runs(), reason="AMX tiles do not run here (CPU, OS "
+                                  "or KVPARK_MAX_CPU_ISA)")

@@ -113,18 +113,45 @@ typedef struct {
     int m, n, k, kbs, row_tiles, emulate;
 } Call;
 
+#ifdef KVPARK_AMX_BUILD
+/* to_bf16 on 16 floats at once, the same bits (every AMX CPU has AVX-512F) */
+__attribute__((target("avx512f"))) static void to_bf16_x16(const float *x, uint16_t *out) {
+    __m512i u = _mm512_loadu_si512(x);
+    __m512i abs = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
+    __mmask16 nan = _mm512_cmpgt_epu32_mask(abs, _mm512_set1_epi32(0x7f800000));
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i up = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd);
+    __m512i r = _mm512_srli_epi32(up, 16);
+    __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    r = _mm512_mask_blend_epi32(nan, r, quiet);
+    _mm256_storeu_si256((__m256i *)out, _mm512_cvtepi32_epi16(r));
+}
+#endif
+
 static void convert_part(void *arg, int part, int num_parts) {
     const Call *c = arg;
     int lda = c->kbs * TILE_K;
     (void)num_parts;
-    for (int r = part * TILE_ROWS; r < (part + 1) * TILE_ROWS; r++)
-        for (int i = 0; i < lda; i++)
-            c->a[(long)r * lda + i] = r < c->m && i < c->k ? to_bf16(c->x[(long)r * c->k + i]) : 0;
+    for (int r = part * TILE_ROWS; r < (part + 1) * TILE_ROWS; r++) {
+        uint16_t *row = c->a + (long)r * lda;
+        const float *x = c->x + (long)r * c->k;
+        int i = 0;
+        if (r < c->m) {
+#ifdef KVPARK_AMX_BUILD
+            if (!c->emulate)
+                for (; i + 16 <= c->k; i += 16) to_bf16_x16(x + i, row + i);
+#endif
+            for (; i < c->k; i++) row[i] = to_bf16(x[i]);
+        }
+        for (; i < lda; i++) row[i] = 0;
+    }
 }
 
 /* a 16 x 16 output tile: C += A[16 x 32] . B[32 x 16] for each k block, in order (scalar) */
-static void emulate_tile(const uint16_t *a, int lda, const uint16_t *b, int kbs, float *tile) {
-    for (int i = 0; i < TILE_ROWS * TILE_ROWS; i++) tile[i] = 0.0f;
+static void emulate_tile(const uint16_t *a, int lda, const uint16_t *b, int kbs, float *tile,
+                         int ldc) {
+    for (int r = 0; r < TILE_ROWS; r++)
+        for (int j = 0; j < TILE_ROWS; j++) tile[r * ldc + j] = 0.0f;
     for (int kb = 0; kb < kbs; kb++) {
         const uint16_t *block = b + (long)kb * BLOCK_ELEMS;
         for (int r = 0; r < TILE_ROWS; r++)
@@ -133,10 +160,10 @@ static void emulate_tile(const uint16_t *a, int lda, const uint16_t *b, int kbs,
                 float a1 = from_bf16(a[(long)r * lda + kb * TILE_K + 2 * p + 1]);
                 for (int j = 0; j < TILE_ROWS; j++) {
                     /* a bf16 product is exact in float32: fused or not, each add rounds once */
-                    float acc = tile[r * TILE_ROWS + j];
+                    float acc = tile[r * ldc + j];
                     acc += a0 * from_bf16(block[(p * TILE_ROWS + j) * 2]);
                     acc += a1 * from_bf16(block[(p * TILE_ROWS + j) * 2 + 1]);
-                    tile[r * TILE_ROWS + j] = acc;
+                    tile[r * ldc + j] = acc;
                 }
             }
     }
@@ -153,35 +180,62 @@ AMX_TARGET static void configure_tiles(void) {
     TileConfig cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
-    for (int t = 0; t < 5; t++) {  /* 0, 1: C; 2: A; 3, 4: B */
+    for (int t = 0; t < 8; t++) {  /* 0-3: C (row tile r, block j at 2 r + j); 4, 5: A; 6, 7: B */
         cfg.rows[t] = TILE_ROWS;
         cfg.colsb[t] = 64;
     }
     _tile_loadconfig(&cfg);
 }
 
-/* two 16 x 16 output tiles (the second only if `two`) over every k block, in order */
-AMX_TARGET static void amx_tiles(const uint16_t *a, int lda, const uint16_t *b0,
-                                 const uint16_t *b1, int kbs, int two, float *c0, float *c1) {
+/* Up to 2 row tiles x 2 output blocks (`rows2`, `two`): four C tiles, each the sum over every k
+ * block in order of its own A tile times its own B tile. Pairing tiles only saves loads: each
+ * C tile sees the same instructions on the same data as it would alone. */
+AMX_TARGET static void amx_tiles(const uint16_t *a0, const uint16_t *a1, int lda,
+                                 const uint16_t *b0, const uint16_t *b1, int kbs, int rows2,
+                                 int two, float *const c[4], const int ldc[4]) {
     _tile_zero(0);
     _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
     for (int kb = 0; kb < kbs; kb++) {
-        _tile_loadd(2, a + kb * TILE_K, lda * 2);
-        _tile_loadd(3, b0 + (long)kb * BLOCK_ELEMS, 64);
-        _tile_dpbf16ps(0, 2, 3);
+        _tile_loadd(4, a0 + kb * TILE_K, lda * 2);
+        _tile_loadd(6, b0 + (long)kb * BLOCK_ELEMS, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (rows2) {
+            _tile_loadd(5, a1 + kb * TILE_K, lda * 2);
+            _tile_dpbf16ps(2, 5, 6);
+        }
         if (two) {
-            _tile_loadd(4, b1 + (long)kb * BLOCK_ELEMS, 64);
-            _tile_dpbf16ps(1, 2, 4);
+            _tile_loadd(7, b1 + (long)kb * BLOCK_ELEMS, 64);
+            _tile_dpbf16ps(1, 4, 7);
+            if (rows2) _tile_dpbf16ps(3, 5, 7);
         }
     }
-    _tile_stored(0, c0, TILE_ROWS * 4);
-    _tile_stored(1, c1, TILE_ROWS * 4);
+    _tile_stored(0, c[0], ldc[0]);
+    if (two) _tile_stored(1, c[1], ldc[1]);
+    if (rows2) _tile_stored(2, c[2], ldc[2]);
+    if (rows2 && two) _tile_stored(3, c[3], ldc[3]);
 }
 
 AMX_TARGET static void release_tiles(void) { _tile_release(); }
 #endif
 
+static int full_tile(const Call *c, int row0, int col0) {
+    return row0 + TILE_ROWS <= c->m && col0 + TILE_ROWS <= c->n;
+}
+
+/* where a C tile goes: straight into y when it lies inside, else a scratch tile copied after */
+static float *tile_target(const Call *c, int row0, int col0, float *scratch, int *ld) {
+    if (full_tile(c, row0, col0)) {
+        *ld = c->n * 4;
+        return c->y + (long)row0 * c->n + col0;
+    }
+    *ld = TILE_ROWS * 4;
+    return scratch;
+}
+
 static void store_tile(const Call *c, const float *tile, int row0, int col0) {
+    if (full_tile(c, row0, col0)) return;  /* written in place */
     for (int r = 0; r < TILE_ROWS && row0 + r < c->m; r++)
         for (int j = 0; j < TILE_ROWS && col0 + j < c->n; j++)
             c->y[(long)(row0 + r) * c->n + col0 + j] = tile[r * TILE_ROWS + j];
@@ -191,25 +245,33 @@ static void gemm_part(void *arg, int part, int num_parts) {
     const Call *c = arg;
     int lda = c->kbs * TILE_K, nbs = ceil_div(c->n, TILE_ROWS);
     int nb0 = part * GROUP, two = nb0 + 1 < nbs;
-    float tiles[2][TILE_ROWS * TILE_ROWS];
+    const uint16_t *b0 = c->packed + (long)nb0 * c->kbs * BLOCK_ELEMS;
+    const uint16_t *b1 = b0 + (long)c->kbs * BLOCK_ELEMS;
+    float scratch[4][TILE_ROWS * TILE_ROWS];
     (void)num_parts;
 #ifdef KVPARK_AMX_BUILD
     if (!c->emulate) configure_tiles();
 #endif
-    for (int rt = 0; rt < c->row_tiles; rt++) {
-        const uint16_t *a = c->a + (long)rt * TILE_ROWS * lda;
-        const uint16_t *b0 = c->packed + (long)nb0 * c->kbs * BLOCK_ELEMS;
-        const uint16_t *b1 = b0 + (long)c->kbs * BLOCK_ELEMS;
+    for (int rt = 0; rt < c->row_tiles; rt += 2) {
+        int rows2 = rt + 1 < c->row_tiles;
+        const uint16_t *a0 = c->a + (long)rt * TILE_ROWS * lda, *a1 = a0 + TILE_ROWS * lda;
+        float *out[4];
+        int ld[4];
+        for (int t = 0; t < 4; t++)  /* C tile t: row tile rt + t / 2, output block nb0 + t % 2 */
+            out[t] = tile_target(c, (rt + t / 2) * TILE_ROWS, (nb0 + t % 2) * TILE_ROWS,
+                                 scratch[t], &ld[t]);
         if (c->emulate) {
-            emulate_tile(a, lda, b0, c->kbs, tiles[0]);
-            if (two) emulate_tile(a, lda, b1, c->kbs, tiles[1]);
+            for (int t = 0; t < 4; t++)
+                if ((t / 2 == 0 || rows2) && (t % 2 == 0 || two))
+                    emulate_tile(t / 2 ? a1 : a0, lda, t % 2 ? b1 : b0, c->kbs, out[t], ld[t] / 4);
         } else {
 #ifdef KVPARK_AMX_BUILD
-            amx_tiles(a, lda, b0, b1, c->kbs, two, tiles[0], tiles[1]);
+            amx_tiles(a0, a1, lda, b0, b1, c->kbs, rows2, two, out, ld);
 #endif
         }
-        store_tile(c, tiles[0], rt * TILE_ROWS, nb0 * TILE_ROWS);
-        if (two) store_tile(c, tiles[1], rt * TILE_ROWS, (nb0 + 1) * TILE_ROWS);
+        for (int t = 0; t < 4; t++)
+            if ((t / 2 == 0 || rows2) && (t % 2 == 0 || two))
+                store_tile(c, out[t], (rt + t / 2) * TILE_ROWS, (nb0 + t % 2) * TILE_ROWS);
     }
 #ifdef KVPARK_AMX_BUILD
     if (!c->emulate) release_tiles();

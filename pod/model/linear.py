@@ -35,8 +35,11 @@ GEMM_ROWS_PER_OCTAVE = 4
 class WeightFormat(str, enum.Enum):
     """How the big linears (attention, MLP, lm_head) hold their weights."""
 
-    FP32 = "fp32"  # the checkpoint's values; fp32 products and sums (exact, the default)
+    FP32 = "fp32"  # the checkpoint's values; fp32 products and sums (exact)
     BF16 = "bf16"  # half the bytes to read; weights, inputs and outputs rounded to bf16 (opt-in)
+    # where AMX runs (the default there): weights and inputs rounded to bf16 for the tiles'
+    # products, float32 sums and outputs; everything after the GEMM stays float32
+    AMX_BF16 = "amx-bf16"
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
@@ -49,7 +52,8 @@ def can_prepack(weight: torch.Tensor) -> bool:
 
 def uses_amx(fmt: WeightFormat, weight: torch.Tensor) -> bool:
     """bf16 linears run in the AMX tile kernel: a CPU weight where AMX runs."""
-    return fmt is WeightFormat.BF16 and weight.device.type == "cpu" and amx_gemm.usable()
+    return (fmt in (WeightFormat.BF16, WeightFormat.AMX_BF16) and weight.device.type == "cpu"
+            and amx_gemm.usable())
 
 
 def gemm_engine(fmt: WeightFormat, device: torch.device) -> str:
@@ -103,6 +107,8 @@ class Linear:
         self.blocks = blocks  # the checkpoint's quantised blocks: decode rows read these
         self.out_features, self.in_features = weight.shape
         self.compute_dtype = torch.bfloat16 if fmt is WeightFormat.BF16 else weight.dtype
+        if fmt is WeightFormat.AMX_BF16 and not uses_amx(fmt, weight):
+            raise ValueError("amx-bf16 linears need a CPU where AMX runs")
         # bf16 on AMX: kvpark's tile kernel, invariant at any row count (oneDNN's AMX kernels
         # are not, so oneDNN is kept below AMX: kernels/onednn_isa.py)
         self.amx = amx_gemm.pack(weight) if uses_amx(fmt, weight) else None
@@ -135,9 +141,11 @@ class Linear:
 
     def dense(self, x: torch.Tensor) -> torch.Tensor:
         out_dtype = x.dtype
-        if self.amx is not None:  # float32 sums of bf16 products, then a bf16 output as oneDNN
+        if self.amx is not None:  # float32 sums of bf16 products
             y = amx_gemm.gemm(x, self.amx)
-            y = (y if self.bias is None else y + self.bias).to(torch.bfloat16)
+            y = y if self.bias is None else y + self.bias
+            # bf16 linears round the output as oneDNN's bf16 GEMM does; amx-bf16 keeps float32
+            y = y.to(self.compute_dtype)
             return y if y.dtype == out_dtype else y.to(out_dtype)
         if x.dtype != self.compute_dtype:
             x = x.to(self.compute_dtype)

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from kvpark.kernels import cpu_features, quant_linear
+from kvpark.kernels import amx_gemm, cpu_features, quant_linear
 from kvpark.kernels.attention import AttentionBackend
 from kvpark.kernels.cpu_features import CpuFeatures
 from kvpark.kernels.quant_linear import QuantizedWeight
@@ -44,8 +44,13 @@ def pick_dtype(args: ServerArgs, device: torch.device) -> torch.dtype:
 def pick_weight_format(args: ServerArgs, device: torch.device, dtype: torch.dtype,
                        cpu: CpuFeatures | None = None) -> WeightFormat:
     """bf16 linears are a CPU option over a float32 model (on CUDA the dtype says it all); a CPU
-    without oneDNN's bf16 GEMMs keeps float32 (unpacked bf16 GEMMs there are slower than it)."""
-    if args.weights != "bf16" or device.type != "cpu" or dtype != torch.float32:
+    without oneDNN's bf16 GEMMs keeps float32 (unpacked bf16 GEMMs there are slower than it).
+    Where AMX runs, `--weights auto|gguf` computes dense rows on its tiles unless `--amx off`."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return WeightFormat.FP32
+    if args.weights in ("auto", "gguf"):
+        return WeightFormat.AMX_BF16 if uses_amx_tiles(args) else WeightFormat.FP32
+    if args.weights != "bf16":
         return WeightFormat.FP32
     cpu = cpu or cpu_features.detect()
     if not cpu.can_bf16_gemm:
@@ -53,6 +58,18 @@ def pick_weight_format(args: ServerArgs, device: torch.device, dtype: torch.dtyp
                     "BW/VL/DQ or AVX-NE-CONVERT; %s); using fp32 linears", cpu.describe())
         return WeightFormat.FP32
     return WeightFormat.BF16
+
+
+def uses_amx_tiles(args: ServerArgs) -> bool:
+    """`--amx auto` takes the tiles where they run (amx_gemm.usable says once why not); `on`
+    insists on them."""
+    if args.amx == "off":
+        return False
+    if amx_gemm.usable():
+        return True
+    if args.amx == "on":
+        raise ValueError("--amx on: AMX does not run here (see the log line above)")
+    return False
 
 
 def pick_blocks(args: ServerArgs, loaded: LoadedModel, device: torch.device,

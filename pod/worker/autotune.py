@@ -27,7 +27,7 @@ from kvpark.kernels import worker_pool
 from kvpark.kernels.cores import usable_cores
 
 from ..args import MAX_TORCH_THREADS, ServerArgs
-from ..model.linear import MIN_INVARIANT_ROWS, pad_rows
+from ..model.linear import MIN_INVARIANT_ROWS, gemm_engine, pad_rows
 from ..model.llama import LlamaModel
 
 log = logging.getLogger("kvpark.autotune")
@@ -35,6 +35,10 @@ log = logging.getLogger("kvpark.autotune")
 
 AUTO_ROUNDS = 8
 AUTO_BUDGET_S = 0.6  # the start-up measurement stops after this much time
+# decode rows weigh the full batch too where -np makes one of at least this many rows (below,
+# one row's time decides: the block kernel's lead there is what matters), at most this many
+FULL_BATCH_MIN_ROWS = 8
+FULL_BATCH_MAX_ROWS = 64
 BUSY_SPREAD = 0.15  # a variant's median round this much slower than its best: others ran too
 SPARE_CORE = 0.25  # others left less than our cores idle, by this much: they took a core from us
 KEPT_WHEN_BUSY = ("; so the defaults stay, every core and the blocks: a measurement may lower "
@@ -160,7 +164,7 @@ class DecodeTimings:
 
 
 def measure_decode_linears(model: LlamaModel, thread_counts: list[int]) -> DecodeTimings:
-    """The block kernel at each thread count vs float32 oneDNN on this machine, in alternating
+    """The block kernel at each thread count vs the dense GEMM on this machine, in alternating
     rounds (best of each): all layers' MLP weights outgrow the caches, as a decode step does."""
     layers = [layer for layer in model.layers
               if layer.gate_up.blocks is not None and layer.down.blocks is not None]
@@ -187,10 +191,44 @@ def measure_decode_linears(model: LlamaModel, thread_counts: list[int]) -> Decod
     return DecodeTimings({n: best[n] for n in variants if n}, best[0], rounds.conditions())
 
 
+@dataclass(frozen=True)
+class FullBatchTimings:
+    """Seconds for `rows` decode rows at once (the batch -np slots make) through every layer's
+    MLP linears: from blocks, and dense (the prompt rows' GEMM, AMX tiles where they run)."""
+
+    rows: int
+    blocks: float
+    dense: float
+    conditions: Conditions
+
+
+def measure_full_batch(model: LlamaModel, rows: int) -> FullBatchTimings:
+    layers = [layer for layer in model.layers
+              if layer.gate_up.blocks is not None and layer.down.blocks is not None]
+    x = torch.randn(rows, model.config.hidden_size)
+    mid = torch.randn(rows, model.config.intermediate_size)
+
+    def run(blocks: int) -> float:
+        start = time.perf_counter()
+        for layer in layers:
+            if blocks:
+                layer.gate_up.from_blocks(x), layer.down.from_blocks(mid)
+            else:
+                layer.gate_up.dense(x), layer.down.dense(mid)
+        return time.perf_counter() - start
+
+    with torch.inference_mode():
+        rounds = timed_rounds(run, [1, 0])
+    return FullBatchTimings(rows, rounds.best[1], rounds.best[0], rounds.conditions())
+
+
 def choose_decode_weights(args: ServerArgs, model: LlamaModel) -> None:
     """By measurement on this machine: `--weights auto` keeps decode rows on blocks (the
-    GGUF's, or Q8_0 made at load) only where they are faster than float32; `--kernel-threads 0`
-    takes more threads only where they are faster."""
+    GGUF's, or Q8_0 made at load) only where they cost less than the dense GEMM: one row, plus
+    the full batch of -np rows where that is FULL_BATCH_MIN_ROWS or more (a dense GEMM on AMX
+    tiles costs little more for 32 rows than for 1; the block kernel's cost grows with the
+    rows). The choice holds for the server's life, so a row's kernels stay a property of the
+    row. `--kernel-threads 0` takes more threads only where they are faster."""
     auto_threads = args.kernel_threads == 0
     if not model.has_blocks or (args.weights != "auto" and not auto_threads):
         return
@@ -199,16 +237,25 @@ def choose_decode_weights(args: ServerArgs, model: LlamaModel) -> None:
     busy = timings.conditions.busy
     if auto_threads:
         worker_pool.set_num_threads(max(counts) if busy else timings.best_threads)
-    blocks = timings.blocks[worker_pool.get_num_threads()]
-    keep = args.weights != "auto" or busy or blocks <= timings.dense
+    blocks, dense = timings.blocks[worker_pool.get_num_threads()], timings.dense
+    full = None
+    if args.weights == "auto" and not busy and args.parallel >= FULL_BATCH_MIN_ROWS:
+        full = measure_full_batch(model, min(args.parallel, FULL_BATCH_MAX_ROWS))
+        busy = full.conditions.busy
+        blocks, dense = blocks + full.blocks, dense + full.dense
+    keep = args.weights != "auto" or busy or blocks <= dense
+    engine = f"{model.weight_format.value} {gemm_engine(model.weight_format, model.device)}"
+    batch = ("" if full is None else f"; {full.rows} rows (-np): blocks {full.blocks * 1e3:.2f} "
+             f"ms, {engine} {full.dense * 1e3:.2f} ms")
     log.info("--weights %s, --kernel-threads %s: decode rows from %s, kernel threads %d (one row "
-             "through every layer's MLP: blocks %s, float32 oneDNN %.2f ms; %s%s)",
+             "through every layer's MLP: blocks %s, %s %.2f ms%s; %s%s)",
              args.weights, "auto" if auto_threads else args.kernel_threads,
-             "blocks" if keep else "float32 (faster here)",
+             "blocks" if keep else f"{engine} (faster here)",
              worker_pool.get_num_threads(),
              ", ".join(f"{t * 1e3:.2f} ms at {n} thread{'s' * (n > 1)}"
-                       for n, t in timings.blocks.items()), timings.dense * 1e3,
-             timings.conditions.describe(), KEPT_WHEN_BUSY if busy else "")
+                       for n, t in timings.blocks.items()), engine, timings.dense * 1e3, batch,
+             (full.conditions if full else timings.conditions).describe(),
+             KEPT_WHEN_BUSY if busy else "")
     if not keep:
         model.drop_blocks()
 

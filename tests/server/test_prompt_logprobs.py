@@ -12,10 +12,16 @@ import pytest
 import torch
 from serverproc import ServerProcess
 
+from kvpark.kernels import amx_gemm
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from reference_llama import builtin_model, reference_logits  # noqa: E402
 
 TEXT = "The capital of France is Paris. The capital of Germany is"
+# How far a logprob may be from the float64 reference: float32 linears' sums round differently;
+# where AMX runs the prompt rows' products are bf16 (`--amx auto`; on this text and the two
+# continuations below measured at most 0.057 off, 0.047 for the top token)
+REFERENCE_TOLERANCE = 0.12 if amx_gemm.usable() else 2e-3
 
 
 def tokenize(server, text):
@@ -41,10 +47,11 @@ def test_echo_logprobs_are_the_models_own_over_the_prompt(smollm2_server):
     expected = torch.log_softmax(reference_logits(builtin_model(), ids).double(), -1)
     for pos in range(1, len(ids)):
         want = float(expected[pos - 1, ids[pos]])
-        assert logprobs["token_logprobs"][pos] == pytest.approx(want, abs=2e-3), pos
+        assert logprobs["token_logprobs"][pos] == pytest.approx(want, abs=REFERENCE_TOLERANCE), pos
         best = int(expected[pos - 1].argmax())
         top = logprobs["top_logprobs"][pos]
-        assert max(top.values()) == pytest.approx(float(expected[pos - 1, best]), abs=2e-3)
+        assert max(top.values()) == pytest.approx(float(expected[pos - 1, best]),
+                                              abs=REFERENCE_TOLERANCE)
     # " Berlin" is what the model expects next: a far better score than a wrong city
     good = scored(smollm2_server, ids + tokenize(smollm2_server, " Berlin"))
     bad = scored(smollm2_server, ids + tokenize(smollm2_server, " Madrid"))

@@ -56,7 +56,37 @@ def test_weights_flag_and_its_reach():
     # a bf16 model, or CUDA, already computes in its dtype: nothing to reformat
     assert pick_weight_format(bf16, cpu, torch.bfloat16) is WeightFormat.FP32
     assert pick_weight_format(bf16, cuda, torch.bfloat16) is WeightFormat.FP32
-    assert pick_weight_format(parse_args([], env={}), cpu, torch.float32) is WeightFormat.FP32
+    assert pick_weight_format(parse_args(["--weights", "fp32"], env={}), cpu,
+                              torch.float32) is WeightFormat.FP32
+
+
+def test_amx_picks_tile_linears_for_prompt_rows_only_where_they_run(monkeypatch):
+    """The defaults take amx-bf16 linears where AMX runs, float32 elsewhere; `--amx off` keeps
+    float32 there, `--amx on` refuses a machine without it; `--weights fp32` stays exact."""
+    import torch
+
+    from kvpark.kernels import amx_gemm
+    from kvpark.pod.model.linear import WeightFormat
+    from kvpark.pod.serving.choices import pick_weight_format
+
+    cpu = torch.device("cpu")
+
+    def pick(*argv: str) -> WeightFormat:
+        return pick_weight_format(parse_args(list(argv), env={}), cpu, torch.float32)
+
+    for runs in (True, False):
+        monkeypatch.setattr(amx_gemm, "usable", lambda runs=runs: runs)
+        amx = WeightFormat.AMX_BF16 if runs else WeightFormat.FP32
+        assert pick() is amx and pick("--weights", "gguf") is amx
+        assert pick("--amx", "off") is WeightFormat.FP32
+        assert pick("--weights", "fp32", "--amx", "on") is WeightFormat.FP32
+        assert pick_weight_format(parse_args([], env={}), cpu, torch.bfloat16) is WeightFormat.FP32
+    assert parse_args([], env={"KVPARK_AMX": "off"}).amx == "off"
+    monkeypatch.setattr(amx_gemm, "usable", lambda: True)
+    assert pick("--amx", "on") is WeightFormat.AMX_BF16
+    monkeypatch.setattr(amx_gemm, "usable", lambda: False)
+    with pytest.raises(ValueError, match="--amx on"):
+        pick("--amx", "on")
 
 
 def refused(capsys, argv, env):

@@ -25,7 +25,7 @@ from kvpark.pod.model.synthetic import synthetic_config, synthetic_weights
 from kvpark.pod.worker.batch_invariance import probe_gemm_kernels
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from cpu_isa import requires_bf16_gemm  # noqa: E402
+from cpu_isa import requires_amx, requires_bf16_gemm  # noqa: E402
 from reference_llama import reference_logits  # noqa: E402
 
 PAGE = 16
@@ -50,7 +50,8 @@ def small_weights() -> dict[str, torch.Tensor]:
 # ---- linears ------------------------------------------------------------------------------------
 ROW_COUNTS = [*range(2, 20), 31, 64, 100, 257, 512]
 # bf16 row invariance is a property of oneDNN's prepacked bf16 GEMMs, which need AVX-512
-FORMATS = [WeightFormat.FP32, pytest.param(WeightFormat.BF16, marks=requires_bf16_gemm)]
+FORMATS = [WeightFormat.FP32, pytest.param(WeightFormat.BF16, marks=requires_bf16_gemm),
+           pytest.param(WeightFormat.AMX_BF16, marks=requires_amx)]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

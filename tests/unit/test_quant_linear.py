@@ -8,6 +8,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from cpu_isa import requires_amx
 from reference_quant_linear import dequantize, quantize_activations, reference_quant_linear
 
 from kvpark.kernels import quant_linear as ql
@@ -18,7 +19,7 @@ from kvpark.kernels.cpu_paged import CpuPagedAttention
 from kvpark.pod.args import parse_args
 from kvpark.pod.memory.kv_pool import KVPool
 from kvpark.pod.model.blocks_at_load import decode_linear_names, q8_0_blocks
-from kvpark.pod.model.linear import BlockRows
+from kvpark.pod.model.linear import BlockRows, WeightFormat
 from kvpark.pod.model.llama import LlamaModel
 from kvpark.pod.model.loader import LoadedModel, load_model_files
 from kvpark.pod.serving.choices import pick_blocks
@@ -208,7 +209,24 @@ def check_row_invariant_and_close_to_float32(model: LlamaModel, dense: LlamaMode
 
 
 def test_a_recompute_replay_reproduces_the_decoded_bits(models):
-    model, _ = models
+    check_a_replay_reproduces_the_decoded_bits(models[0])
+
+
+@requires_amx
+def test_amx_prompt_rows_keep_every_promise_of_the_float32_ones(smollm2, models):
+    """The default where AMX runs: prompt rows on the tile kernel (bf16 products), decode rows
+    from the GGUF's blocks. A row's bits still do not depend on its neighbours, a replay still
+    reproduces them, and the output stays close to float32's (the same greedy tokens)."""
+    amx = LlamaModel(smollm2.config, smollm2.weights, quantized=smollm2.quantized,
+                     weight_format=WeightFormat.AMX_BF16)
+    assert amx.layers[0].qkv.amx is not None and amx.has_blocks
+    check_row_invariant_and_close_to_float32(amx, models[1])
+    check_a_replay_reproduces_the_decoded_bits(amx)
+    fp32 = run_steps(models[0], [[(0, PROMPT)]], [8])
+    assert not torch.equal(run_steps(amx, [[(0, PROMPT)]], [8])[0][0], fp32[0][0])
+
+
+def check_a_replay_reproduces_the_decoded_bits(model: LlamaModel) -> None:
     decoded = run_steps(model, [[(0, PROMPT)], *[[(0, t)] for t in GENERATED]], [8])
     # the pages were dropped: prompt and generated tokens fed again, in chunks of any size
     replay = [token for chunk in GENERATED for token in chunk]
@@ -229,7 +247,7 @@ def test_auto_measures_then_logs_and_keeps_the_faster(smollm2, caplog, monkeypat
         autotune.choose_decode_weights(auto, model)
     [line] = [r.getMessage() for r in caplog.records if "--weights auto" in r.getMessage()]
     found = re.search(r"blocks (\d+\.\d+) ms at 1 thread, (\d+\.\d+) ms at 2 threads, "
-                      r"float32 oneDNN (\d+\.\d+) ms", line)
+                      r"fp32 onednn (\d+\.\d+) ms", line)
     assert found, line
     one, two, dense = map(float, found.groups())
     busy = "the machine was busy while measuring" in line  # the defaults stay: 2, blocks
@@ -246,7 +264,7 @@ def test_auto_measures_then_logs_and_keeps_the_faster(smollm2, caplog, monkeypat
     with caplog.at_level(logging.INFO, logger="kvpark.autotune"):
         autotune.choose_decode_weights(auto, model)
     assert not model.has_blocks and all(layer.qkv.blocks is None for layer in model.layers)
-    assert "float32 (faster here)" in caplog.text and "4.00 ms at 1 thread" in caplog.text
+    assert "fp32 onednn (faster here)" in caplog.text and "4.00 ms at 1 thread" in caplog.text
     assert worker_pool.get_num_threads() == 2  # 25% faster than 1: worth the second thread
 
     model = LlamaModel(smollm2.config, smollm2.weights, quantized=smollm2.quantized)
@@ -395,6 +413,42 @@ def test_a_busy_start_keeps_every_kernel_thread_and_the_blocks(smollm2, caplog, 
     assert worker_pool.get_num_threads() == (2 if busy else 1)
     assert model.has_blocks == busy
     assert ("the defaults stay" in caplog.text) == busy
+
+
+# one row: the blocks lead (as measured on an AMX CPU); 32 rows: the dense GEMM on AMX tiles
+BLOCKS_LEAD_ALONE = autotune.DecodeTimings({1: 0.011, 2: 0.011}, 0.017, IDLE)
+
+
+@pytest.mark.parametrize("parallel,conditions,dense", [
+    (32, IDLE, True), (4, IDLE, False), (32, BUSY, False)], ids=["np32", "np4", "np32-busy"])
+def test_a_full_batch_that_the_dense_gemm_computes_cheaper_takes_decode_rows_off_blocks(
+        smollm2, caplog, monkeypatch, parallel, conditions, dense):
+    """-np 32: the blocks win at one row (11 vs 17 ms) but 32 rows cost them 50 ms against
+    23 ms for AMX tiles (measured here): one row plus the full batch decides, so every decode
+    row goes dense for the server's life. -np 4 measures no batch (one row decides: blocks);
+    a batch measured on a busy machine keeps the defaults."""
+    model = LlamaModel(smollm2.config, smollm2.weights, quantized=smollm2.quantized)
+    monkeypatch.setattr(autotune, "measure_decode_linears", lambda m, counts: BLOCKS_LEAD_ALONE)
+    asked = []
+
+    def full(m, rows):
+        asked.append(rows)
+        return autotune.FullBatchTimings(rows, 0.050, 0.023, conditions)
+
+    monkeypatch.setattr(autotune, "measure_full_batch", full)
+    monkeypatch.setattr(worker_pool, "_num_threads", 2)
+    with caplog.at_level(logging.INFO, logger="kvpark.autotune"):
+        autotune.choose_decode_weights(parse_args(["-np", str(parallel)], env={}), model)
+    assert asked == ([32] if parallel == 32 else [])
+    assert model.has_blocks == (not dense)
+    assert ("32 rows (-np): blocks 50.00 ms" in caplog.text) == (parallel == 32)
+    assert ("(faster here)" in caplog.text) == dense
+
+
+def test_the_full_batch_measurement_times_both_kernels(smollm2):
+    model = LlamaModel(smollm2.config, smollm2.weights, quantized=smollm2.quantized)
+    found = autotune.measure_full_batch(model, 8)
+    assert found.rows == 8 and found.blocks > 0 and found.dense > 0
 
 
 @pytest.mark.parametrize("conditions", [BUSY, IDLE], ids=["busy", "quiet"])
