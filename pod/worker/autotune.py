@@ -239,7 +239,9 @@ def choose_decode_weights(args: ServerArgs, model: LlamaModel) -> None:
         worker_pool.set_num_threads(max(counts) if busy else timings.best_threads)
     blocks, dense = timings.blocks[worker_pool.get_num_threads()], timings.dense
     full = None
-    if args.weights == "auto" and not busy and args.parallel >= FULL_BATCH_MIN_ROWS:
+    if args.weights == "auto" and args.parallel >= FULL_BATCH_MIN_ROWS:
+        # a batch's rounds last tens of ms, so its quiet is what decides (a one-row round's
+        # few ms are easily spread by the server's own start)
         full = measure_full_batch(model, min(args.parallel, FULL_BATCH_MAX_ROWS))
         busy = full.conditions.busy
         blocks, dense = blocks + full.blocks, dense + full.dense
