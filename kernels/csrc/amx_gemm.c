@@ -111,6 +111,7 @@ typedef struct {
     const uint16_t *packed;
     float *y;
     int m, n, k, kbs, row_tiles, emulate;
+    volatile int failed;  /* a part could not get its buffer (set only to 1, by any thread) */
 } Call;
 
 #ifdef KVPARK_AMX_BUILD
@@ -187,17 +188,26 @@ AMX_TARGET static void configure_tiles(void) {
     _tile_loadconfig(&cfg);
 }
 
-/* Up to 2 row tiles x 2 output blocks (`rows2`, `two`): four C tiles, each the sum over every k
- * block in order of its own A tile times its own B tile. Pairing tiles only saves loads: each
- * C tile sees the same instructions on the same data as it would alone. */
+/* Up to 2 row tiles x 2 output blocks (`rows2`, `two`): four C tiles, each the sum over the k
+ * blocks [kb0, kb1) in order of its own A tile times its own B tile, added to what the C tile
+ * holds (zero for the first chunk). Pairing tiles only saves loads, and a float32 C tile stored
+ * and loaded between chunks keeps every bit: each C element sees the same products in the same
+ * order as it would alone and in one go. */
 AMX_TARGET static void amx_tiles(const uint16_t *a0, const uint16_t *a1, int lda,
-                                 const uint16_t *b0, const uint16_t *b1, int kbs, int rows2,
-                                 int two, float *const c[4], const int ldc[4]) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int kb = 0; kb < kbs; kb++) {
+                                 const uint16_t *b0, const uint16_t *b1, int kb0, int kb1,
+                                 int rows2, int two, float *const c[4], int ldc) {
+    if (kb0 == 0) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+    } else {
+        _tile_loadd(0, c[0], ldc);
+        if (two) _tile_loadd(1, c[1], ldc);
+        if (rows2) _tile_loadd(2, c[2], ldc);
+        if (rows2 && two) _tile_loadd(3, c[3], ldc);
+    }
+    for (int kb = kb0; kb < kb1; kb++) {
         _tile_loadd(4, a0 + kb * TILE_K, lda * 2);
         _tile_loadd(6, b0 + (long)kb * BLOCK_ELEMS, 64);
         _tile_dpbf16ps(0, 4, 6);
@@ -211,71 +221,88 @@ AMX_TARGET static void amx_tiles(const uint16_t *a0, const uint16_t *a1, int lda
             if (rows2) _tile_dpbf16ps(3, 5, 7);
         }
     }
-    _tile_stored(0, c[0], ldc[0]);
-    if (two) _tile_stored(1, c[1], ldc[1]);
-    if (rows2) _tile_stored(2, c[2], ldc[2]);
-    if (rows2 && two) _tile_stored(3, c[3], ldc[3]);
+    _tile_stored(0, c[0], ldc);
+    if (two) _tile_stored(1, c[1], ldc);
+    if (rows2) _tile_stored(2, c[2], ldc);
+    if (rows2 && two) _tile_stored(3, c[3], ldc);
 }
 
 AMX_TARGET static void release_tiles(void) { _tile_release(); }
 #endif
 
-static int full_tile(const Call *c, int row0, int col0) {
-    return row0 + TILE_ROWS <= c->m && col0 + TILE_ROWS <= c->n;
-}
+/* k blocks per pass over a part's row tiles: a pair of A tiles and a pair of B tiles of one
+ * chunk (16 KiB each) stay in L1 while the row tiles go by */
+#define K_CHUNK 8
 
-/* where a C tile goes: straight into y when it lies inside, else a scratch tile copied after */
-static float *tile_target(const Call *c, int row0, int col0, float *scratch, int *ld) {
-    if (full_tile(c, row0, col0)) {
-        *ld = c->n * 4;
-        return c->y + (long)row0 * c->n + col0;
+/* A part's output: straight into y where its tiles lie inside, else a padded buffer copied
+ * into y at the end (a last row tile or output block cut short). */
+typedef struct {
+    float *base;
+    int ld;  /* floats */
+    float *owned;
+} PartOut;
+
+static PartOut part_out(const Call *c, int col0, int cols) {
+    PartOut out = {NULL, 0, NULL};
+    if (c->m % TILE_ROWS == 0 && col0 + cols <= c->n) {
+        out.base = c->y + col0;
+        out.ld = c->n;
+    } else {
+        out.owned = malloc((size_t)c->row_tiles * TILE_ROWS * cols * sizeof(float));
+        out.base = out.owned;
+        out.ld = cols;
     }
-    *ld = TILE_ROWS * 4;
-    return scratch;
+    return out;
 }
 
-static void store_tile(const Call *c, const float *tile, int row0, int col0) {
-    if (full_tile(c, row0, col0)) return;  /* written in place */
-    for (int r = 0; r < TILE_ROWS && row0 + r < c->m; r++)
-        for (int j = 0; j < TILE_ROWS && col0 + j < c->n; j++)
-            c->y[(long)(row0 + r) * c->n + col0 + j] = tile[r * TILE_ROWS + j];
+static void copy_out(const Call *c, const PartOut *out, int col0, int cols) {
+    if (out->owned == NULL) return;
+    for (int r = 0; r < c->m; r++)
+        for (int j = 0; j < cols && col0 + j < c->n; j++)
+            c->y[(long)r * c->n + col0 + j] = out->owned[(long)r * out->ld + j];
+    free(out->owned);
 }
 
 static void gemm_part(void *arg, int part, int num_parts) {
-    const Call *c = arg;
+    Call *c = arg;
     int lda = c->kbs * TILE_K, nbs = ceil_div(c->n, TILE_ROWS);
-    int nb0 = part * GROUP, two = nb0 + 1 < nbs;
+    int nb0 = part * GROUP, two = nb0 + 1 < nbs, cols = (1 + two) * TILE_ROWS;
     const uint16_t *b0 = c->packed + (long)nb0 * c->kbs * BLOCK_ELEMS;
     const uint16_t *b1 = b0 + (long)c->kbs * BLOCK_ELEMS;
-    float scratch[4][TILE_ROWS * TILE_ROWS];
+    PartOut out = part_out(c, nb0 * TILE_ROWS, cols);
     (void)num_parts;
+    if (out.base == NULL) {  /* out of memory: the call reports it */
+        c->failed = 1;
+        return;
+    }
 #ifdef KVPARK_AMX_BUILD
     if (!c->emulate) configure_tiles();
 #endif
-    for (int rt = 0; rt < c->row_tiles; rt += 2) {
-        int rows2 = rt + 1 < c->row_tiles;
-        const uint16_t *a0 = c->a + (long)rt * TILE_ROWS * lda, *a1 = a0 + TILE_ROWS * lda;
-        float *out[4];
-        int ld[4];
-        for (int t = 0; t < 4; t++)  /* C tile t: row tile rt + t / 2, output block nb0 + t % 2 */
-            out[t] = tile_target(c, (rt + t / 2) * TILE_ROWS, (nb0 + t % 2) * TILE_ROWS,
-                                 scratch[t], &ld[t]);
-        if (c->emulate) {
-            for (int t = 0; t < 4; t++)
-                if ((t / 2 == 0 || rows2) && (t % 2 == 0 || two))
-                    emulate_tile(t / 2 ? a1 : a0, lda, t % 2 ? b1 : b0, c->kbs, out[t], ld[t] / 4);
-        } else {
+    for (int kb0 = 0; kb0 < c->kbs; kb0 += K_CHUNK) {
+        int kb1 = kb0 + K_CHUNK < c->kbs ? kb0 + K_CHUNK : c->kbs;
+        for (int rt = 0; rt < c->row_tiles; rt += 2) {
+            int rows2 = rt + 1 < c->row_tiles;
+            const uint16_t *a0 = c->a + (long)rt * TILE_ROWS * lda, *a1 = a0 + TILE_ROWS * lda;
+            float *tiles[4];
+            for (int t = 0; t < 4; t++)  /* C tile t: row tile rt + t / 2, block nb0 + t % 2 */
+                tiles[t] = out.base + (long)(rt + t / 2) * TILE_ROWS * out.ld + t % 2 * TILE_ROWS;
+            if (c->emulate) {
+                if (kb0 > 0) continue;  /* the scalar tile sums every k block at once */
+                for (int t = 0; t < 4; t++)
+                    if ((t / 2 == 0 || rows2) && (t % 2 == 0 || two))
+                        emulate_tile(t / 2 ? a1 : a0, lda, t % 2 ? b1 : b0, c->kbs, tiles[t],
+                                     out.ld);
+            } else {
 #ifdef KVPARK_AMX_BUILD
-            amx_tiles(a0, a1, lda, b0, b1, c->kbs, rows2, two, out, ld);
+                amx_tiles(a0, a1, lda, b0, b1, kb0, kb1, rows2, two, tiles, out.ld * 4);
 #endif
+            }
         }
-        for (int t = 0; t < 4; t++)
-            if ((t / 2 == 0 || rows2) && (t % 2 == 0 || two))
-                store_tile(c, out[t], (rt + t / 2) * TILE_ROWS, (nb0 + t % 2) * TILE_ROWS);
     }
 #ifdef KVPARK_AMX_BUILD
     if (!c->emulate) release_tiles();
 #endif
+    copy_out(c, &out, nb0 * TILE_ROWS, cols);
 }
 
 /* y[m, n] (float32) = x[m, k] (float32, rounded to bf16) . W^T (packed bf16). Returns 0, or -1
@@ -284,11 +311,12 @@ int kvpark_amx_gemm_bf16(const float *x, int m, int k, const uint16_t *packed, i
                          int num_threads, int emulate) {
     if (!emulate && !kvpark_amx_usable()) return -1;
     if (m <= 0) return 0;
-    Call c = {x, NULL, packed, y, m, n, k, ceil_div(k, TILE_K), ceil_div(m, TILE_ROWS), emulate};
+    Call c = {x, NULL, packed, y, m, n, k, ceil_div(k, TILE_K), ceil_div(m, TILE_ROWS), emulate,
+              0};
     c.a = malloc((size_t)c.row_tiles * TILE_ROWS * c.kbs * TILE_K * sizeof(uint16_t));
     if (c.a == NULL) return -2;
     kvpark_pool_run(convert_part, &c, c.row_tiles, num_threads);
     kvpark_pool_run(gemm_part, &c, ceil_div(ceil_div(n, TILE_ROWS), GROUP), num_threads);
     free(c.a);
-    return 0;
+    return c.failed ? -2 : 0;
 }

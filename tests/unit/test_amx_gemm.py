@@ -46,8 +46,11 @@ def test_the_packed_layout_is_the_b_tiles():
 
 
 @pytest.mark.parametrize("emulate", MODES)
-def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(emulate):
-    n, k = 40, 80  # three output blocks (an odd group), three input blocks, the last partial
+@pytest.mark.parametrize("n,k", [
+    (40, 80),  # three output blocks (an odd group), three input blocks, the last partial
+    (48, 600)])  # whole output blocks: row counts of whole tiles write y in place, others a
+                 # buffer; 19 input blocks: three passes of K_CHUNK, the C tiles kept between
+def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(emulate, n, k):
     w, x = operands(n, k, max(ROWS) + max(OFFSETS))
     packed = amx_gemm.pack(w)
     whole = amx_gemm.gemm(x, packed, emulate=emulate)
