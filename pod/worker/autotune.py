@@ -277,16 +277,23 @@ class PromptTimings:
 
 def measure_prompt_gemms(model: LlamaModel, thread_counts: list[int]) -> PromptTimings:
     """Seconds for a prompt chunk through a few layers' MLP GEMMs (float32 oneDNN, as prompt rows
-    take them) at each torch thread count, alternating rounds, best of each."""
+    take them) at each torch thread count, alternating rounds, best of each. Where the GEMMs run
+    in the AMX tile kernel (its own threads), the whole MLP with its norm and residuals: what
+    torch's threads still compute, beside the kernel's."""
     layers = model.layers[:PROMPT_PROBE_LAYERS]
     x = torch.randn(PROMPT_PROBE_ROWS, model.config.hidden_size)
     mid = torch.randn(PROMPT_PROBE_ROWS, model.config.intermediate_size)
+    amx = gemm_engine(model.weight_format, model.device) == "amx"
+    attn = torch.randn(PROMPT_PROBE_ROWS, layers[0].o.in_features) if layers else x
 
     def run(threads: int) -> float:
         torch.set_num_threads(threads)
         start = time.perf_counter()
         for layer in layers:
-            layer.gate_up.dense(x), layer.down.dense(mid)
+            if amx:  # a hybrid's layers keep theirs in an MLPBlock
+                layer.mlp(x) if hasattr(layer, "mlp") else layer.mlp_residual(x, attn, None)
+            else:
+                layer.gate_up.dense(x), layer.down.dense(mid)
         return time.perf_counter() - start
 
     before = torch.get_num_threads()
@@ -302,22 +309,31 @@ def choose_torch_threads(args: ServerArgs, model: LlamaModel) -> None:
     at start-up one thread stays; measurements in benchmarks/README.md).
     Decode steps of block rows make few torch calls, so the extra OpenMP thread costs them
     nothing measurable; without blocks (float32 decode in torch ops) half the cores stay, as
-    `pick_threads` says why."""
+    `pick_threads` says why. Where the GEMMs run in the AMX tile kernel, torch's threads only
+    compute norms and activations beside the kernel's threads, and compete with them for the
+    cores (a 330-token prompt took 380 ms with 2 torch threads, 300 with 1, on 2 cores): one
+    torch thread unless a quiet measurement finds more 30% faster."""
     cores = min(usable_cores().count, MAX_TORCH_THREADS)
     # a hybrid's decode rows run every linear in torch (no blocks): its GEMMs are the step
     torch_decodes = getattr(model.config, "is_hybrid", False)
     if (args.threads != 0 or not (model.has_blocks or torch_decodes)
             or model.device.type != "cpu" or cores < 2):
         return
+    amx = gemm_engine(model.weight_format, model.device) == "amx"
     timings = measure_prompt_gemms(model, [1, cores])
     one, every = timings.by_threads[1], timings.by_threads[cores]
     busy = timings.conditions.busy
-    chosen = cores if busy or every * PROMPT_THREADS_GAIN < one else 1
+    faster = every * PROMPT_THREADS_GAIN < one
+    chosen = cores if (faster and not busy) or (busy and not amx) else 1
     torch.set_num_threads(chosen)
-    log.info("--threads auto: %d torch thread%s for prompt GEMMs (a %d-row chunk through %d "
+    what = ("the MLPs beside the AMX tile kernel's threads" if amx
+            else "prompt GEMMs")
+    kept = ("; one stays: the GEMMs run in the tile kernel's threads" if busy and amx
+            else KEPT_WHEN_BUSY if busy else "")
+    log.info("--threads auto: %d torch thread%s for %s (a %d-row chunk through %d "
              "layers' MLPs: %.2f ms at 1 thread, %.2f ms at %d; %s%s)", chosen,
-             "s" * (chosen > 1), PROMPT_PROBE_ROWS, PROMPT_PROBE_LAYERS, one * 1e3, every * 1e3,
-             cores, timings.conditions.describe(), KEPT_WHEN_BUSY if busy else "")
+             "s" * (chosen > 1), what, PROMPT_PROBE_ROWS, PROMPT_PROBE_LAYERS, one * 1e3,
+             every * 1e3, cores, timings.conditions.describe(), kept)
 
 
 def warn_if_oversubscribed(torch_threads: int, kernel_threads: int) -> None:

@@ -467,6 +467,37 @@ def test_a_busy_start_keeps_every_torch_thread(smollm2, caplog, monkeypatch, con
     assert ("the defaults stay" in caplog.text) == (conditions is BUSY)
 
 
+@pytest.mark.parametrize("conditions,every,threads", [
+    (BUSY, 0.012, 1), (IDLE, 0.012, 1), (IDLE, 0.005, 2), (BUSY, 0.005, 1)],
+    ids=["busy", "quiet-slower", "quiet-faster", "busy-faster"])
+def test_with_amx_gemms_one_torch_thread_unless_a_quiet_measurement_finds_more_faster(
+        smollm2, caplog, monkeypatch, conditions, every, threads):
+    """The AMX tile kernel runs the prompt GEMMs on its own threads: torch's only compute the
+    norms and activations beside them, and compete for the cores, so one stays, on a busy
+    start too (unlike the float32 GEMMs, whose default is every core)."""
+    model = LlamaModel(smollm2.config, smollm2.weights, quantized=smollm2.quantized)
+    monkeypatch.setattr(autotune, "gemm_engine", lambda fmt, device: "amx")
+    monkeypatch.setattr(autotune, "usable_cores", lambda: Cores(2, "a test"))
+    monkeypatch.setattr(autotune, "measure_prompt_gemms", lambda m, counts: (
+        autotune.PromptTimings({1: 0.010, 2: every}, conditions)))
+    try:
+        with caplog.at_level(logging.INFO, logger="kvpark.autotune"):
+            autotune.choose_torch_threads(parse_args([], env={}), model)
+        chosen = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(1)
+    assert chosen == threads
+    assert "beside the AMX tile kernel's threads" in caplog.text
+
+
+@requires_amx
+def test_the_amx_prompt_measurement_runs_the_mlp_with_its_torch_ops(smollm2):
+    model = LlamaModel(smollm2.config, smollm2.weights, quantized=smollm2.quantized,
+                       weight_format=WeightFormat.AMX_BF16)
+    timings = autotune.measure_prompt_gemms(model, [1, 2])
+    assert set(timings.by_threads) == {1, 2} and min(timings.by_threads.values()) > 0
+
+
 class SlowClock:
     """A perf_counter that moves a whole start-up budget each time it is read."""
 
