@@ -263,21 +263,17 @@ static void copy_out(const Call *c, const PartOut *out, int col0, int cols) {
     free(out->owned);
 }
 
-static void gemm_part(void *arg, int part, int num_parts) {
-    Call *c = arg;
+/* one part: 32 outputs (GROUP output blocks) for every row, tiles configured by the caller */
+static void gemm_part(Call *c, int part) {
     int lda = c->kbs * TILE_K, nbs = ceil_div(c->n, TILE_ROWS);
     int nb0 = part * GROUP, two = nb0 + 1 < nbs, cols = (1 + two) * TILE_ROWS;
     const uint16_t *b0 = c->packed + (long)nb0 * c->kbs * BLOCK_ELEMS;
     const uint16_t *b1 = b0 + (long)c->kbs * BLOCK_ELEMS;
     PartOut out = part_out(c, nb0 * TILE_ROWS, cols);
-    (void)num_parts;
     if (out.base == NULL) {  /* out of memory: the call reports it */
         c->failed = 1;
         return;
     }
-#ifdef KVPARK_AMX_BUILD
-    if (!c->emulate) configure_tiles();
-#endif
     for (int kb0 = 0; kb0 < c->kbs; kb0 += K_CHUNK) {
         int kb1 = kb0 + K_CHUNK < c->kbs ? kb0 + K_CHUNK : c->kbs;
         for (int rt = 0; rt < c->row_tiles; rt += 2) {
@@ -299,10 +295,22 @@ static void gemm_part(void *arg, int part, int num_parts) {
             }
         }
     }
+    copy_out(c, &out, nb0 * TILE_ROWS, cols);
+}
+
+#define TASKS_PER_THREAD 4  /* parts are claimed in runs: the tiles configured once a run */
+
+static void gemm_run(void *arg, int run, int num_runs) {
+    Call *c = arg;
+    int parts = ceil_div(ceil_div(c->n, TILE_ROWS), GROUP);
+#ifdef KVPARK_AMX_BUILD
+    if (!c->emulate) configure_tiles();
+#endif
+    for (int part = (long)run * parts / num_runs; part < (long)(run + 1) * parts / num_runs; part++)
+        gemm_part(c, part);
 #ifdef KVPARK_AMX_BUILD
     if (!c->emulate) release_tiles();
 #endif
-    copy_out(c, &out, nb0 * TILE_ROWS, cols);
 }
 
 /* y[m, n] (float32) = x[m, k] (float32, rounded to bf16) . W^T (packed bf16). Returns 0, or -1
@@ -316,7 +324,8 @@ int kvpark_amx_gemm_bf16(const float *x, int m, int k, const uint16_t *packed, i
     c.a = malloc((size_t)c.row_tiles * TILE_ROWS * c.kbs * TILE_K * sizeof(uint16_t));
     if (c.a == NULL) return -2;
     kvpark_pool_run(convert_part, &c, c.row_tiles, num_threads);
-    kvpark_pool_run(gemm_part, &c, ceil_div(ceil_div(n, TILE_ROWS), GROUP), num_threads);
+    int parts = ceil_div(ceil_div(n, TILE_ROWS), GROUP), runs = num_threads * TASKS_PER_THREAD;
+    kvpark_pool_run(gemm_run, &c, parts < runs ? parts : runs, num_threads);
     free(c.a);
     return c.failed ? -2 : 0;
 }
