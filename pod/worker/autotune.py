@@ -39,6 +39,9 @@ AUTO_BUDGET_S = 0.6  # the start-up measurement stops after this much time
 # one row's time decides: the block kernel's lead there is what matters), at most this many
 FULL_BATCH_MIN_ROWS = 8
 FULL_BATCH_MAX_ROWS = 64
+FULL_BATCH_MARGIN = 0.8  # the dense GEMM takes decode rows only where it costs 20% less
+FULL_BATCH_BUSY = ("; the kernels were compared in alternating rounds on the same threads, "
+                   "which a busy machine slows alike")
 BUSY_SPREAD = 0.15  # a variant's median round this much slower than its best: others ran too
 SPARE_CORE = 0.25  # others left less than our cores idle, by this much: they took a core from us
 KEPT_WHEN_BUSY = ("; so the defaults stay, every core and the blocks: a measurement may lower "
@@ -240,12 +243,14 @@ def choose_decode_weights(args: ServerArgs, model: LlamaModel) -> None:
     blocks, dense = timings.blocks[worker_pool.get_num_threads()], timings.dense
     full = None
     if args.weights == "auto" and args.parallel >= FULL_BATCH_MIN_ROWS:
-        # a batch's rounds last tens of ms, so its quiet is what decides (a one-row round's
-        # few ms are easily spread by the server's own start)
         full = measure_full_batch(model, min(args.parallel, FULL_BATCH_MAX_ROWS))
-        busy = full.conditions.busy
-        blocks, dense = blocks + full.blocks, dense + full.dense
-    keep = args.weights != "auto" or busy or blocks <= dense
+    if full is None:
+        keep = args.weights != "auto" or busy or blocks <= dense
+    else:
+        # both kernels run on the same worker threads in alternating rounds, so a busy machine
+        # slows them alike (unlike thread counts, which it fools): the margin is what guards
+        busy = False
+        keep = (dense + full.dense) > FULL_BATCH_MARGIN * (blocks + full.blocks)
     engine = f"{model.weight_format.value} {gemm_engine(model.weight_format, model.device)}"
     batch = ("" if full is None else f"; {full.rows} rows (-np): blocks {full.blocks * 1e3:.2f} "
              f"ms, {engine} {full.dense * 1e3:.2f} ms")
@@ -257,7 +262,8 @@ def choose_decode_weights(args: ServerArgs, model: LlamaModel) -> None:
              ", ".join(f"{t * 1e3:.2f} ms at {n} thread{'s' * (n > 1)}"
                        for n, t in timings.blocks.items()), engine, timings.dense * 1e3, batch,
              (full.conditions if full else timings.conditions).describe(),
-             KEPT_WHEN_BUSY if busy else "")
+             KEPT_WHEN_BUSY if busy else FULL_BATCH_BUSY if full and full.conditions.busy
+             else "")
     if not keep:
         model.drop_blocks()
 
