@@ -227,12 +227,12 @@ def measure_full_batch(model: LlamaModel, rows: int) -> FullBatchTimings:
 
 def choose_decode_weights(args: ServerArgs, model: LlamaModel) -> None:
     """By measurement on this machine: `--weights auto` keeps decode rows on blocks (the
-    GGUF's, or Q8_0 made at load) only where they cost less than the dense GEMM: for one row,
-    or, where -np makes a batch of FULL_BATCH_MIN_ROWS or more, for that batch, the load the
-    server is sized for (a dense GEMM on AMX tiles costs little more for 32 rows than for 1;
-    the block kernel's cost grows with the rows). The choice holds for the server's life, so a
-    row's kernels stay a property of the row. `--kernel-threads 0` takes more threads only
-    where they are faster."""
+    GGUF's, or Q8_0 made at load) only where they cost less than the dense GEMM: one row, plus,
+    where -np makes a batch of FULL_BATCH_MIN_ROWS or more, that batch (a dense GEMM on AMX
+    tiles costs little more for 32 rows than for 1, the block kernel's cost grows with the
+    rows; a lone row reads twice the bytes from bf16 weights, so both loads weigh in). The
+    choice holds for the server's life, so a row's kernels stay a property of the row.
+    `--kernel-threads 0` takes more threads only where they are faster."""
     auto_threads = args.kernel_threads == 0
     if not model.has_blocks or (args.weights != "auto" and not auto_threads):
         return
@@ -251,7 +251,7 @@ def choose_decode_weights(args: ServerArgs, model: LlamaModel) -> None:
         # both kernels run on the same worker threads in alternating rounds, so a busy machine
         # slows them alike (unlike thread counts, which it fools): the margin is what guards
         busy = False
-        keep = full.dense > FULL_BATCH_MARGIN * full.blocks
+        keep = dense + full.dense > FULL_BATCH_MARGIN * (blocks + full.blocks)
     engine = f"{model.weight_format.value} {gemm_engine(model.weight_format, model.device)}"
     batch = ("" if full is None else f"; {full.rows} rows (-np): blocks {full.blocks * 1e3:.2f} "
              f"ms, {engine} {full.dense * 1e3:.2f} ms")
