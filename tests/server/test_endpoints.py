@@ -3,6 +3,7 @@ cards, /props, paths without /v1, CORS, JSON 404/405, embeddings, and the operat
 (metrics aliases, quiet health polls, load log, a missing model path)."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -234,3 +235,15 @@ def test_a_missing_model_path_is_one_line():
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and model in lines[0] and "Traceback" not in done.stderr
+
+
+def test_amx_on_where_amx_does_not_run_is_one_line_and_exit_2():
+    """`KVPARK_MAX_CPU_ISA=avx2` takes AMX away on any CPU: `--amx on` then refuses to start."""
+    done = subprocess.run([sys.executable, "-m", "kvpark.pod", "-m", "synthetic:tiny",
+                           "--amx", "on", "--port", "1"], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "KVPARK_MAX_CPU_ISA": "avx2"})
+    output = done.stdout + done.stderr
+    assert done.returncode == 2, output
+    assert "Traceback" not in output
+    [line] = [x for x in output.splitlines() if "--amx on" in x and "ServerArgs" not in x]
+    assert "AMX does not run here" in line
