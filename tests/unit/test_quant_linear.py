@@ -458,19 +458,23 @@ def test_the_full_batch_measurement_times_both_kernels(smollm2):
     assert found.rows == 8 and found.blocks > 0 and found.dense > 0
 
 
+def torch_threads_chosen(model: LlamaModel, caplog) -> int:
+    """What `--threads auto` sets on `model` (the count is put back to 1 afterwards)."""
+    try:
+        with caplog.at_level(logging.INFO, logger="kvpark.autotune"):
+            autotune.choose_torch_threads(parse_args([], env={}), model)
+        return torch.get_num_threads()
+    finally:
+        torch.set_num_threads(1)
+
+
 @pytest.mark.parametrize("conditions", [BUSY, IDLE], ids=["busy", "quiet"])
 def test_a_busy_start_keeps_every_torch_thread(smollm2, caplog, monkeypatch, conditions):
     model = LlamaModel(smollm2.config, smollm2.weights, quantized=smollm2.quantized)
     monkeypatch.setattr(autotune, "usable_cores", lambda: Cores(2, "a test"))
     monkeypatch.setattr(autotune, "measure_prompt_gemms", lambda m, counts: (
         autotune.PromptTimings({1: 0.010, 2: 0.012}, conditions)))
-    try:
-        with caplog.at_level(logging.INFO, logger="kvpark.autotune"):
-            autotune.choose_torch_threads(parse_args([], env={}), model)
-        chosen = torch.get_num_threads()
-    finally:
-        torch.set_num_threads(1)
-    assert chosen == (2 if conditions is BUSY else 1)
+    assert torch_threads_chosen(model, caplog) == (2 if conditions is BUSY else 1)
     assert ("the defaults stay" in caplog.text) == (conditions is BUSY)
 
 
@@ -487,13 +491,7 @@ def test_with_amx_gemms_one_torch_thread_unless_a_quiet_measurement_finds_more_f
     monkeypatch.setattr(autotune, "usable_cores", lambda: Cores(2, "a test"))
     monkeypatch.setattr(autotune, "measure_prompt_gemms", lambda m, counts: (
         autotune.PromptTimings({1: 0.010, 2: every}, conditions)))
-    try:
-        with caplog.at_level(logging.INFO, logger="kvpark.autotune"):
-            autotune.choose_torch_threads(parse_args([], env={}), model)
-        chosen = torch.get_num_threads()
-    finally:
-        torch.set_num_threads(1)
-    assert chosen == threads
+    assert torch_threads_chosen(model, caplog) == threads
     assert "beside the AMX tile kernel's threads" in caplog.text
 
 
