@@ -107,7 +107,7 @@ void kvpark_amx_pack_bf16(const float *w, int n, int k, uint16_t *packed) {
 /* ---- one call ---------------------------------------------------------------------------- */
 typedef struct {
     const float *x;
-    uint16_t *a;  /* x as bf16, [row tiles * 16][kbs * 32], zero-padded */
+    uint16_t *a;  /* x as bf16 A tiles (see convert_part), zero-padded */
     const uint16_t *packed;
     float *y;
     int m, n, k, kbs, row_tiles, emulate;
@@ -129,36 +129,38 @@ __attribute__((target("avx512f"))) static void to_bf16_x16(const float *x, uint1
 }
 #endif
 
+/* x as A tiles: row tile rt, k block kb at (rt * kbs + kb) * BLOCK_ELEMS, 16 rows of 32 bf16
+ * (64 bytes) each, so a tile loads from one contiguous KiB */
 static void convert_part(void *arg, int part, int num_parts) {
     const Call *c = arg;
-    int lda = c->kbs * TILE_K;
     (void)num_parts;
     for (int r = part * TILE_ROWS; r < (part + 1) * TILE_ROWS; r++) {
-        uint16_t *row = c->a + (long)r * lda;
+        uint16_t *tiles = c->a + (long)part * c->kbs * BLOCK_ELEMS + (r % TILE_ROWS) * TILE_K;
         const float *x = c->x + (long)r * c->k;
-        int i = 0;
-        if (r < c->m) {
+        for (int kb = 0; kb < c->kbs; kb++) {
+            uint16_t *row = tiles + (long)kb * BLOCK_ELEMS;
+            int i = 0, end = r < c->m ? c->k - kb * TILE_K : 0;  /* values left in this row */
+            if (end > TILE_K) end = TILE_K;
 #ifdef KVPARK_AMX_BUILD
             if (!c->emulate)
-                for (; i + 16 <= c->k; i += 16) to_bf16_x16(x + i, row + i);
+                for (; i + 16 <= end; i += 16) to_bf16_x16(x + kb * TILE_K + i, row + i);
 #endif
-            for (; i < c->k; i++) row[i] = to_bf16(x[i]);
+            for (; i < end; i++) row[i] = to_bf16(x[kb * TILE_K + i]);
+            for (; i < TILE_K; i++) row[i] = 0;
         }
-        for (; i < lda; i++) row[i] = 0;
     }
 }
 
 /* a 16 x 16 output tile: C += A[16 x 32] . B[32 x 16] for each k block, in order (scalar) */
-static void emulate_tile(const uint16_t *a, int lda, const uint16_t *b, int kbs, float *tile,
-                         int ldc) {
+static void emulate_tile(const uint16_t *a, const uint16_t *b, int kbs, float *tile, int ldc) {
     for (int r = 0; r < TILE_ROWS; r++)
         for (int j = 0; j < TILE_ROWS; j++) tile[r * ldc + j] = 0.0f;
     for (int kb = 0; kb < kbs; kb++) {
         const uint16_t *block = b + (long)kb * BLOCK_ELEMS;
         for (int r = 0; r < TILE_ROWS; r++)
             for (int p = 0; p < TILE_K / 2; p++) {
-                float a0 = from_bf16(a[(long)r * lda + kb * TILE_K + 2 * p]);
-                float a1 = from_bf16(a[(long)r * lda + kb * TILE_K + 2 * p + 1]);
+                float a0 = from_bf16(a[(long)kb * BLOCK_ELEMS + r * TILE_K + 2 * p]);
+                float a1 = from_bf16(a[(long)kb * BLOCK_ELEMS + r * TILE_K + 2 * p + 1]);
                 for (int j = 0; j < TILE_ROWS; j++) {
                     /* a bf16 product is exact in float32: fused or not, each add rounds once */
                     float acc = tile[r * ldc + j];
@@ -193,7 +195,7 @@ AMX_TARGET static void configure_tiles(void) {
  * holds (zero for the first chunk). Pairing tiles only saves loads, and a float32 C tile stored
  * and loaded between chunks keeps every bit: each C element sees the same products in the same
  * order as it would alone and in one go. */
-AMX_TARGET static void amx_tiles(const uint16_t *a0, const uint16_t *a1, int lda,
+AMX_TARGET static void amx_tiles(const uint16_t *a0, const uint16_t *a1,
                                  const uint16_t *b0, const uint16_t *b1, int kb0, int kb1,
                                  int rows2, int two, float *const c[4], int ldc) {
     if (kb0 == 0) {
@@ -208,11 +210,11 @@ AMX_TARGET static void amx_tiles(const uint16_t *a0, const uint16_t *a1, int lda
         if (rows2 && two) _tile_loadd(3, c[3], ldc);
     }
     for (int kb = kb0; kb < kb1; kb++) {
-        _tile_loadd(4, a0 + kb * TILE_K, lda * 2);
+        _tile_loadd(4, a0 + (long)kb * BLOCK_ELEMS, 64);
         _tile_loadd(6, b0 + (long)kb * BLOCK_ELEMS, 64);
         _tile_dpbf16ps(0, 4, 6);
         if (rows2) {
-            _tile_loadd(5, a1 + kb * TILE_K, lda * 2);
+            _tile_loadd(5, a1 + (long)kb * BLOCK_ELEMS, 64);
             _tile_dpbf16ps(2, 5, 6);
         }
         if (two) {
@@ -230,9 +232,10 @@ AMX_TARGET static void amx_tiles(const uint16_t *a0, const uint16_t *a1, int lda
 AMX_TARGET static void release_tiles(void) { _tile_release(); }
 #endif
 
-/* k blocks per pass over a part's row tiles: a pair of A tiles and a pair of B tiles of one
- * chunk (16 KiB each) stay in L1 while the row tiles go by */
-#define K_CHUNK 8
+/* k blocks per pass over a part's row tiles: a model's K in one pass up to 2048 inputs, larger
+ * ones in passes that keep a row tile's A chunk and the part's B chunk in L2 (the fastest of
+ * 4, 8, 16 and 64 on Sapphire Rapids: benchmarks/README.md) */
+#define K_CHUNK 64
 
 /* A part's output: straight into y where its tiles lie inside, else a padded buffer copied
  * into y at the end (a last row tile or output block cut short). */
@@ -265,7 +268,7 @@ static void copy_out(const Call *c, const PartOut *out, int col0, int cols) {
 
 /* one part: 32 outputs (GROUP output blocks) for every row, tiles configured by the caller */
 static void gemm_part(Call *c, int part) {
-    int lda = c->kbs * TILE_K, nbs = ceil_div(c->n, TILE_ROWS);
+    int nbs = ceil_div(c->n, TILE_ROWS);
     int nb0 = part * GROUP, two = nb0 + 1 < nbs, cols = (1 + two) * TILE_ROWS;
     const uint16_t *b0 = c->packed + (long)nb0 * c->kbs * BLOCK_ELEMS;
     const uint16_t *b1 = b0 + (long)c->kbs * BLOCK_ELEMS;
@@ -278,7 +281,8 @@ static void gemm_part(Call *c, int part) {
         int kb1 = kb0 + K_CHUNK < c->kbs ? kb0 + K_CHUNK : c->kbs;
         for (int rt = 0; rt < c->row_tiles; rt += 2) {
             int rows2 = rt + 1 < c->row_tiles;
-            const uint16_t *a0 = c->a + (long)rt * TILE_ROWS * lda, *a1 = a0 + TILE_ROWS * lda;
+            const uint16_t *a0 = c->a + (long)rt * c->kbs * BLOCK_ELEMS;
+            const uint16_t *a1 = a0 + (long)c->kbs * BLOCK_ELEMS;
             float *tiles[4];
             for (int t = 0; t < 4; t++)  /* C tile t: row tile rt + t / 2, block nb0 + t % 2 */
                 tiles[t] = out.base + (long)(rt + t / 2) * TILE_ROWS * out.ld + t % 2 * TILE_ROWS;
@@ -286,11 +290,10 @@ static void gemm_part(Call *c, int part) {
                 if (kb0 > 0) continue;  /* the scalar tile sums every k block at once */
                 for (int t = 0; t < 4; t++)
                     if ((t / 2 == 0 || rows2) && (t % 2 == 0 || two))
-                        emulate_tile(t / 2 ? a1 : a0, lda, t % 2 ? b1 : b0, c->kbs, tiles[t],
-                                     out.ld);
+                        emulate_tile(t / 2 ? a1 : a0, t % 2 ? b1 : b0, c->kbs, tiles[t], out.ld);
             } else {
 #ifdef KVPARK_AMX_BUILD
-                amx_tiles(a0, a1, lda, b0, b1, kb0, kb1, rows2, two, tiles, out.ld * 4);
+                amx_tiles(a0, a1, b0, b1, kb0, kb1, rows2, two, tiles, out.ld * 4);
 #endif
             }
         }

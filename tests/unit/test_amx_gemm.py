@@ -46,16 +46,19 @@ def test_the_packed_layout_is_the_b_tiles():
 
 
 @pytest.mark.parametrize("emulate", MODES)
-@pytest.mark.parametrize("n,k", [
-    (40, 80),  # three output blocks (an odd group), three input blocks, the last partial
-    (48, 600)])  # whole output blocks: row counts of whole tiles write y in place, others a
-                 # buffer; 19 input blocks: three passes of K_CHUNK, the C tiles kept between
-def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(emulate, n, k):
-    w, x = operands(n, k, max(ROWS) + max(OFFSETS))
+@pytest.mark.parametrize("n,k,rows,offsets", [
+    # three output blocks (an odd group), three input blocks, the last partial
+    (40, 80, ROWS, OFFSETS),
+    # whole output blocks: row counts of whole tiles write y in place, others a buffer
+    (48, 600, ROWS, OFFSETS),
+    # 66 input blocks: two passes over the row tiles (K_CHUNK), the C tiles kept between
+    (48, 2100, (1, 16, 17, 33, 64), (0, 7))])
+def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(emulate, n, k, rows, offsets):
+    w, x = operands(n, k, max(rows) + max(offsets))
     packed = amx_gemm.pack(w)
     whole = amx_gemm.gemm(x, packed, emulate=emulate)
-    for m in ROWS:
-        for offset in OFFSETS:
+    for m in rows:
+        for offset in offsets:
             part = amx_gemm.gemm(x[offset:offset + m], packed, emulate=emulate)
             assert same_bits(part, whole[offset:offset + m]), (m, offset)
 
@@ -71,11 +74,12 @@ def test_the_thread_count_changes_no_bit(emulate):
 
 @pytest.mark.parametrize("emulate", MODES)
 def test_the_result_is_the_bf16_product_to_float32_accuracy(emulate):
-    w, x = operands(48, 576, 33)
-    got = amx_gemm.gemm(x, amx_gemm.pack(w), emulate=emulate).double()
-    want = reference(x, w)
-    scale = (x.bfloat16().double().abs() @ w.bfloat16().double().abs().T)
-    assert ((got - want).abs() <= 576 * 2 ** -24 * scale + 1e-30).all()
+    for k in (576, 2100):  # one pass over k, and two (the C tiles stored and loaded between)
+        w, x = operands(48, k, 33)
+        got = amx_gemm.gemm(x, amx_gemm.pack(w), emulate=emulate).double()
+        want = reference(x, w)
+        scale = (x.bfloat16().double().abs() @ w.bfloat16().double().abs().T)
+        assert ((got - want).abs() <= k * 2 ** -24 * scale + 1e-30).all()
 
 
 @pytest.mark.skipif(amx_gemm.usable(), reason="AMX runs here")
