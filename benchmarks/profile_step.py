@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import kvpark.pod.model.llama as llama_module
+import kvpark.pod.model.decoder_base as decoder_base_module
+import kvpark.pod.model.layers as layers_module
 import kvpark.pod.worker.runner as runner_module
 from kvpark.kernels import cpu_paged, worker_pool
 from kvpark.kernels.attention import AttentionBackend
@@ -64,7 +65,8 @@ class Variant:
     `bf16`, `gguf`, `fp32,float16@2`, `fp32+torch`, `gguf@1/2` (1 torch, 2 C kernel threads).
 
     WEIGHTS is a `WeightFormat` or `gguf` (float32, decode rows from the GGUF's blocks: the
-    server's default); KV the pool's dtype (float32 unless given); BACKEND the attention
+    server's default without AMX) or `gguf:FORMAT` (the blocks beside FORMAT's dense linears:
+    `gguf:amx-bf16` is the default where AMX runs); KV the pool's dtype (float32 unless given); BACKEND the attention
     backend, `cpu` (the C kernel) or `torch`, by default what the server picks.
     """
 
@@ -86,8 +88,9 @@ class Variant:
         if not backend:
             usable = kv_dtype == torch.float32 and cpu_paged.is_available()
             backend = "cpu" if usable else "torch"
-        blocks = weights == "gguf"
-        return cls(spec, WeightFormat("fp32" if blocks else weights), kv_dtype,
+        source, _, dense = weights.partition(":")  # gguf:amx-bf16 = blocks beside AMX GEMMs
+        blocks = source == "gguf"
+        return cls(spec, WeightFormat(dense or "fp32" if blocks else weights), kv_dtype,
                    int(threads) if threads else default_threads, backend, blocks,
                    int(kernel_threads or 1))
 
@@ -183,7 +186,8 @@ def without_matmul(fn: Callable) -> Callable:
 
 def patch_globals() -> None:
     """Time every linear and sampling: both are module globals looked up at each call."""
-    llama_module.linear = CLOCK.wrap("matmul", llama_module.linear)
+    for module in (layers_module, decoder_base_module):  # the layers' and lm_head's linears
+        module.linear = CLOCK.wrap("matmul", module.linear)
     for half in ("attention_inputs", "mlp_residual"):  # linears, norms, RoPE, silu, adds in C
         setattr(FusedLayer, half, CLOCK.wrap("fused", getattr(FusedLayer, half)))
     # a decode step whose rows all read blocks: every layer (attention too) in one C call

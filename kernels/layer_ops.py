@@ -20,7 +20,7 @@ import torch
 from . import worker_pool
 from .cbuild import KernelUnavailable, load_library
 from .cpu_features import Isa
-from .quant_linear import KINDS, QuantizedWeight
+from .quant_linear import QuantizedWeight
 
 i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
 
@@ -117,7 +117,7 @@ def get_scratch(num_floats: int) -> torch.Tensor:
 
 def _qweight(weight: QuantizedWeight) -> _QWeight:
     mins = weight.mins.data_ptr() if weight.mins is not None else None
-    return _QWeight(KINDS[weight.kind], weight.out_features, weight.in_features,
+    return _QWeight(weight.kernel_kind, weight.out_features, weight.in_features,
                     weight.scale.data_ptr(), mins, weight.quants.data_ptr())
 
 

@@ -219,6 +219,25 @@ static void quantize_row(const float *x, int nb, int kind, QRow row) {
 #endif
 }
 
+/* Rows quantised as above for csrc/quant_tiles.c, in plain arrays: row r's quants (block b
+ * at b * 32, input order) at q + r * nb * 32, its dx, block sums of x and quant sums at
+ * r * nb. The same bytes as the rows this kernel computes with. Returns 2 when memory ran out. */
+int kvpark_quantize_rows(const float *x, int64_t x_stride, int rows, int nb, int8_t *q,
+                         float *dx, float *xsum, int32_t *qsum) {
+    void *one = malloc(row_bytes(nb) + 64);
+    if (one == NULL) return 2;
+    const QRow row = qrow_at(one, nb, 0);
+    for (int r = 0; r < rows; r++) {
+        quantize_row(x + r * x_stride, nb, 1, row);
+        memcpy(q + (int64_t)r * nb * BLOCK, row.q, (size_t)nb * BLOCK);
+        memcpy(dx + (int64_t)r * nb, row.dx, (size_t)nb * sizeof(float));
+        memcpy(xsum + (int64_t)r * nb, row.xsum, (size_t)nb * sizeof(float));
+        memcpy(qsum + (int64_t)r * nb, row.qsum, (size_t)nb * sizeof(int32_t));
+    }
+    free(one);
+    return 0;
+}
+
 /* ---- integer block dot products, per ISA ---------------------------------------------------
  * Each tile function computes `n_out` outputs from `o` for `rows` rows; all three arguments are
  * compile-time constants where called, so the accumulators live in registers. */
@@ -593,7 +612,11 @@ static void *get_scratch(size_t bytes) {
     return scratch;
 }
 
-/* kind 0: Q4_1, 1: Q8_0. x: [rows, in] (row stride x_stride), y: [rows, out] (y_stride).
+int kvpark_quant_tiles(int kind, const float *scale, const float *mins, const uint8_t *quants,
+                       int out_features, int in_features, const float *x, int64_t x_stride,
+                       int rows, float *y, int64_t y_stride, int num_threads, int mode);
+
+/* kind 0: Q4_1, 1: Q8_0 (2, 3: the same laid out for quant_tiles.c). x: [rows, in] (row stride x_stride), y: [rows, out] (y_stride).
  * `unused_scratch`: kept for callers of the float32 kernel this replaced (the kernel keeps its
  * own). The outputs are split between `num_threads` threads of the worker pool. Returns 0, 1
  * on bad arguments, 2 when memory ran out. */
@@ -602,6 +625,9 @@ int kvpark_quant_linear(int kind, const float *scale, const float *mins, const v
                         int rows, float *y, int64_t y_stride, float *unused_scratch,
                         int num_threads) {
     (void)unused_scratch;
+    if (kind == 2 || kind == 3) /* the blocks laid out for AMX tiles (quant_tiles.c) */
+        return kvpark_quant_tiles(kind - 2, scale, mins, quants, out_features, in_features, x,
+                                  x_stride, rows, y, y_stride, num_threads, 0);
     if (in_features % BLOCK != 0 || rows < 0 || (kind != 0 && kind != 1)) return 1;
     if (rows == 0) return 0;
     const int nb = in_features / BLOCK;

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpark.kernels import amx_gemm, cpu_features
-from kvpark.kernels.quant_linear import QuantizedWeight, quant_linear
+from kvpark.kernels.quant_linear import QuantizedWeight, TilePath, quant_linear, tile_path_runs
 
 # A GEMM of very few rows takes a different kernel whose sums round differently: oneDNN (the CPU
 # path here) for 1 row, MKL's sgemm (F.linear) for 1-3 rows on one thread and up to 11 on two.
@@ -54,6 +54,19 @@ def uses_amx(fmt: WeightFormat, weight: torch.Tensor) -> bool:
     """bf16 linears run in the AMX tile kernel: a CPU weight where AMX runs."""
     return (fmt in (WeightFormat.BF16, WeightFormat.AMX_BF16) and weight.device.type == "cpu"
             and amx_gemm.usable())
+
+
+def tiles_blocks(fmt: WeightFormat, weight: torch.Tensor) -> bool:
+    """Q8_0 blocks run in the tiles kernel (csrc/quant_tiles.c: AMX int8 tiles from a few rows,
+    AVX-512 vectors below, the same bits): where AMX runs. It computes a Q8_0 lm_head 2x faster
+    than quant_linear.c at one row and 3.5-6x from 4 rows on; Q4_1 blocks keep quant_linear.c,
+    which the tiles did not beat (benchmarks/README.md, "Decode rows on AMX int8 tiles")."""
+    return uses_amx(fmt, weight) and tile_path_runs(TilePath.AMX)
+
+
+def block_layout(fmt: WeightFormat, device: torch.device) -> str:
+    """Which kernel decode rows' Q8_0 blocks take (part of what decides the output's bits)."""
+    return "q8_0-tiles" if device.type == "cpu" and tiles_blocks(fmt, torch.empty(0)) else "rows"
 
 
 def gemm_engine(fmt: WeightFormat, device: torch.device) -> str:
@@ -104,6 +117,8 @@ class Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
                  fmt: WeightFormat = WeightFormat.FP32,
                  blocks: QuantizedWeight | None = None) -> None:
+        if blocks is not None and blocks.kind == "Q8_0" and tiles_blocks(fmt, weight):
+            blocks = blocks.tiled()
         self.blocks = blocks  # the checkpoint's quantised blocks: decode rows read these
         self.out_features, self.in_features = weight.shape
         self.compute_dtype = torch.bfloat16 if fmt is WeightFormat.BF16 else weight.dtype

@@ -36,7 +36,7 @@ from ..memory.slot_files import remove_stale_temp_files
 from ..memory.state_pool import StatePart, StatePool
 from ..metrics.prometheus import Metrics
 from ..model.config import ModelConfig
-from ..model.linear import gemm_engine
+from ..model.linear import block_layout, gemm_engine
 from ..model.llama import LlamaModel
 from ..model.loader import LoadedModel, load_model_files
 from ..model.mtp import MTPHead
@@ -230,7 +230,8 @@ def build_stack(args: ServerArgs) -> ServingStack:
     budget = resolve_budget(args.preempt_ram)  # after the load: auto subtracts resident size
     engine, metrics = build_engine(args, target, memory, budget, device)
     kernels = (f"{device}|{memory.backend.name}|invariant={target.model.batch_invariant}"
-               f"|gemm={gemm_engine(target.model.weight_format, device)}")
+               f"|gemm={gemm_engine(target.model.weight_format, device)}"
+               f"|blocks={block_layout(target.model.weight_format, device)}")
     memory.pool.disk = make_disk_tier(args, memory.pool, memory.identity, kernels)
     log_summary(args, target, memory, draft, budget, engine.scheduler.config, defaults)
     prepare_slot_files(args)
