@@ -66,8 +66,9 @@ class Variant:
 
     WEIGHTS is a `WeightFormat` or `gguf` (float32, decode rows from the GGUF's blocks: the
     server's default without AMX) or `gguf:FORMAT` (the blocks beside FORMAT's dense linears:
-    `gguf:amx-bf16` is the default where AMX runs); KV the pool's dtype (float32 unless given); BACKEND the attention
-    backend, `cpu` (the C kernel) or `torch`, by default what the server picks.
+    `gguf:amx-bf16` is the default where AMX runs); KV the pool's dtype (float32 unless
+    given); BACKEND the attention backend, `cpu` (the C kernel) or `torch`, by default what
+    the server picks.
     """
 
     name: str

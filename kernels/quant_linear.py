@@ -90,7 +90,7 @@ class QuantizedWeight:
         tiles = -(-out // TILE_OUTPUTS)
         pad = tiles * TILE_OUTPUTS - out
 
-        def per_tile(values: torch.Tensor) -> torch.Tensor:  # [out, nb, ...] -> [tiles, nb, 16, ...]
+        def per_tile(values: torch.Tensor) -> torch.Tensor:  # [out, nb, ..] -> [tiles, nb, 16, ..]
             padded = torch.nn.functional.pad(values, (0, 0) * (values.dim() - 1) + (0, pad))
             return padded.reshape(tiles, TILE_OUTPUTS, nb, *values.shape[2:]).transpose(1, 2)
 
