@@ -11,7 +11,7 @@
  * An integer block sum is exact whichever instruction computes it (tdpbsud / tdpbssd on tiles,
  * vpdpbusd on vectors, a C loop), and each path then runs that float sequence per output lane,
  * so a row's bits depend neither on the rows beside it nor on the path its call took: the row
- * count picks the path (AMX_MIN_ROWS). Threads split the output tiles, never a sum.
+ * count picks the path (AMX_MIN_ROWS_*). Threads split the output tiles, never a sum.
  *
  * Layout (kernels/quant_linear.py, `QuantizedWeight.tiled`): outputs in tiles of 16, the last
  * zero-padded; for tile t and block b, at index t * nb + b:
@@ -45,9 +45,12 @@
 #define Q8_TILE_BYTES 512       /* one block's B tile, 8 rows x 64 bytes */
 #define Q4_TILE_BYTES 256
 #define VEC_ROWS 4              /* rows sharing one unpacking of a block on the vector path */
+#define EPILOGUE_ROWS 8         /* rows whose float sums run side by side after the tiles */
 /* rows from which a call runs on AMX tiles, where they run: below it the vectors were faster
- * (benchmarks/README.md, "Decode rows on AMX int8 tiles"); both give the same bits */
-#define AMX_MIN_ROWS 4
+ * (Q4_1's tiles are unpacked first; benchmarks/README.md, "Decode rows on AMX int8 tiles");
+ * every path gives the same bits */
+#define AMX_MIN_ROWS_Q4_1 16
+#define AMX_MIN_ROWS_Q8_0 4
 
 enum { MODE_AUTO = 0, MODE_VECTOR = 1, MODE_AMX = 2, MODE_SCALAR = 3 };
 
@@ -243,45 +246,99 @@ AMX_TARGET static void release_tiles(void) { _tile_release(); }
             _tile_dpbssd(which, a_tile, b_tile);                            \
     } while (0)
 
-/* the 16 rows' accumulators take block b's sums (16 x 16 int32 in `sums`) */
-AMX_TARGET static inline __attribute__((always_inline)) void take_block(
-    const Call *c, int64_t at, const float *dx, const int32_t *sums, __m512 acc[TILE]) {
-    const __m512 dw = _mm512_loadu_ps(c->scale + at * TILE);
-    for (int m = 0; m < TILE; m++) {
-        const __m512 s = _mm512_mul_ps(dw, _mm512_set1_ps(dx[(int64_t)m * c->nb]));
-        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(sums + m * TILE)), s,
-                                 acc[m]);
+/* Rows [m0, m0 + n) of row tile rt take every block's sums, in block order: n independent
+ * chains of fused multiply-adds, the float sequence of the other paths */
+VEC_TARGET static inline __attribute__((always_inline)) void take_blocks(
+    const Call *c, int t, int rt, int m0, const int32_t *sums, const int n) {
+    __m512 acc[EPILOGUE_ROWS];
+    const float *dx = c->dx + ((int64_t)rt * TILE + m0) * c->nb;
+    for (int r = 0; r < n; r++) acc[r] = _mm512_setzero_ps();
+    for (int b = 0; b < c->nb; b++) {
+        const __m512 dw = _mm512_loadu_ps(c->scale + ((int64_t)t * c->nb + b) * TILE);
+        const int32_t *block = sums + (int64_t)b * TILE * TILE + m0 * TILE;
+        for (int r = 0; r < n; r++) {
+            const __m512 s = _mm512_mul_ps(dw, _mm512_set1_ps(dx[(int64_t)r * c->nb + b]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(block + r * TILE)), s,
+                                     acc[r]);
+        }
+    }
+    for (int r = 0; r < n; r++) {
+        float out[TILE];
+        _mm512_storeu_ps(out, acc[r]);
+        store_outputs(c, t, rt * TILE + m0 + r, out);
     }
 }
 
-/* output tile t for every row tile; `b_tiles`: the B tiles of t's blocks (Q8_0: the weights
- * themselves; Q4_1: unpacked into the part's buffer) */
-AMX_TARGET static void amx_tile(const Call *c, int t, const uint8_t *b_tiles) {
-    int32_t sums[2][TILE * TILE] __attribute__((aligned(64)));
+VEC_TARGET static void take_row_tile(const Call *c, int t, int rt, const int32_t *sums) {
+    const int rows = c->rows - rt * TILE < TILE ? c->rows - rt * TILE : TILE;
+    int m = 0;
+    for (; m + EPILOGUE_ROWS <= rows; m += EPILOGUE_ROWS)
+        take_blocks(c, t, rt, m, sums, EPILOGUE_ROWS);
+    switch (rows - m) {
+    case 1: take_blocks(c, t, rt, m, sums, 1); break;
+    case 2: take_blocks(c, t, rt, m, sums, 2); break;
+    case 3: take_blocks(c, t, rt, m, sums, 3); break;
+    case 4: take_blocks(c, t, rt, m, sums, 4); break;
+    case 5: take_blocks(c, t, rt, m, sums, 5); break;
+    case 6: take_blocks(c, t, rt, m, sums, 6); break;
+    case 7: take_blocks(c, t, rt, m, sums, 7); break;
+    default: break;
+    }
+}
+
+/* add_mins on vectors, EPILOGUE_ROWS rows side by side: each lane the same fma sequence */
+VEC_TARGET static inline __attribute__((always_inline)) void add_mins_rows(const Call *c, int t,
+                                                                           int r0, const int n) {
+    __m512 m[EPILOGUE_ROWS];
+    for (int r = 0; r < n; r++) m[r] = _mm512_setzero_ps();
+    for (int b = 0; b < c->nb; b++) {
+        const __m512 mins = _mm512_loadu_ps(c->mins + ((int64_t)t * c->nb + b) * TILE);
+        for (int r = 0; r < n; r++)
+            m[r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(c->xsum[(int64_t)(r0 + r) * c->nb + b]),
+                                   m[r]);
+    }
+    const __mmask16 real = (__mmask16)((1u << outputs_in(c, t)) - 1);
+    for (int r = 0; r < n; r++) {
+        float *y = c->y + (r0 + r) * c->y_stride + t * TILE;
+        _mm512_mask_storeu_ps(y, real, _mm512_add_ps(_mm512_maskz_loadu_ps(real, y), m[r]));
+    }
+}
+
+VEC_TARGET static void add_mins_vectors(const Call *c, int t) {
+    int r = 0;
+    for (; r + EPILOGUE_ROWS <= c->rows; r += EPILOGUE_ROWS) add_mins_rows(c, t, r, EPILOGUE_ROWS);
+    switch (c->rows - r) {
+    case 1: add_mins_rows(c, t, r, 1); break;
+    case 2: add_mins_rows(c, t, r, 2); break;
+    case 3: add_mins_rows(c, t, r, 3); break;
+    case 4: add_mins_rows(c, t, r, 4); break;
+    case 5: add_mins_rows(c, t, r, 5); break;
+    case 6: add_mins_rows(c, t, r, 6); break;
+    case 7: add_mins_rows(c, t, r, 7); break;
+    default: break;
+    }
+}
+
+/* Output tile t for every row tile: first every block's 16 x 16 integer sums on the tiles,
+ * stored to `sums` (nb KiB), then the float sequence over them on vectors. Taking each block's
+ * sums as soon as stored made every step wait for the tile store to reach the cache (the
+ * vector loads cannot be forwarded from it): 5-10x slower. `b_tiles`: the B tiles of t's
+ * blocks (Q8_0: the weights themselves; Q4_1: unpacked into the part's buffer). */
+AMX_TARGET static void amx_tile(const Call *c, int t, const uint8_t *b_tiles, int32_t *sums) {
     for (int rt = 0; rt < c->row_tiles; rt++) {
         const int8_t *a = c->q + (int64_t)rt * TILE * c->nb * BLOCK;
-        const float *dx = c->dx + (int64_t)rt * TILE * c->nb;
-        __m512 acc[TILE];
-        for (int m = 0; m < TILE; m++) acc[m] = _mm512_setzero_ps();
         int b = 0;
         for (; b + 2 <= c->nb; b += 2) {
             TILE_DOT(4, 0, 2, a + b * BLOCK, b_tiles + (int64_t)b * Q8_TILE_BYTES);
+            _tile_stored(4, sums + (int64_t)b * TILE * TILE, 64);
             TILE_DOT(5, 1, 3, a + (b + 1) * BLOCK, b_tiles + (int64_t)(b + 1) * Q8_TILE_BYTES);
-            _tile_stored(4, sums[0], 64);
-            _tile_stored(5, sums[1], 64);
-            take_block(c, (int64_t)t * c->nb + b, dx + b, sums[0], acc);
-            take_block(c, (int64_t)t * c->nb + b + 1, dx + b + 1, sums[1], acc);
+            _tile_stored(5, sums + (int64_t)(b + 1) * TILE * TILE, 64);
         }
         if (b < c->nb) {
             TILE_DOT(4, 0, 2, a + b * BLOCK, b_tiles + (int64_t)b * Q8_TILE_BYTES);
-            _tile_stored(4, sums[0], 64);
-            take_block(c, (int64_t)t * c->nb + b, dx + b, sums[0], acc);
+            _tile_stored(4, sums + (int64_t)b * TILE * TILE, 64);
         }
-        for (int m = 0; m < TILE && rt * TILE + m < c->rows; m++) {
-            float out[TILE];
-            _mm512_storeu_ps(out, acc[m]);
-            store_outputs(c, t, rt * TILE + m, out);
-        }
+        take_row_tile(c, t, rt, sums);
     }
 }
 
@@ -308,12 +365,16 @@ static void run_part(void *arg, int part, int num_parts) {
     const int t1 = (int)((int64_t)(part + 1) * tiles / num_parts);
     if (t0 == t1) return;
 #ifdef QT_X86
-    uint8_t *buffer = NULL;
+    uint8_t *buffer = NULL; /* Q4_1's B tiles unpacked, then every block's sums */
+    int32_t *sums = NULL;
     if (c->mode == MODE_AMX) {
-        if (c->kind == 0 && (buffer = malloc((size_t)c->nb * Q8_TILE_BYTES)) == NULL) {
+        const size_t unpacked = c->kind == 0 ? (size_t)c->nb * Q8_TILE_BYTES : 0;
+        buffer = aligned_alloc(64, unpacked + (size_t)c->nb * TILE * TILE * sizeof(int32_t));
+        if (buffer == NULL) {
             c->failed = 1;
             return;
         }
+        sums = (int32_t *)(buffer + unpacked);
         configure_tiles();
     }
 #endif
@@ -322,15 +383,22 @@ static void run_part(void *arg, int part, int num_parts) {
 #ifdef QT_X86
         case MODE_AMX:
             if (c->kind == 0) unpack_q4_tiles(c, t, buffer);
-            amx_tile(c, t, c->kind == 0 ? buffer : c->quants + (int64_t)t * c->nb * Q8_TILE_BYTES);
+            amx_tile(c, t, c->kind == 0 ? buffer : c->quants + (int64_t)t * c->nb * Q8_TILE_BYTES,
+                     sums);
             break;
         case MODE_VECTOR: vector_tile(c, t); break;
 #endif
         default:
             for (int r = 0; r < c->rows; r++) scalar_tile(c, t, r);
         }
-        if (c->kind == 0)
-            for (int r = 0; r < c->rows; r++) add_mins(c, t, r);
+        if (c->kind != 0) continue;
+#ifdef QT_X86
+        if (c->mode != MODE_SCALAR) {
+            add_mins_vectors(c, t);
+            continue;
+        }
+#endif
+        for (int r = 0; r < c->rows; r++) add_mins(c, t, r);
     }
 #ifdef QT_X86
     if (c->mode == MODE_AMX) {
@@ -340,9 +408,10 @@ static void run_part(void *arg, int part, int num_parts) {
 #endif
 }
 
-static int pick_mode(int mode, int rows) {
+static int pick_mode(int mode, int kind, int rows) {
     if (mode != MODE_AUTO) return mode;
-    if (rows >= AMX_MIN_ROWS && amx_int8_usable()) return MODE_AMX;
+    if (rows >= (kind == 0 ? AMX_MIN_ROWS_Q4_1 : AMX_MIN_ROWS_Q8_0) && amx_int8_usable())
+        return MODE_AMX;
     return vector_usable() ? MODE_VECTOR : MODE_SCALAR;
 }
 
@@ -367,7 +436,7 @@ int kvpark_quant_tiles(int kind, const float *scale, const float *mins, const ui
     int status = q && dx && xsum && qsum ? 0 : 2;
     if (status == 0) status = kvpark_quantize_rows(x, x_stride, rows, nb, q, dx, xsum, qsum);
     if (status == 0) {
-        Call c = {kind, out_features, nb, rows, row_tiles, pick_mode(mode, rows),
+        Call c = {kind, out_features, nb, rows, row_tiles, pick_mode(mode, kind, rows),
                   kind == 0 ? Q4_TILE_BYTES : Q8_TILE_BYTES, scale, mins, quants, q, dx,
                   xsum, qsum, y, y_stride, 0};
         /* as quant_linear.c: 4 parts a thread, at least 2^17 weight-rows a part */

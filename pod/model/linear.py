@@ -57,16 +57,16 @@ def uses_amx(fmt: WeightFormat, weight: torch.Tensor) -> bool:
 
 
 def tiles_blocks(fmt: WeightFormat, weight: torch.Tensor) -> bool:
-    """Q8_0 blocks run in the tiles kernel (csrc/quant_tiles.c: AMX int8 tiles from a few rows,
-    AVX-512 vectors below, the same bits): where AMX runs. It computes a Q8_0 lm_head 2x faster
-    than quant_linear.c at one row and 3.5-6x from 4 rows on; Q4_1 blocks keep quant_linear.c,
-    which the tiles did not beat (benchmarks/README.md, "Decode rows on AMX int8 tiles")."""
+    """Blocks run in the tiles kernel (csrc/quant_tiles.c: AMX int8 tiles from a few rows,
+    AVX-512 vectors below, the same bits) where AMX runs: faster than quant_linear.c at every
+    row count measured there (benchmarks/README.md, "Decode rows on AMX int8 tiles"). Elsewhere
+    quant_linear.c's row kernel stays (its speed on other CPUs is what was measured)."""
     return uses_amx(fmt, weight) and tile_path_runs(TilePath.AMX)
 
 
 def block_layout(fmt: WeightFormat, device: torch.device) -> str:
-    """Which kernel decode rows' Q8_0 blocks take (part of what decides the output's bits)."""
-    return "q8_0-tiles" if device.type == "cpu" and tiles_blocks(fmt, torch.empty(0)) else "rows"
+    """Which kernel decode rows' blocks take (part of what decides the output's bits)."""
+    return "tiles" if device.type == "cpu" and tiles_blocks(fmt, torch.empty(0)) else "rows"
 
 
 def gemm_engine(fmt: WeightFormat, device: torch.device) -> str:
@@ -117,7 +117,7 @@ class Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
                  fmt: WeightFormat = WeightFormat.FP32,
                  blocks: QuantizedWeight | None = None) -> None:
-        if blocks is not None and blocks.kind == "Q8_0" and tiles_blocks(fmt, weight):
+        if blocks is not None and tiles_blocks(fmt, weight):
             blocks = blocks.tiled()
         self.blocks = blocks  # the checkpoint's quantised blocks: decode rows read these
         self.out_features, self.in_features = weight.shape

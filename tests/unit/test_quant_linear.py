@@ -220,8 +220,8 @@ def test_amx_prompt_rows_keep_every_promise_of_the_float32_ones(smollm2, models)
     amx = LlamaModel(smollm2.config, smollm2.weights, quantized=smollm2.quantized,
                      weight_format=WeightFormat.AMX_BF16)
     assert amx.layers[0].qkv.amx is not None and amx.has_blocks
-    # the Q8_0 lm_head on the AMX int8 tiles kernel, the Q4_1 layers on quant_linear.c
-    assert amx.head.blocks.layout == "tiles" and amx.layers[0].qkv.blocks.layout == "rows"
+    # decode rows on the AMX int8 tiles kernel: the Q4_1 layers and the Q8_0 lm_head
+    assert amx.head.blocks.layout == "tiles" and amx.layers[0].qkv.blocks.layout == "tiles"
     check_row_invariant_and_close_to_float32(amx, models[1])
     check_a_replay_reproduces_the_decoded_bits(amx)
     fp32 = run_steps(models[0], [[(0, PROMPT)]], [8])
