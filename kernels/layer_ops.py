@@ -94,6 +94,19 @@ def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
     return x
 
 
+def rope_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+          isa: Isa | None = None) -> torch.Tensor:
+    """`rope` in place on x [rows, heads, D]: heads dense within a row (a view of a qkv row's q
+    and k heads will do), any row stride."""
+    rows, heads, dim = x.shape
+    assert x.dtype == torch.float32 and x.stride(2) == 1 and x.stride(1) == dim, "dense heads"
+    assert cos.stride(-1) == 1 and cos.stride() == signed_sin.stride(), "dense cos/sin rows"
+    assert cos.shape[-1] == dim and cos.shape[0] >= rows
+    load_kernels(isa).kvpark_rope(x.data_ptr(), x.stride(0), rows, heads, dim, cos.data_ptr(),
+                                  signed_sin.data_ptr(), cos.stride(0))
+    return x
+
+
 def silu_mul(gate_up: torch.Tensor, isa: Isa | None = None) -> torch.Tensor:
     """gate_up [rows, 2n] -> silu(gate) * up [rows, n]."""
     _check_rows(gate_up)

@@ -121,11 +121,18 @@ class DecoderLayer(nn.Module):
         """q [rows, heads, D], k and v [rows, kv heads, D]: norm, qkv, RoPE in torch ops."""
         c = self.config
         num_rows = x.shape[0]
-        h = rms_norm(x, self.input_norm, c.rms_norm_eps)
+        c_ops = self.c_ops(x)
+        h = (layer_ops.rms_norm(x, self.input_norm, c.rms_norm_eps) if c_ops
+             else rms_norm(x, self.input_norm, c.rms_norm_eps))
         qkv = linear(h, self.qkv, rows)
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         v = qkv[:, q_size + kv_size :].view(num_rows, c.num_kv_heads, c.head_dim)
-        if self.q_norm is None:  # RoPE on q and k heads in one go
+        if c_ops:  # RoPE on the q and k heads in place, in C
+            qk = qkv[:, : q_size + kv_size].view(num_rows, c.num_heads + c.num_kv_heads,
+                                                 c.head_dim)
+            layer_ops.rope_(qk, cos[:, 0], sin[:, 0])
+            q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
+        elif self.q_norm is None:  # RoPE on q and k heads in one go
             qk = qkv[:, : q_size + kv_size].view(num_rows, c.num_heads + c.num_kv_heads,
                                                  c.head_dim)
             qk = apply_rope(qk, cos, sin)
@@ -143,9 +150,19 @@ class DecoderLayer(nn.Module):
                      rows: BlockRows | None) -> torch.Tensor:
         """x + attn W_o^T, then plus the MLP of its norm, in torch ops; attn [rows, q_size]."""
         x = x + linear(attn, self.o, rows)
+        if self.c_ops(x):
+            h = layer_ops.rms_norm(x, self.post_attn_norm, self.config.rms_norm_eps)
+            return x + linear(layer_ops.silu_mul(linear(h, self.gate_up, rows)), self.down, rows)
         h = rms_norm(x, self.post_attn_norm, self.config.rms_norm_eps)
         gate, up = linear(h, self.gate_up, rows).chunk(2, dim=-1)
         return x + linear(F.silu(gate) * up, self.down, rows)
+
+    def c_ops(self, x: torch.Tensor) -> bool:
+        """Dense rows' norms, RoPE and SiLU in the C ops the block rows use (one pass each,
+        not torch's 2-5 ops over memory): float32 rows on the CPU, a layer without q/k norms.
+        The C ops compute each row on its own, as the torch ops do."""
+        return (self.q_norm is None and x.is_cpu and x.dtype == torch.float32
+                and self.input_norm.dtype == torch.float32 and layer_ops.is_available())
 
     def forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       backend: AttentionBackend, kv_cache: torch.Tensor,

@@ -5,10 +5,13 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from cpu_isa import runnable_isa
 
 from kvpark.kernels import layer_ops
 from kvpark.kernels import quant_linear as ql
+from kvpark.kernels.cpu_features import Isa, detect
 from kvpark.pod.model.layers import DecoderLayer, apply_rope, rope_cos_sin
+from kvpark.pod.model.linear import BlockRows
 from kvpark.pod.model.llama import LlamaModel
 from kvpark.pod.model.loader import load_model_files
 
@@ -88,6 +91,49 @@ def test_silu_mul_is_close_to_torch_and_per_row(isa):
     assert rel(y, F.silu(gate) * up) < 1e-6
     for r in range(ROWS):
         assert same_bits(layer_ops.silu_mul(gu[r : r + 1], isa), y[r : r + 1])
+
+
+def test_silu_gives_each_value_the_same_bits_in_a_vector_lane_in_the_tail_and_on_every_build():
+    """exp by one polynomial in the same operations everywhere: a value's SiLU does not depend on
+    where it sits in a row (vector lanes, the scalar tail) nor on the build; extremes stay
+    finite (x large: silu(x) = x; x very negative: -0 or a tiny negative)."""
+    values = torch.cat([randn(61, seed=4) * 6, torch.tensor([0.0, -0.0, 1e-30, 100.0, -100.0,
+                                                             88.5, -88.5, 3e38, -3e38])])
+    n = values.numel()
+    builds = [isa for isa in Isa if isa in detect().isas]
+    per_build = []
+    for isa in builds:
+        runnable_isa(isa)
+        at_start = layer_ops.silu_mul(torch.cat([values, torch.ones(n)])[None], isa)[0]
+        for shift in (1, 7, 16, 17):  # the same values further along the row
+            row = torch.cat([torch.zeros(shift), values, torch.ones(shift + n)])[None]
+            assert same_bits(layer_ops.silu_mul(row, isa)[0, shift:shift + n], at_start)
+        per_build.append(at_start)
+    for other in per_build[1:]:
+        assert same_bits(other, per_build[0])
+    y = per_build[0]
+    assert torch.isfinite(y).all() and torch.equal(y[[-6, -4, -2]], values[[-6, -4, -2]])
+    assert (y[[-5, -3, -1]] <= 0).all() and (y[[-5, -3, -1]] > -1e-30).all()
+
+
+def test_dense_rows_take_the_c_ops(layer):
+    """Prompt rows on the CPU: norms, RoPE and SiLU in the C ops (one pass each), the linears
+    dense; the layer's torch-free steps rebuilt by hand give the same bits."""
+    c = layer.config
+    x = randn(ROWS, c.hidden_size, seed=6)
+    cos, sin = cos_sin(c, ROWS)
+    dense = BlockRows.all_dense(ROWS)
+    q, k, v = layer.attention_inputs(x, cos, sin, dense)
+    heads = c.num_heads + c.num_kv_heads
+    qkv = layer.qkv(layer_ops.rms_norm(x, layer.input_norm, c.rms_norm_eps), dense)
+    qk = layer_ops.rope(qkv[:, : heads * c.head_dim].view(ROWS, heads, c.head_dim), cos, sin)
+    assert same_bits(q, qk[:, : c.num_heads]) and same_bits(k, qk[:, c.num_heads :])
+    assert same_bits(v, qkv[:, heads * c.head_dim :].view(ROWS, c.num_kv_heads, c.head_dim))
+    attn = randn(ROWS, c.num_heads * c.head_dim, seed=7)
+    out = layer.mlp_residual(x, attn, dense)
+    h = x + layer.o(attn, dense)
+    gate_up = layer.gate_up(layer_ops.rms_norm(h, layer.post_attn_norm, c.rms_norm_eps), dense)
+    assert same_bits(out, h + layer.down(layer_ops.silu_mul(gate_up), dense))
 
 
 def torch_attention_inputs(layer, x, cos, sin):
