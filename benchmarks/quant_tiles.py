@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from amx_gemm import best_of
 
 from kvpark.kernels import quant_linear as ql
 from kvpark.kernels import worker_pool
@@ -53,19 +53,6 @@ def random_blocks(kind: str, out_features: int, in_features: int) -> QuantizedWe
                                              dtype=torch.uint8))
     return QuantizedWeight(kind, scale, None, torch.randint(-128, 128, (out_features, nb, 32),
                                                             generator=g, dtype=torch.int8))
-
-
-def best_of(runs: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
-    """Each variant's best wall time over `rounds` rounds, the variants alternating."""
-    best = {name: float("inf") for name in runs}
-    for run in runs.values():
-        run()  # warm: pool threads, the kernels' buffers
-    for _ in range(rounds):
-        for name, run in runs.items():
-            started = time.perf_counter()
-            run()
-            best[name] = min(best[name], time.perf_counter() - started)
-    return best
 
 
 def variants(x: torch.Tensor, rows_layout: QuantizedWeight,

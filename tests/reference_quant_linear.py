@@ -39,3 +39,15 @@ def reference_quant_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Te
         xsum = (dx * q.long().sum(-1).float()).double()  # float32 dx times the integer sum
         y += xsum @ weight.mins.double().T
     return y.float()
+
+
+def random_blocks(kind: str, out_features: int, num_blocks: int, seed: int) -> QuantizedWeight:
+    """Blocks of random quants and scales (Q4_1 with negative mins), seeded."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.rand(out_features, num_blocks, generator=g) * 0.02
+    if kind == "Q4_1":
+        return QuantizedWeight(kind, scale, -torch.rand(out_features, num_blocks, generator=g),
+                               torch.randint(0, 256, (out_features, num_blocks, 16),
+                                             generator=g, dtype=torch.uint8))
+    return QuantizedWeight(kind, scale, None, torch.randint(
+        -128, 128, (out_features, num_blocks, 32), generator=g, dtype=torch.int8))

@@ -115,53 +115,40 @@ static inline float exp_poly(float x) {
     return y * scale;
 }
 
+/* one vector of SiLU lanes: exp_poly's operations on a register of each build's width */
+#if defined(__AVX512F__) || defined(__AVX2__)
 #if defined(__AVX512F__)
 #define SILU_LANES 16
-static inline void silu_mul_lanes(const float *g, const float *u, float *y) {
-    __m512 x = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_loadu_ps(g));
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(EXP_LO)), _mm512_set1_ps(EXP_HI));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2E)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-LN2_HI), x);
-    r = _mm512_fmadd_ps(n, _mm512_set1_ps(-LN2_LO), r);
-    const __m512 z = _mm512_mul_ps(r, r);
-    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(EXP_P0), r, _mm512_set1_ps(EXP_P1));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P2));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P3));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P4));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P5));
-    const __m512 e = _mm512_add_ps(_mm512_fmadd_ps(p, z, r), _mm512_set1_ps(1.0f));
-    const __m512i bits = _mm512_slli_epi32(
-        _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    const __m512 ex = _mm512_mul_ps(e, _mm512_castsi512_ps(bits));
-    const __m512 gv = _mm512_loadu_ps(g);
-    _mm512_storeu_ps(y, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), ex)),
-                                      _mm512_loadu_ps(u)));
-}
-#elif defined(__AVX2__)
+typedef __m512 VF;
+#define V(op) _mm512_##op
+#define VROUND(x) _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define VPOW2(n) _mm512_castsi512_ps(_mm512_slli_epi32( \
+    _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23))
+#else
 #define SILU_LANES 8
+typedef __m256 VF;
+#define V(op) _mm256_##op
+#define VROUND(x) _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define VPOW2(n) _mm256_castsi256_ps(_mm256_slli_epi32( \
+    _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23))
+#endif
 static inline void silu_mul_lanes(const float *g, const float *u, float *y) {
-    __m256 x = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_loadu_ps(g));
     /* max(x, lo) then min(., hi) as fmaxf / fminf give them for numbers (a NaN g gives NaN
      * through g / (1 + e) either way) */
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(EXP_LO)), _mm256_set1_ps(EXP_HI));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_HI), x);
-    r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_LO), r);
-    const __m256 z = _mm256_mul_ps(r, r);
-    __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(EXP_P0), r, _mm256_set1_ps(EXP_P1));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P2));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P3));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P4));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P5));
-    const __m256 e = _mm256_add_ps(_mm256_fmadd_ps(p, z, r), _mm256_set1_ps(1.0f));
-    const __m256i bits = _mm256_slli_epi32(
-        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    const __m256 ex = _mm256_mul_ps(e, _mm256_castsi256_ps(bits));
-    const __m256 gv = _mm256_loadu_ps(g);
-    _mm256_storeu_ps(y, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), ex)),
-                                      _mm256_loadu_ps(u)));
+    VF x = V(sub_ps)(V(setzero_ps)(), V(loadu_ps)(g));
+    x = V(min_ps)(V(max_ps)(x, V(set1_ps)(EXP_LO)), V(set1_ps)(EXP_HI));
+    const VF n = VROUND(V(mul_ps)(x, V(set1_ps)(LOG2E)));
+    VF r = V(fmadd_ps)(n, V(set1_ps)(-LN2_HI), x);
+    r = V(fmadd_ps)(n, V(set1_ps)(-LN2_LO), r);
+    const VF z = V(mul_ps)(r, r);
+    VF p = V(fmadd_ps)(V(set1_ps)(EXP_P0), r, V(set1_ps)(EXP_P1));
+    p = V(fmadd_ps)(p, r, V(set1_ps)(EXP_P2));
+    p = V(fmadd_ps)(p, r, V(set1_ps)(EXP_P3));
+    p = V(fmadd_ps)(p, r, V(set1_ps)(EXP_P4));
+    p = V(fmadd_ps)(p, r, V(set1_ps)(EXP_P5));
+    const VF e = V(mul_ps)(V(add_ps)(V(fmadd_ps)(p, z, r), V(set1_ps)(1.0f)), VPOW2(n));
+    const VF silu = V(div_ps)(V(loadu_ps)(g), V(add_ps)(V(set1_ps)(1.0f), e));
+    V(storeu_ps)(y, V(mul_ps)(silu, V(loadu_ps)(u)));
 }
 #else
 #define SILU_LANES 1

@@ -9,7 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from cpu_isa import requires_amx
-from reference_quant_linear import dequantize, quantize_activations, reference_quant_linear
+from reference_quant_linear import (
+    dequantize,
+    quantize_activations,
+    random_blocks,
+    reference_quant_linear,
+)
 
 from kvpark.kernels import quant_linear as ql
 from kvpark.kernels import worker_pool
@@ -67,17 +72,6 @@ def test_rows_match_the_reference_arithmetic_and_do_not_depend_on_each_other(smo
     assert ((y - exact).norm() / exact.norm()).item() < 3e-2
     for rows in (slice(0, 1), slice(3, 5), slice(8, 17), slice(18, 19)):  # across row tiles
         assert torch.equal(ql.quant_linear(x[rows].contiguous(), blocks, isa), y[rows])
-
-
-def random_blocks(kind: str, out_features: int, num_blocks: int, seed: int) -> ql.QuantizedWeight:
-    g = torch.Generator().manual_seed(seed)
-    scale = torch.rand(out_features, num_blocks, generator=g) * 0.02
-    if kind == "Q4_1":
-        return ql.QuantizedWeight(kind, scale, -torch.rand(out_features, num_blocks, generator=g),
-                                  torch.randint(0, 256, (out_features, num_blocks, 16),
-                                                generator=g, dtype=torch.uint8))
-    return ql.QuantizedWeight(kind, scale, None, torch.randint(
-        -128, 128, (out_features, num_blocks, 32), generator=g, dtype=torch.int8))
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])

@@ -5,7 +5,7 @@ pick the path."""
 
 import pytest
 import torch
-from reference_quant_linear import reference_quant_linear
+from reference_quant_linear import random_blocks, reference_quant_linear
 
 from kvpark.kernels import quant_linear as ql
 from kvpark.kernels.quant_linear import TilePath
@@ -14,17 +14,6 @@ pytestmark = pytest.mark.skipif(not ql.is_available(), reason="no working C comp
 
 # rows across the AMX row tiles of 16 and the vectors' groups of 4, up to a long prompt's
 ROW_COUNTS = (1, 2, 3, 4, 5, 7, 8, 15, 16, 17, 31, 33, 64, 100, 257, 600)
-
-
-def random_blocks(kind: str, out_features: int, num_blocks: int, seed: int) -> ql.QuantizedWeight:
-    g = torch.Generator().manual_seed(seed)
-    scale = torch.rand(out_features, num_blocks, generator=g) * 0.02
-    if kind == "Q4_1":
-        return ql.QuantizedWeight(kind, scale, -torch.rand(out_features, num_blocks, generator=g),
-                                  torch.randint(0, 256, (out_features, num_blocks, 16),
-                                                generator=g, dtype=torch.uint8))
-    return ql.QuantizedWeight(kind, scale, None, torch.randint(
-        -128, 128, (out_features, num_blocks, 32), generator=g, dtype=torch.int8))
 
 
 def activations(rows: int, in_features: int, seed: int = 5) -> torch.Tensor:
