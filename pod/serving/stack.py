@@ -278,6 +278,10 @@ def load_target(args: ServerArgs, device: torch.device, dtype: torch.dtype,
     blocks = pick_blocks(args, loaded, device, dtype)  # builds the C kernel on first use
     stages.done(f"blocks for decode rows: {len(blocks)} linears" if blocks else "weights checked")
     model = make_model(args, loaded, device, dtype, blocks)
+    # the model holds the blocks it reads (laid out anew where AMX tiles take them): the file's
+    # own copies would stay beside them for the server's life
+    loaded.quantized.clear()
+    del blocks
     mtp, mtp_key = make_mtp_head(args, loaded, model)
     choose_decode_weights(args, model)  # may lower the kernel threads
     choose_torch_threads(args, model)  # may raise the torch threads (prompt GEMMs)

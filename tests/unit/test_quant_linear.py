@@ -27,6 +27,7 @@ from kvpark.pod.model.blocks_at_load import decode_linear_names, q8_0_blocks
 from kvpark.pod.model.linear import BlockRows, WeightFormat
 from kvpark.pod.model.llama import LlamaModel
 from kvpark.pod.model.loader import LoadedModel, load_model_files
+from kvpark.pod.serving import stack as stack_module
 from kvpark.pod.serving.choices import pick_blocks
 from kvpark.pod.worker import autotune
 
@@ -560,3 +561,12 @@ def test_threads_auto_takes_every_core_only_where_prompt_gemms_gain(smollm2, cap
         assert torch.get_num_threads() == 1  # neither measured nor changed
     finally:
         torch.set_num_threads(1)
+
+
+def test_the_server_keeps_one_copy_of_the_blocks():
+    """Once the model holds the blocks it reads (laid out anew where AMX tiles take them), the
+    file's own copies are let go: a big GGUF's blocks would otherwise sit twice in RAM."""
+    args = parse_args(["--weights", "gguf", "-t", "1", "--kernel-threads", "1"], env={})
+    target = stack_module.load_target(args, torch.device("cpu"), torch.float32,
+                                      stack_module.Stages())
+    assert target.model.has_blocks and target.loaded.quantized == {}
