@@ -118,7 +118,8 @@ class DecoderLayer(nn.Module):
 
     def attention_inputs(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          rows: BlockRows | None) -> tuple[torch.Tensor, ...]:
-        """q [rows, heads, D], k and v [rows, kv heads, D]: norm, qkv, RoPE in torch ops."""
+        """q [rows, heads, D], k and v [rows, kv heads, D]: norm, qkv, RoPE (in C where
+        `c_ops`, else torch ops)."""
         c = self.config
         num_rows = x.shape[0]
         c_ops = self.c_ops(x)
@@ -148,7 +149,8 @@ class DecoderLayer(nn.Module):
 
     def mlp_residual(self, x: torch.Tensor, attn: torch.Tensor,
                      rows: BlockRows | None) -> torch.Tensor:
-        """x + attn W_o^T, then plus the MLP of its norm, in torch ops; attn [rows, q_size]."""
+        """x + attn W_o^T, then plus the MLP of its norm (norm and SiLU in C where `c_ops`);
+        attn [rows, q_size]."""
         x = x + linear(attn, self.o, rows)
         if self.c_ops(x):
             h = layer_ops.rms_norm(x, self.post_attn_norm, self.config.rms_norm_eps)
