@@ -86,12 +86,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
          isa: Isa | None = None) -> torch.Tensor:
     """Rotate-half RoPE of x [rows, heads, D] (a copy); cos, signed_sin [rows, D] as
     `rope_cos_sin` gives them (its [rows, 1, D] works too)."""
-    x = x.contiguous().clone()
-    rows, heads, dim = x.shape
-    assert cos.stride(-1) == 1 and cos.stride() == signed_sin.stride(), "dense cos/sin rows"
-    load_kernels(isa).kvpark_rope(x.data_ptr(), x.stride(0), rows, heads, dim, cos.data_ptr(),
-                                  signed_sin.data_ptr(), cos.stride(0))
-    return x
+    return rope_(x.contiguous().clone(), cos, signed_sin, isa)
 
 
 def rope_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,

@@ -269,21 +269,30 @@ VEC_TARGET static inline __attribute__((always_inline)) void take_blocks(
     }
 }
 
+/* call(first, n) for rows [0, total) in groups of EPILOGUE_ROWS, the last one cut short: each
+ * with a compile-time n, so the group's accumulators stay in registers */
+#define IN_GROUPS_OF_8(call, total)                                                          \
+    do {                                                                                     \
+        int first_ = 0;                                                                      \
+        for (; first_ + EPILOGUE_ROWS <= (total); first_ += EPILOGUE_ROWS)                   \
+            call(first_, EPILOGUE_ROWS);                                                     \
+        switch ((total) - first_) {                                                          \
+        case 1: call(first_, 1); break;                                                      \
+        case 2: call(first_, 2); break;                                                      \
+        case 3: call(first_, 3); break;                                                      \
+        case 4: call(first_, 4); break;                                                      \
+        case 5: call(first_, 5); break;                                                      \
+        case 6: call(first_, 6); break;                                                      \
+        case 7: call(first_, 7); break;                                                      \
+        default: break;                                                                      \
+        }                                                                                    \
+    } while (0)
+
 VEC_TARGET static void take_row_tile(const Call *c, int t, int rt, const int32_t *sums) {
     const int rows = c->rows - rt * TILE < TILE ? c->rows - rt * TILE : TILE;
-    int m = 0;
-    for (; m + EPILOGUE_ROWS <= rows; m += EPILOGUE_ROWS)
-        take_blocks(c, t, rt, m, sums, EPILOGUE_ROWS);
-    switch (rows - m) {
-    case 1: take_blocks(c, t, rt, m, sums, 1); break;
-    case 2: take_blocks(c, t, rt, m, sums, 2); break;
-    case 3: take_blocks(c, t, rt, m, sums, 3); break;
-    case 4: take_blocks(c, t, rt, m, sums, 4); break;
-    case 5: take_blocks(c, t, rt, m, sums, 5); break;
-    case 6: take_blocks(c, t, rt, m, sums, 6); break;
-    case 7: take_blocks(c, t, rt, m, sums, 7); break;
-    default: break;
-    }
+#define TAKE(m, n) take_blocks(c, t, rt, m, sums, n)
+    IN_GROUPS_OF_8(TAKE, rows);
+#undef TAKE
 }
 
 /* add_mins on vectors, EPILOGUE_ROWS rows side by side: each lane the same fma sequence */
@@ -305,25 +314,15 @@ VEC_TARGET static inline __attribute__((always_inline)) void add_mins_rows(const
 }
 
 VEC_TARGET static void add_mins_vectors(const Call *c, int t) {
-    int r = 0;
-    for (; r + EPILOGUE_ROWS <= c->rows; r += EPILOGUE_ROWS) add_mins_rows(c, t, r, EPILOGUE_ROWS);
-    switch (c->rows - r) {
-    case 1: add_mins_rows(c, t, r, 1); break;
-    case 2: add_mins_rows(c, t, r, 2); break;
-    case 3: add_mins_rows(c, t, r, 3); break;
-    case 4: add_mins_rows(c, t, r, 4); break;
-    case 5: add_mins_rows(c, t, r, 5); break;
-    case 6: add_mins_rows(c, t, r, 6); break;
-    case 7: add_mins_rows(c, t, r, 7); break;
-    default: break;
-    }
+#define ADD_MINS(r, n) add_mins_rows(c, t, r, n)
+    IN_GROUPS_OF_8(ADD_MINS, c->rows);
+#undef ADD_MINS
 }
 
 /* Output tile t for every row tile: first every block's 16 x 16 integer sums on the tiles,
- * stored to `sums` (nb KiB), then the float sequence over them on vectors. Taking each block's
- * sums as soon as stored made every step wait for the tile store to reach the cache (the
- * vector loads cannot be forwarded from it): 5-10x slower. `b_tiles`: the B tiles of t's
- * blocks (Q8_0: the weights themselves; Q4_1: unpacked into the part's buffer). */
+ * stored to `sums` (nb KiB), then the float sequence over them on vectors (measured the same
+ * as taking each block's sums as soon as stored; benchmarks/README.md). `b_tiles`: the B tiles
+ * of t's blocks (Q8_0: the weights themselves; Q4_1: unpacked into the part's buffer). */
 AMX_TARGET static void amx_tile(const Call *c, int t, const uint8_t *b_tiles, int32_t *sums) {
     for (int rt = 0; rt < c->row_tiles; rt++) {
         const int8_t *a = c->q + (int64_t)rt * TILE * c->nb * BLOCK;

@@ -83,6 +83,10 @@ class DecoderLayer(nn.Module):
         self.q_norm = weights.get(f"{attn}.q_norm.weight") if config.qk_norm else None
         self.k_norm = weights.get(f"{attn}.k_norm.weight") if config.qk_norm else None
         self.fused = self.get_fused()
+        # dense rows' norms, RoPE and SiLU in the C ops the block rows use (one pass each, not
+        # torch's 2-5 ops over memory): a layer without q/k norms, float32 norms, C kernels
+        self.row_ops = (self.q_norm is None and self.input_norm.dtype == torch.float32
+                        and layer_ops.is_available())
 
     def get_fused(self) -> layer_ops.FusedLayer | None:
         """The block rows' C ops (see `forward_fused`), where every linear has blocks and the
@@ -160,11 +164,9 @@ class DecoderLayer(nn.Module):
         return x + linear(F.silu(gate) * up, self.down, rows)
 
     def c_ops(self, x: torch.Tensor) -> bool:
-        """Dense rows' norms, RoPE and SiLU in the C ops the block rows use (one pass each,
-        not torch's 2-5 ops over memory): float32 rows on the CPU, a layer without q/k norms.
-        The C ops compute each row on its own, as the torch ops do."""
-        return (self.q_norm is None and x.is_cpu and x.dtype == torch.float32
-                and self.input_norm.dtype == torch.float32 and layer_ops.is_available())
+        """`row_ops` for float32 rows on the CPU. The C ops compute each row on its own, as the
+        torch ops do."""
+        return self.row_ops and x.is_cpu and x.dtype == torch.float32
 
     def forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       backend: AttentionBackend, kv_cache: torch.Tensor,

@@ -27,6 +27,7 @@ from kvpark.kernels import worker_pool
 from kvpark.kernels.cores import usable_cores
 
 from ..args import MAX_TORCH_THREADS, ServerArgs
+from ..model.layers import DecoderLayer
 from ..model.linear import MIN_INVARIANT_ROWS, gemm_engine, pad_rows
 from ..model.llama import LlamaModel
 
@@ -166,11 +167,16 @@ class DecodeTimings:
         return min(faster, key=self.blocks.__getitem__, default=fewest)
 
 
+def mlps_with_blocks(model: LlamaModel) -> list[DecoderLayer]:
+    """The layers whose MLP linears both have blocks: what the decode measurements run."""
+    return [layer for layer in model.layers
+            if layer.gate_up.blocks is not None and layer.down.blocks is not None]
+
+
 def measure_decode_linears(model: LlamaModel, thread_counts: list[int]) -> DecodeTimings:
     """The block kernel at each thread count vs the dense GEMM on this machine, in alternating
     rounds (best of each): all layers' MLP weights outgrow the caches, as a decode step does."""
-    layers = [layer for layer in model.layers
-              if layer.gate_up.blocks is not None and layer.down.blocks is not None]
+    layers = mlps_with_blocks(model)
     x = torch.randn(1, model.config.hidden_size)
     mid = torch.randn(1, model.config.intermediate_size)
 
@@ -206,8 +212,7 @@ class FullBatchTimings:
 
 
 def measure_full_batch(model: LlamaModel, rows: int) -> FullBatchTimings:
-    layers = [layer for layer in model.layers
-              if layer.gate_up.blocks is not None and layer.down.blocks is not None]
+    layers = mlps_with_blocks(model)
     x = torch.randn(rows, model.config.hidden_size)
     mid = torch.randn(rows, model.config.intermediate_size)
 
