@@ -21,6 +21,9 @@ class StepLayout:
     kv_lens: list[int]  # KV length of each sequence after this step's tokens are appended
     q_lens: list[int]  # new (query) tokens of each sequence in this step
     page_size: int
+    # of each sequence's query rows, how many come first at prompt positions (the runner's
+    # count; a backend may give them their own kernel: kernels/cpu_paged.py); None: not told
+    prompt_rows: list[int] | None = None
 
     def __post_init__(self) -> None:
         assert len(self.page_tables) == len(self.kv_lens) == len(self.q_lens), "ragged layout"
@@ -29,6 +32,9 @@ class StepLayout:
             assert len(table) * self.page_size >= kv_len, (
                 f"{len(table)} pages cannot hold {kv_len} tokens"
             )
+        assert self.prompt_rows is None or (
+            len(self.prompt_rows) == len(self.q_lens)
+            and all(0 <= p <= q for p, q in zip(self.prompt_rows, self.q_lens))), "prompt rows"
 
     @property
     def num_seqs(self) -> int:

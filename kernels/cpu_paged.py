@@ -18,10 +18,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+from dataclasses import dataclass
 
 import torch
 
-from . import worker_pool
+from . import amx_gemm, worker_pool
 from .attention import StepLayout, get_plan_arrays
 from .cbuild import CSRC, KernelUnavailable, load_library
 from .cpu_features import Isa
@@ -42,6 +43,10 @@ def load_kernel(isa: Isa | None = None) -> ctypes.CDLL:
     fn.argtypes = [ptr, i64, i64, ptr, ptr, i32, ptr, ptr, ptr, ptr, i32, i32, i32, i32,
                    ctypes.c_float, i32]
     fn.restype = i32
+    prompt = lib.kvpark_amx_prompt_attention
+    prompt.argtypes = [ptr, i64, i64, ptr, ptr, i32, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32,
+                       ctypes.c_float, i32]
+    prompt.restype = i32
     append = lib.kvpark_append_kv
     append.argtypes = [ptr, ptr, i64, ptr, i64, ptr, ptr, i32, i32]
     append.restype = None
@@ -57,14 +62,67 @@ def is_available() -> bool:
         return False
 
 
+def amx_prompt_rows_fit(head_dim: int) -> bool:
+    """csrc/amx_attention.c takes head dims in whole tile rows (32 bf16), up to 256."""
+    return head_dim % 32 == 0 and head_dim <= 256
+
+
+@dataclass(frozen=True)
+class GeneratedRows:
+    """A step's rows past the prompt, as a plan of their own for paged_attention.c: the last
+    rows of their sequences, at the same KV lengths (int32 arrays as the kernel takes them)."""
+
+    index: torch.Tensor  # the rows' places in the step (int64)
+    qo_indptr: torch.Tensor
+    kv_lens: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+
+    @classmethod
+    def of(cls, layout: StepLayout) -> GeneratedRows | None:
+        index: list[int] = []
+        qo_indptr, kv_lens, kv_indptr, kv_indices = [0], [], [0], []
+        row = 0
+        for table, kv_len, q_len, prompt in zip(layout.page_tables, layout.kv_lens,
+                                                layout.q_lens, layout.prompt_rows):
+            if q_len > prompt:
+                pages = -(-kv_len // layout.page_size)
+                index.extend(range(row + prompt, row + q_len))
+                qo_indptr.append(qo_indptr[-1] + q_len - prompt)
+                kv_lens.append(kv_len)
+                kv_indptr.append(kv_indptr[-1] + pages)
+                kv_indices.extend(table[:pages])
+            row += q_len
+        if not index:
+            return None
+
+        def int32(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int32)
+
+        return cls(torch.tensor(index), int32(qo_indptr), int32(kv_lens), int32(kv_indptr),
+                   int32(kv_indices))
+
+
 class CpuPagedAttention(TorchPagedAttention):
-    """The torch reference's planning and KV append; attention by the C kernel."""
+    """The torch reference's planning and KV append; attention by the C kernel.
+
+    With `amx_prompt_rows` (where the prompt rows' linears run on AMX: `--amx`), the rows a
+    layout marks as prompt rows take csrc/amx_attention.c (bf16 tile products, float32 sums)
+    and the rest paged_attention.c, each row the kernel its position gives it."""
 
     name = "cpu"
 
     def __init__(self, device: torch.device | str = "cpu", num_threads: int | None = None,
-                 isa: Isa | None = None) -> None:
+                 isa: Isa | None = None, amx_prompt_rows: bool = False) -> None:
         super().__init__(device)
+        self.amx_prompt_rows = amx_prompt_rows
+        if amx_prompt_rows:
+            if not (amx_gemm.usable() and load_kernel(isa).kvpark_amx_attention_built()):
+                raise KernelUnavailable("AMX prompt-row attention does not run here")
+            self.name = "cpu+amx"
+        self._prompt_kernel = load_kernel(isa).kvpark_amx_prompt_attention
+        self._prompt_rows: torch.Tensor | None = None  # this step's, where AMX takes them
+        self._generated: GeneratedRows | None = None
         # the worker pool's threads (kernels/worker_pool.py) split the (sequence, row tile)
         # items, or a long decode row's chunks; None: the process-wide `--kernel-threads`
         self.num_threads = num_threads
@@ -81,6 +139,10 @@ class CpuPagedAttention(TorchPagedAttention):
         self._page_size = layout.page_size
         self._plan_append(self._arrays, layout.page_size)  # the reference's KV append
         self._layout, self._views = layout, None  # the reference's views: only if it attends
+        self._prompt_rows = self._generated = None
+        if self.amx_prompt_rows and layout.prompt_rows is not None and any(layout.prompt_rows):
+            self._prompt_rows = torch.tensor(layout.prompt_rows, dtype=torch.int32)
+            self._generated = GeneratedRows.of(layout)
 
     def c_plan(self, head_dim: int) -> AttentionPlan:
         """This step's plan as `layer_ops.FusedStack` hands it to C: what `append_kv` and
@@ -110,15 +172,45 @@ class CpuPagedAttention(TorchPagedAttention):
             return super().attend(q, kv_cache)
         # q: [T, Hq, D] (a strided view of the qkv output); kv_cache: [pages, 2, ps, Hkv, D]
         assert q.stride(-1) == 1 and kv_cache.is_contiguous(), "dense head_dim and cache"
+        if self._prompt_rows is None:
+            a = self._arrays
+            return self.rows_fp32(q, kv_cache, a.qo_indptr, self._kv_lens, a.kv_indptr,
+                                  a.kv_indices)
+        out = self.prompt_rows_amx(q, kv_cache)
+        rest = self._generated
+        if rest is not None:
+            out.index_copy_(0, rest.index, self.rows_fp32(
+                q.index_select(0, rest.index), kv_cache, rest.qo_indptr, rest.kv_lens,
+                rest.kv_indptr, rest.kv_indices))
+        return out
+
+    def rows_fp32(self, q: torch.Tensor, kv_cache: torch.Tensor, qo_indptr: torch.Tensor,
+                  kv_lens: torch.Tensor, kv_indptr: torch.Tensor,
+                  kv_indices: torch.Tensor) -> torch.Tensor:
+        """paged_attention.c over the rows of q that the arrays describe (all of them)."""
+        num_tokens, num_heads, head_dim = q.shape
+        out = torch.empty(num_tokens, num_heads, head_dim)
+        status = self._kernel(
+            q.data_ptr(), q.stride(0), q.stride(1), kv_cache.data_ptr(), out.data_ptr(),
+            len(kv_lens), qo_indptr.data_ptr(), kv_lens.data_ptr(), kv_indptr.data_ptr(),
+            kv_indices.data_ptr(), num_heads, kv_cache.shape[-2], head_dim, self._page_size,
+            head_dim ** -0.5, self.num_threads or worker_pool.get_num_threads())
+        if status != 0:
+            raise RuntimeError(f"paged attention kernel failed (status {status})")
+        return out
+
+    def prompt_rows_amx(self, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+        """amx_attention.c over this step's prompt rows; the other rows of the result are not
+        written."""
         num_tokens, num_heads, head_dim = q.shape
         out = torch.empty(num_tokens, num_heads, head_dim)
         a = self._arrays
-        status = self._kernel(
+        status = self._prompt_kernel(
             q.data_ptr(), q.stride(0), q.stride(1), kv_cache.data_ptr(), out.data_ptr(),
-            len(self._kv_lens), a.qo_indptr.data_ptr(), self._kv_lens.data_ptr(),
-            a.kv_indptr.data_ptr(), a.kv_indices.data_ptr(), num_heads, kv_cache.shape[-2],
-            head_dim, self._page_size, head_dim ** -0.5,
+            len(self._kv_lens), a.qo_indptr.data_ptr(), self._prompt_rows.data_ptr(),
+            self._kv_lens.data_ptr(), a.kv_indptr.data_ptr(), a.kv_indices.data_ptr(),
+            num_heads, kv_cache.shape[-2], head_dim, self._page_size, head_dim ** -0.5,
             self.num_threads or worker_pool.get_num_threads())
         if status != 0:
-            raise RuntimeError(f"paged attention kernel failed (status {status})")
+            raise RuntimeError(f"AMX prompt-row attention failed (status {status})")
         return out

@@ -24,6 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "worker_pool.h"
 
 #if defined(__x86_64__) && ((defined(__clang__) && __clang_major__ >= 12) || \
@@ -44,14 +45,6 @@
 #define GROUP 2       /* output blocks per part: two C tiles share each A tile */
 
 static int ceil_div(int a, int b) { return (a + b - 1) / b; }
-
-static uint16_t to_bf16(float f) {  /* round to nearest even, as torch's .to(torch.bfloat16) */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 static float from_bf16(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -114,20 +107,6 @@ typedef struct {
     volatile int failed;  /* a part could not get its buffer (set only to 1, by any thread) */
 } Call;
 
-#ifdef KVPARK_AMX_BUILD
-/* to_bf16 on 16 floats at once, the same bits (every AMX CPU has AVX-512F) */
-__attribute__((target("avx512f"))) static void to_bf16_x16(const float *x, uint16_t *out) {
-    __m512i u = _mm512_loadu_si512(x);
-    __m512i abs = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
-    __mmask16 nan = _mm512_cmpgt_epu32_mask(abs, _mm512_set1_epi32(0x7f800000));
-    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i up = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd);
-    __m512i r = _mm512_srli_epi32(up, 16);
-    __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-    r = _mm512_mask_blend_epi32(nan, r, quiet);
-    _mm256_storeu_si256((__m256i *)out, _mm512_cvtepi32_epi16(r));
-}
-#endif
 
 /* x as A tiles: row tile rt, k block kb at (rt * kbs + kb) * BLOCK_ELEMS, 16 rows of 32 bf16
  * (64 bytes) each, so a tile loads from one contiguous KiB */

@@ -104,7 +104,9 @@ FLASHINFER_RESERVE_BYTES = (128 + 8 * 8) << 20  # workspace + per-wrapper buffer
 
 
 def pick_backend(args: ServerArgs, device: torch.device, config: ModelConfig,
-                 dtype: torch.dtype) -> AttentionBackend:
+                 dtype: torch.dtype, amx_prompt_rows: bool = False) -> AttentionBackend:
+    """`amx_prompt_rows`: the model's prompt rows run on AMX (its linears do), so the C
+    kernel gives their attention AMX too where the head size fits."""
     if args.attention_backend in ("auto", "flashinfer") and device.type == "cuda":
         try:
             from kvpark.kernels.flashinfer_paged import AttentionShape, FlashInferPagedAttention
@@ -119,22 +121,32 @@ def pick_backend(args: ServerArgs, device: torch.device, config: ModelConfig,
     if args.attention_backend == "flashinfer":
         raise ValueError("--attention-backend flashinfer needs a CUDA device")
     if args.attention_backend in ("auto", "cpu") and device.type == "cpu":
-        return pick_cpu_backend(args, dtype)
+        return pick_cpu_backend(args, dtype, amx_prompt_rows, config.head_dim)
     if args.attention_backend == "cpu":
         raise ValueError("--attention-backend cpu runs on the CPU only")
     return TorchPagedAttention(device)
 
 
-def pick_cpu_backend(args: ServerArgs, dtype: torch.dtype) -> AttentionBackend:
+def pick_cpu_backend(args: ServerArgs, dtype: torch.dtype, amx_prompt_rows: bool = False,
+                     head_dim: int = 0) -> AttentionBackend:
     """The C kernel (reads pages in place) where it builds; the torch reference otherwise."""
-    from kvpark.kernels.cpu_paged import CpuPagedAttention, KernelUnavailable
+    from kvpark.kernels.cpu_paged import (
+        CpuPagedAttention,
+        KernelUnavailable,
+        amx_prompt_rows_fit,
+    )
+
+    if amx_prompt_rows and not amx_prompt_rows_fit(head_dim):
+        log.info("attention: prompt rows in float32 (AMX tiles take head dims in multiples of "
+                 "32 up to 256, not %d)", head_dim)
+        amx_prompt_rows = False
 
     if dtype != torch.float32:
         if args.attention_backend == "cpu":
             raise ValueError("--attention-backend cpu computes in float32 only")
         return TorchPagedAttention("cpu")
     try:
-        return CpuPagedAttention()
+        return CpuPagedAttention(amx_prompt_rows=amx_prompt_rows)
     except KernelUnavailable as exc:
         if args.attention_backend == "cpu":
             raise

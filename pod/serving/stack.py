@@ -310,10 +310,13 @@ def build_memory(args: ServerArgs, target: Target, draft: DraftStack | None,
                   args.page_size, config.num_kv_heads, config.head_dim, dtype=dtype,
                   device=device, cache=make_prefix_cache(args, target.model, identity))
     pool.states = states
-    backend = pick_backend(args, device, config, dtype)
+    backend = pick_backend(args, device, config, dtype, amx_prompt_rows=gemm_engine(
+        target.model.weight_format, device) == "amx")
     drafter: Drafter | MTPDrafter | None = None
     if draft is not None:
-        drafter = Drafter(draft.model, pick_backend(args, device, draft.loaded.config, dtype),
+        drafter = Drafter(draft.model, pick_backend(
+            args, device, draft.loaded.config, dtype, amx_prompt_rows=gemm_engine(
+                draft.model.weight_format, device) == "amx"),
                           pool.caches[num_attention:], args.page_size)
     elif target.mtp is not None:
         drafter = MTPDrafter(target.mtp, pick_backend(args, device, config, dtype),

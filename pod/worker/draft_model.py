@@ -63,10 +63,11 @@ class Rows:
     page_tables: list[list[int]]
     kv_lens: list[int]
     q_lens: list[int]
+    prompt_rows: list[int]  # of each sequence's rows, those at prompt positions (they come first)
 
     @classmethod
     def empty(cls) -> Rows:
-        return cls([], [], [], [], [], [])
+        return cls([], [], [], [], [], [], [])
 
     def add(self, ids: list[int], start: int, num_prompt: int, page_table: list[int],
             dense_before: int = 0) -> None:
@@ -80,6 +81,7 @@ class Rows:
         self.page_tables.append(page_table)
         self.kv_lens.append(end)
         self.q_lens.append(len(ids))
+        self.prompt_rows.append(max(0, min(end, num_prompt) - start))
 
 
 class Drafter:
@@ -135,7 +137,7 @@ class Drafter:
     def run(self, rows: Rows, argmax_rows: list[int]) -> list[int]:
         """One pass over `rows`; the greedy next token at each of `argmax_rows`."""
         self.backend.plan(StepLayout(rows.page_tables, rows.kv_lens, rows.q_lens,
-                                     self.page_size))
+                                     self.page_size, rows.prompt_rows))
         device = self.model.device
         blocks = BlockRows.from_mask(rows.from_blocks) if self.model.has_blocks else None
         hidden = self.model(torch.tensor(rows.ids, dtype=torch.long, device=device),

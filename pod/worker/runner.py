@@ -65,6 +65,8 @@ class ModelRunner:
             kv_lens=[item.seq.num_computed + item.num_rows for item in plan],
             q_lens=[item.num_rows for item in plan],
             page_size=self.pool.page_size,
+            prompt_rows=[max(0, min(item.num_rows, item.seq.num_prompt - item.seq.num_computed))
+                         for item in plan],
         )
 
     def run(self, plan: list[PlannedChunk]) -> list[ChunkOutput]:

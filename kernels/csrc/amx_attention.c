@@ -1,0 +1,406 @@
+/* Paged causal attention of prompt rows on AMX bf16 tiles (issue 41: prompt throughput).
+ *
+ * Same inputs as paged_attention.c (cache [pages, 2, page_size, Hkv, D] float32, q [T, Hq, D]
+ * with any row and head stride, out [T, Hq, D]), plus prompt_rows[b]: this kernel computes the
+ * first prompt_rows[b] query rows of sequence b and nothing else (the runner's prompt-position
+ * rows; the rows after them, generated tokens, keep paged_attention.c, so a recompute replay
+ * gives every row the kernel its first pass gave it).
+ *
+ * Per work item (sequence, tile of 16 of its prompt rows, KV head): the tile's q of the KV
+ * head's query heads become bf16 A tiles once; then, chunk by chunk of CHUNK positions counted
+ * from 0 (as paged_attention.c), the chunk's K and V rows become bf16 B tiles, scores
+ * S = Q K^T come from tile dot products (each score from its own q row and k row, over head_dim
+ * in blocks of 32 in order), each row's softmax numerators over its own prefix in the chunk
+ * (softmax_chunks.h: a fixed order for its length), and O = P V from tile dot products over the
+ * chunk's tokens in blocks of 32 in order. Chunks fold in order.
+ *
+ * A row's bits do not depend on the rows beside it: its scores are its own dot products; its
+ * softmax reads its own scores; in P V a token block past its prefix (there because a later
+ * row of the tile needs it) holds P = 0 for it, whose products add exact zeros (V past the
+ * sequence's tokens is staged as zeros, never read from the page); the sign of a zero output,
+ * which those zeros could flip, is made +0 at the end. The tests hold every row to the same row
+ * computed alone, at any offset, chunking and thread count.
+ *
+ * bf16 products (q, k, P and v rounded to nearest even), float32 sums: the precision of the
+ * prompt rows' amx-bf16 linears, on the same switch (`--amx`). */
+#define _GNU_SOURCE
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+#include "softmax_chunks.h"
+#include "worker_pool.h"
+
+#if defined(__x86_64__) && defined(__AVX512F__) && \
+    ((defined(__clang__) && __clang_major__ >= 12) || \
+     (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
+#define AMX_ATTENTION_BUILD 1
+#include <immintrin.h>
+#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw")))
+#endif
+
+#define TILE 16          /* query rows a tile; tokens a score tile; head dims an output tile */
+#define PAIR_K 32        /* bf16 values along K in one tile row (64 bytes) */
+#define TILE_ELEMS 512   /* bf16 values in one tile */
+#define CHUNK 256        /* positions of one partial softmax, counted from 0 */
+#define MAX_HEAD_DIM 256
+#define MAX_GROUP 16
+
+static inline int ceil_to(int a, int b) { return (a + b - 1) / b * b; }
+
+int kvpark_amx_attention_built(void) {
+#ifdef AMX_ATTENTION_BUILD
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#ifdef AMX_ATTENTION_BUILD
+typedef struct {
+    int32_t seq, first, rows, kv_head; /* staging items: first = the block's first token */
+} Item;
+
+typedef struct {
+    const float *q, *cache;
+    float *out;
+    int64_t q_row, q_head;
+    const int32_t *qo_indptr, *kv_lens, *kv_indptr, *kv_indices, *prompt_rows;
+    int num_heads, num_kv_heads, head_dim, page_size;
+    float scale;
+    const Item *items;
+    int num_items;
+    int next; /* atomic: the next unclaimed item */
+    int failed;
+    /* every sequence's K and V (up to its last prompt row's prefix, zeros to a whole block of
+     * 32 tokens) as B tiles, staged once a call: sequence b, KV head g at staged[b] +
+     * g * staged_elems(b); K tiles [token block of 16][dim block of 32], then V tiles
+     * [token block of 32][dim tile of 16] */
+    uint16_t *kv;
+    const int64_t *staged;
+} Job;
+
+/* a thread's buffers (bf16 as uint16_t) */
+typedef struct {
+    uint16_t *qa;   /* [group][head_dim / 32] A tiles: the tile's q rows of one head */
+    uint16_t *pa;   /* [CHUNK / 32] A tiles: 16 rows x 32 tokens of P */
+    float *scores;  /* [TILE][CHUNK] */
+    float *part;    /* [group][TILE][PART_HEADER + head_dim]: this chunk's partials */
+    float *folded;  /* the same, the chunks so far */
+} Scratch;
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* every tile 16 rows of 64 bytes: 0-3 C (float32), 4 A, 5 B. A constant, not stores before
+ * ldtilecfg (GCC 12 dropped such stores as dead where the function was not inlined) */
+static const TileConfig TILES __attribute__((aligned(64))) = {
+    .palette = 1,
+    .colsb = {64, 64, 64, 64, 64, 64},
+    .rows = {TILE, TILE, TILE, TILE, TILE, TILE},
+};
+
+AMX_TARGET static void configure_tiles(void) { _tile_loadconfig(&TILES); }
+
+AMX_TARGET static void release_tiles(void) { _tile_release(); }
+
+/* C tiles 0 .. count-1 (count <= 4) = sum over `blocks` of A tile a[i] times B tile
+ * b[i * b_step + t] (t: the C tile), stored at c + t * c_step floats, row stride ldc bytes */
+AMX_TARGET static void tile_products(const uint16_t *a, int blocks, const uint16_t *b,
+                                     long b_step, long b_next, int count, float *c, int c_step,
+                                     long ldc) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int i = 0; i < blocks; i++) {
+        const uint16_t *bi = b + (long)i * b_step;
+        _tile_loadd(4, a + (long)i * TILE_ELEMS, 64);
+        _tile_loadd(5, bi, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        if (count > 1) {
+            _tile_loadd(5, bi + b_next, 64);
+            _tile_dpbf16ps(1, 4, 5);
+        }
+        if (count > 2) {
+            _tile_loadd(5, bi + 2 * b_next, 64);
+            _tile_dpbf16ps(2, 4, 5);
+        }
+        if (count > 3) {
+            _tile_loadd(5, bi + 3 * b_next, 64);
+            _tile_dpbf16ps(3, 4, 5);
+        }
+    }
+    _tile_stored(0, c, ldc);
+    if (count > 1) _tile_stored(1, c + c_step, ldc);
+    if (count > 2) _tile_stored(2, c + 2 * c_step, ldc);
+    if (count > 3) _tile_stored(3, c + 3 * c_step, ldc);
+}
+
+static const float *token_row(const Job *job, int seq, int t) {
+    const int ps = job->page_size;
+    const int32_t *pages = job->kv_indices + job->kv_indptr[seq];
+    return job->cache + ((int64_t)pages[t / ps] * 2 * ps + t % ps) * job->num_kv_heads
+                            * job->head_dim;
+}
+
+/* the item's q rows as A tiles, per head of its group: qa[(h * kbs + kb)] row r = the bf16 of
+ * q[row r][kb * 32 ..], zero rows past the tile's rows */
+static void stage_q(const Job *job, const Item *it, int group, Scratch *s) {
+    const int d = job->head_dim, kbs = d / PAIR_K;
+    const int64_t row0 = job->qo_indptr[it->seq] + it->first;
+    memset(s->qa, 0, sizeof(uint16_t) * (size_t)group * kbs * TILE_ELEMS);
+    for (int h = 0; h < group; h++)
+        for (int r = 0; r < it->rows; r++) {
+            const float *q = job->q + (row0 + r) * job->q_row
+                             + (int64_t)(it->kv_head * group + h) * job->q_head;
+            for (int i = 0; i < d; i += 16)
+                to_bf16_x16(q + i, s->qa + ((long)h * kbs + i / PAIR_K) * TILE_ELEMS
+                                       + r * PAIR_K + i % PAIR_K);
+        }
+}
+
+static inline int64_t staged_len(const Job *job, int b) { /* tokens, a multiple of 32 */
+    const int q_len = job->qo_indptr[b + 1] - job->qo_indptr[b];
+    return ceil_to(job->kv_lens[b] - q_len + job->prompt_rows[b], PAIR_K);
+}
+
+static inline uint16_t *staged_k(const Job *job, int b, int g) {
+    return job->kv + job->staged[b] + (int64_t)g * 2 * staged_len(job, b) * job->head_dim;
+}
+
+static inline uint16_t *staged_v(const Job *job, int b, int g) {
+    return staged_k(job, b, g) + staged_len(job, b) * job->head_dim;
+}
+
+/* a staging item: tokens [first, first + rows) of sequence seq, KV head kv_head, into the
+ * staged tiles (tokens past the last prompt row's prefix as zeros) */
+static void stage_kv(const Job *job, const Item *it) {
+    const int d = job->head_dim, kbs = d / PAIR_K, dts = d / TILE, b = it->seq;
+    const int q_len = job->qo_indptr[b + 1] - job->qo_indptr[b];
+    const int need = job->kv_lens[b] - q_len + job->prompt_rows[b];
+    const int64_t head = (int64_t)it->kv_head * d;
+    const int64_t v_off = (int64_t)job->page_size * job->num_kv_heads * d;
+    uint16_t *kt = staged_k(job, b, it->kv_head), *vt = staged_v(job, b, it->kv_head);
+    uint16_t row[2][MAX_HEAD_DIM];
+    for (int t = it->first; t < it->first + it->rows; t += 2) { /* token pairs */
+        for (int u = 0; u < 2; u++) { /* the pair's K (scores' tiles), then its V, as bf16 */
+            const float *k = t + u < need ? token_row(job, b, t + u) + head : NULL;
+            if (k == NULL) memset(row[u], 0, sizeof(uint16_t) * d);
+            else
+                for (int i = 0; i < d; i += 16) to_bf16_x16(k + i, row[u] + i);
+            /* K tile [token / 16][dims / 32]: row p holds dims (2p, 2p + 1) for 16 tokens */
+            uint32_t *pairs = (uint32_t *)row[u];
+            for (int i = 0; i < d / 2; i++)
+                ((uint32_t *)kt)[(((int64_t)(t + u) / TILE * kbs + i / TILE) * TILE_ELEMS
+                                  + (i % TILE) * 32 + ((t + u) % TILE) * 2) / 2] = pairs[i];
+            if (k == NULL) memset(row[u], 0, sizeof(uint16_t) * d);
+            else
+                for (int i = 0; i < d; i += 16) to_bf16_x16(k + v_off + i, row[u] + i);
+        }
+        /* V tile [t / 32][dims / 16]: row p holds tokens (2p, 2p + 1) for 16 dims */
+        for (int i = 0; i < d; i += TILE) {
+            __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row[0] + i)));
+            __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row[1] + i)));
+            _mm512_storeu_si512(vt + ((int64_t)(t / PAIR_K) * dts + i / TILE) * TILE_ELEMS
+                                    + (t % PAIR_K / 2) * 32,
+                                _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
+    }
+}
+
+static void stage_part(void *arg, int part, int num_parts) {
+    (void)part;
+    (void)num_parts;
+    Job *job = arg;
+    for (;;) {
+        const int i = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
+        if (i >= job->num_items) break;
+        stage_kv(job, job->items + i);
+    }
+}
+
+/* one chunk of one head: the partials of the tile's rows that reach it, into part (rows that
+ * do not reach it are left alone) */
+static void run_head_chunk(const Job *job, const Item *it, int h, int start, int n,
+                           int first_len, Scratch *s, float *part) {
+    const int d = job->head_dim, kbs = d / PAIR_K, dts = d / TILE;
+    const int n16 = ceil_to(n, TILE), n32 = ceil_to(n, PAIR_K), stride = PART_HEADER + d;
+    const uint16_t *qa = s->qa + (long)h * kbs * TILE_ELEMS;
+    const uint16_t *kt = staged_k(job, it->seq, it->kv_head) + (int64_t)start / TILE * kbs
+                                                                 * TILE_ELEMS;
+    const uint16_t *vt = staged_v(job, it->seq, it->kv_head) + (int64_t)start / PAIR_K * dts
+                                                                 * TILE_ELEMS;
+    for (int tb = 0; tb < n16 / TILE; tb += 4) { /* scores[r][t], four token tiles at a time */
+        const int count = n16 / TILE - tb < 4 ? n16 / TILE - tb : 4;
+        tile_products(qa, kbs, kt + (long)tb * kbs * TILE_ELEMS, TILE_ELEMS,
+                      (long)kbs * TILE_ELEMS, count, s->scores + tb * TILE, TILE, CHUNK * 4);
+    }
+    for (int r = 0; r < TILE; r++) {
+        float *row = s->scores + (long)r * CHUNK;
+        const int len = r < it->rows ? first_len + r - start : 0; /* tokens it attends here */
+        int from = 0;
+        if (len > 0) {
+            const int m = len < CHUNK ? len : CHUNK;
+            for (int t = 0; t < m; t++) row[t] *= job->scale;
+            softmax_numerators(row, m, part + (long)r * stride);
+            from = m;
+        }
+        for (int t = from; t < n32; t++) row[t] = 0.0f; /* P = 0 past the row's prefix */
+        for (int t = 0; t < n32; t += 16) /* P as A tiles: pa[t / 32] row r */
+            to_bf16_x16(row + t, s->pa + (long)(t / PAIR_K) * TILE_ELEMS + r * PAIR_K
+                                     + t % PAIR_K);
+    }
+    for (int dt = 0; dt < dts; dt += 4) { /* O[r][dims], four dim tiles at a time */
+        const int count = dts - dt < 4 ? dts - dt : 4;
+        float tmp[TILE * 4 * TILE];
+        tile_products(s->pa, n32 / PAIR_K, vt + (long)dt * TILE_ELEMS,
+                      (long)dts * TILE_ELEMS, TILE_ELEMS, count, tmp, TILE, 4 * TILE * 4);
+        for (int r = 0; r < it->rows; r++)
+            if (first_len + r - start > 0)
+                memcpy(part + (long)r * stride + PART_HEADER + dt * TILE, tmp + r * 4 * TILE,
+                       sizeof(float) * count * TILE);
+    }
+}
+
+static void run_item(const Job *job, const Item *it, Scratch *s) {
+    const int hq = job->num_heads, group = hq / job->num_kv_heads, d = job->head_dim;
+    const int stride = PART_HEADER + d, b = it->seq;
+    const int q_len = job->qo_indptr[b + 1] - job->qo_indptr[b];
+    const int first_len = job->kv_lens[b] - q_len + it->first + 1; /* the first row's prefix */
+    const int last_len = first_len + it->rows - 1;
+    stage_q(job, it, group, s);
+    for (int c = 0, start = 0; start < last_len; c++, start += CHUNK) {
+        const int n = last_len - start < CHUNK ? last_len - start : CHUNK;
+        for (int h = 0; h < group; h++) {
+            float *folded = s->folded + (long)h * TILE * stride;
+            float *part = c == 0 ? folded : s->part + (long)h * TILE * stride;
+            run_head_chunk(job, it, h, start, n, first_len, s, part);
+            for (int r = 0; c > 0 && r < it->rows; r++)
+                if (first_len + r > start)
+                    fold(folded + (long)r * stride, part + (long)r * stride, d);
+        }
+    }
+    const int64_t row0 = job->qo_indptr[b] + it->first;
+    for (int h = 0; h < group; h++)
+        for (int r = 0; r < it->rows; r++) {
+            const float *acc = s->folded + ((long)h * TILE + r) * stride;
+            float *o = job->out + ((row0 + r) * hq + it->kv_head * group + h) * d;
+            const float inv_sum = 1.0f / acc[1];
+            for (int i = 0; i < d; i++) o[i] = acc[PART_HEADER + i] * inv_sum + 0.0f; /* -0: +0 */
+        }
+}
+
+static void run_part(void *arg, int part, int num_parts) {
+    (void)part;
+    (void)num_parts;
+    Job *job = arg;
+    const int d = job->head_dim, group = job->num_heads / job->num_kv_heads;
+    const size_t qa = (size_t)group * (d / PAIR_K) * TILE_ELEMS;
+    const size_t pa = (size_t)(CHUNK / PAIR_K) * TILE_ELEMS;
+    const size_t parts = (size_t)group * TILE * (PART_HEADER + d);
+    Scratch s;
+    uint16_t *halves = aligned_alloc(64, sizeof(uint16_t) * (qa + pa));
+    float *floats = aligned_alloc(64, sizeof(float) * ((size_t)TILE * CHUNK + 2 * parts));
+    if (halves == NULL || floats == NULL) {
+        __atomic_store_n(&job->failed, 1, __ATOMIC_RELAXED);
+    } else {
+        s = (Scratch){halves, halves + qa, floats,
+                      floats + (size_t)TILE * CHUNK, floats + (size_t)TILE * CHUNK + parts};
+        configure_tiles();
+        for (;;) {
+            const int i = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
+            if (i >= job->num_items) break;
+            run_item(job, job->items + i, &s);
+        }
+        release_tiles();
+    }
+    free(halves);
+    free(floats);
+}
+#endif
+
+/* Returns 0 on success, 1 on bad arguments (or no AMX in this build), 2 when memory ran out.
+ * The caller checks that AMX runs here (amx_gemm.c's kvpark_amx_usable). */
+int kvpark_amx_prompt_attention(const float *q, int64_t q_row_stride, int64_t q_head_stride,
+                                const float *cache, float *out, int num_seqs,
+                                const int32_t *qo_indptr, const int32_t *prompt_rows,
+                                const int32_t *kv_lens, const int32_t *kv_indptr,
+                                const int32_t *kv_indices, int num_heads, int num_kv_heads,
+                                int head_dim, int page_size, float scale, int num_threads) {
+#ifdef AMX_ATTENTION_BUILD
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0
+        || num_heads / num_kv_heads > MAX_GROUP || head_dim % PAIR_K != 0
+        || head_dim > MAX_HEAD_DIM)
+        return 1;
+    int num_items = 0;
+    for (int b = 0; b < num_seqs; b++) {
+        const int q_len = qo_indptr[b + 1] - qo_indptr[b];
+        if (prompt_rows[b] < 0 || prompt_rows[b] > q_len || q_len > kv_lens[b]) return 1;
+        num_items += (prompt_rows[b] + TILE - 1) / TILE * num_kv_heads;
+    }
+    /* staging items: blocks of CHUNK tokens of each (sequence, KV head) */
+    int64_t *staged = malloc(sizeof(int64_t) * (size_t)(num_seqs > 0 ? num_seqs : 1));
+    int64_t total = 0;
+    int num_blocks = 0;
+    for (int b = 0; b < num_seqs; b++) {
+        const int q_len = qo_indptr[b + 1] - qo_indptr[b];
+        const int len = ceil_to(kv_lens[b] - q_len + prompt_rows[b], PAIR_K);
+        if (staged != NULL) staged[b] = total;
+        if (prompt_rows[b] > 0) {
+            total += (int64_t)2 * len * head_dim * num_kv_heads;
+            num_blocks += (len + CHUNK - 1) / CHUNK * num_kv_heads;
+        }
+    }
+    const int most = num_items > num_blocks ? num_items : num_blocks;
+    Item *items = malloc(sizeof(Item) * (size_t)(most > 0 ? most : 1));
+    uint16_t *kv = malloc(sizeof(uint16_t) * (size_t)(total > 0 ? total : 1));
+    if (staged == NULL || items == NULL || kv == NULL) {
+        free(staged);
+        free(items);
+        free(kv);
+        return 2;
+    }
+    int n = 0;
+    for (int b = 0; b < num_seqs; b++) {
+        const int q_len = qo_indptr[b + 1] - qo_indptr[b];
+        const int len = ceil_to(kv_lens[b] - q_len + prompt_rows[b], PAIR_K);
+        for (int first = 0; prompt_rows[b] > 0 && first < len; first += CHUNK)
+            for (int g = 0; g < num_kv_heads; g++)
+                items[n++] = (Item){b, first, len - first < CHUNK ? len - first : CHUNK, g};
+    }
+    Job job = {q, cache, out, q_row_stride, q_head_stride, qo_indptr, kv_lens, kv_indptr,
+               kv_indices, prompt_rows, num_heads, num_kv_heads, head_dim, page_size, scale,
+               items, num_blocks, 0, 0, kv, staged};
+    const int stagers = num_threads < num_blocks ? num_threads : num_blocks;
+    kvpark_pool_run(stage_part, &job, stagers > 0 ? stagers : 1, stagers > 0 ? stagers : 1);
+    /* then the attention items, longest prefixes first: the threads end together */
+    n = 0;
+    for (int b = 0; b < num_seqs; b++)
+        for (int first = (prompt_rows[b] + TILE - 1) / TILE * TILE - TILE; first >= 0;
+             first -= TILE)
+            for (int g = 0; g < num_kv_heads; g++) {
+                const int rows = prompt_rows[b] - first < TILE ? prompt_rows[b] - first : TILE;
+                items[n++] = (Item){b, first, rows, g};
+            }
+    job.num_items = num_items;
+    job.next = 0;
+    if (num_threads > num_items) num_threads = num_items;
+    if (num_threads < 1) num_threads = 1;
+    kvpark_pool_run(run_part, &job, num_threads, num_threads);
+    free(staged);
+    free(items);
+    free(kv);
+    return job.failed ? 2 : 0;
+#else
+    (void)q, (void)q_row_stride, (void)q_head_stride, (void)cache, (void)out, (void)num_seqs;
+    (void)qo_indptr, (void)prompt_rows, (void)kv_lens, (void)kv_indptr, (void)kv_indices;
+    (void)num_heads, (void)num_kv_heads, (void)head_dim, (void)page_size, (void)scale;
+    (void)num_threads;
+    return 1;
+#endif
+}
