@@ -1,7 +1,7 @@
 """The CPU kernels against each other, in alternating rounds in one process (ratios hold on a
 shared machine): decode rows from GGUF blocks vs float32 oneDNN, per ISA build and thread count;
-paged attention per ISA and thread count; prompt rows (512) through oneDNN at 1 and 2 torch
-threads vs the block kernel.
+paged attention per ISA and thread count; a prompt's attention in float32 and on AMX tiles
+(where AMX runs); prompt rows (512) through oneDNN at 1 and 2 torch threads vs the block kernel.
 
     python benchmarks/kernel_bench.py                  # every runnable ISA, 1 and 2 threads
     python benchmarks/kernel_bench.py --only decode    # one group
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from kvpark.kernels import worker_pool
+from kvpark.kernels import amx_gemm, worker_pool
 from kvpark.kernels.attention import StepLayout
 from kvpark.kernels.cpu_features import detect
 from kvpark.kernels.cpu_paged import CpuPagedAttention
@@ -78,6 +78,30 @@ def attention_cases(model: LlamaModel, batch: int, context: int, isas,
             for isa in isas for n in threads]
 
 
+def prompt_attention_cases(model: LlamaModel, length: int, threads: list[int]) -> list[Case]:
+    """One prompt of `length` tokens through every layer's attention: the float32 kernel, and
+    the prompt rows' AMX tile kernel where AMX runs (`--amx`)."""
+    c = model.config
+    page = 16
+    pages = -(-length // page)
+    cache = torch.randn(pages, 2, page, c.num_kv_heads, c.head_dim)
+    q = torch.randn(length, c.num_heads, c.head_dim)
+    kinds = [False] + ([True] if amx_gemm.usable() else [])
+
+    def attend(amx, n):
+        backend = CpuPagedAttention(num_threads=n, amx_prompt_rows=amx)
+        backend.plan(StepLayout([list(range(pages))], [length], [length], page,
+                                [length] if amx else None))
+
+        def run():
+            for _ in range(c.num_layers):
+                backend.attend(q, cache)
+        return run
+
+    return [(f"prompt attention {length} {'amx' if amx else 'fp32'} k{n}", attend(amx, n), 1, n)
+            for n in threads for amx in kinds]
+
+
 def measure(cases: list[Case], rounds: int) -> dict[str, float]:
     best = {name: math.inf for name, *_ in cases}
     for _name, run, torch_threads, _ in cases:  # warm-up: builds, first touches, pool
@@ -96,8 +120,8 @@ def measure(cases: list[Case], rounds: int) -> dict[str, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="builtin://smollm2-135m")
-    p.add_argument("--only", choices=["decode", "attention", "prefill"], nargs="+",
-                   default=["decode", "attention", "prefill"])
+    p.add_argument("--only", choices=["decode", "attention", "prompt-attention", "prefill"],
+                   nargs="+", default=["decode", "attention", "prompt-attention", "prefill"])
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--out", default="benchmarks/results/kernel_bench.json")
@@ -110,6 +134,8 @@ def main() -> None:
                                                                        args.threads),
         "attention": attention_cases(model, 1, 1000, isas, args.threads)
         + attention_cases(model, 4, 1000, isas, args.threads),
+        "prompt-attention": prompt_attention_cases(model, 330, args.threads)
+        + prompt_attention_cases(model, 1024, args.threads),
         "prefill": mlp_cases(model, 512, isas[:1], args.threads),
     }
     results = {}

@@ -59,7 +59,9 @@ int kvpark_amx_attention_built(void) {
 
 #ifdef AMX_ATTENTION_BUILD
 typedef struct {
-    int32_t seq, first, rows, kv_head; /* staging items: first = the block's first token */
+    /* attention: rows first .. first + rows - 1 of a sequence's prompt rows; staging: its
+     * tokens first .. first + rows - 1 */
+    int32_t seq, first, rows, kv_head;
 } Item;
 
 typedef struct {
@@ -75,8 +77,8 @@ typedef struct {
     int failed;
     /* every sequence's K and V (up to its last prompt row's prefix, zeros to a whole block of
      * 32 tokens) as B tiles, staged once a call: sequence b, KV head g at staged[b] +
-     * g * staged_elems(b); K tiles [token block of 16][dim block of 32], then V tiles
-     * [token block of 32][dim tile of 16] */
+     * g * 2 * staged_len(b) * head_dim; K tiles [token block of 16][dim block of 32], then V
+     * tiles [token block of 32][dim tile of 16] */
     uint16_t *kv;
     const int64_t *staged;
 } Job;
@@ -108,8 +110,9 @@ AMX_TARGET static void configure_tiles(void) { _tile_loadconfig(&TILES); }
 
 AMX_TARGET static void release_tiles(void) { _tile_release(); }
 
-/* C tiles 0 .. count-1 (count <= 4) = sum over `blocks` of A tile a[i] times B tile
- * b[i * b_step + t] (t: the C tile), stored at c + t * c_step floats, row stride ldc bytes */
+/* C tile t (t < count <= 4) = the sum over i < blocks, in order, of A tile i (at a + i * 512)
+ * times the B tile at b + i * b_step + t * b_next; stored at c + t * c_step floats, rows ldc
+ * bytes apart */
 AMX_TARGET static void tile_products(const uint16_t *a, int blocks, const uint16_t *b,
                                      long b_step, long b_next, int count, float *c, int c_step,
                                      long ldc) {

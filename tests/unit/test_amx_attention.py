@@ -160,3 +160,19 @@ def test_a_step_without_prompt_rows_is_the_float32_kernels(amx, fp32):
 def test_head_sizes_the_tiles_take():
     assert amx_prompt_rows_fit(64) and amx_prompt_rows_fit(128) and amx_prompt_rows_fit(256)
     assert not amx_prompt_rows_fit(80) and not amx_prompt_rows_fit(512)
+
+
+def test_the_server_gives_prompt_rows_amx_where_its_linears_have_it():
+    from dataclasses import replace
+
+    from kvpark.pod.args import ServerArgs
+    from kvpark.pod.model.synthetic import synthetic_config
+    from kvpark.pod.serving.choices import pick_backend
+
+    cpu = torch.device("cpu")
+    config = replace(synthetic_config("tiny"), head_dim=64)
+    args = ServerArgs(attention_backend="auto")
+    assert pick_backend(args, cpu, config, torch.float32, amx_prompt_rows=True).name == "cpu+amx"
+    assert pick_backend(args, cpu, config, torch.float32).name == "cpu"
+    odd = replace(config, head_dim=48)  # not whole tile rows: float32 prompt rows
+    assert pick_backend(args, cpu, odd, torch.float32, amx_prompt_rows=True).name == "cpu"
