@@ -67,6 +67,19 @@ def amx_prompt_rows_fit(head_dim: int) -> bool:
     return head_dim % 32 == 0 and head_dim <= 256
 
 
+def why_no_amx_prompt_rows(head_dim: int) -> str | None:
+    """Why prompt rows' attention cannot run on AMX tiles here (None: it can)."""
+    if not amx_prompt_rows_fit(head_dim):
+        return f"AMX tiles take head dims in multiples of 32 up to 256, not {head_dim}"
+    if not amx_gemm.usable():
+        return "AMX does not run here"
+    try:
+        built = load_kernel().kvpark_amx_attention_built()
+    except KernelUnavailable as exc:
+        return str(exc)
+    return None if built else "the compiler has no AMX intrinsics"
+
+
 @dataclass(frozen=True)
 class GeneratedRows:
     """A step's rows past the prompt, as a plan of their own for paged_attention.c: the last
@@ -119,7 +132,7 @@ class CpuPagedAttention(TorchPagedAttention):
         if amx_prompt_rows:
             if not (amx_gemm.usable() and load_kernel(isa).kvpark_amx_attention_built()):
                 raise KernelUnavailable("AMX prompt-row attention does not run here")
-            self.name = "cpu+amx"
+            self.name = "cpu+amx"  # in the numerics fingerprint: prompt rows' bits differ
         self._prompt_kernel = load_kernel(isa).kvpark_amx_prompt_attention
         self._prompt_rows: torch.Tensor | None = None  # this step's, where AMX takes them
         self._generated: GeneratedRows | None = None

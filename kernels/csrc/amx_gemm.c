@@ -158,16 +158,17 @@ typedef struct {
     uint8_t rows[16];
 } TileConfig;
 
-AMX_TARGET static void configure_tiles(void) {
-    TileConfig cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {  /* 0-3: C (row tile r, block j at 2 r + j); 4, 5: A; 6, 7: B */
-        cfg.rows[t] = TILE_ROWS;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
-}
+/* 0-3: C (row tile r, block j at 2 r + j); 4, 5: A; 6, 7: B; each 16 rows of 64 bytes. A
+ * constant, not stores before ldtilecfg: GCC 12 dropped such stores as dead in quant_tiles.c
+ * where the function was not inlined (its AVX2 build), and ldtilecfg then faulted */
+static const TileConfig TILES __attribute__((aligned(64))) = {
+    .palette = 1,
+    .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
+    .rows = {TILE_ROWS, TILE_ROWS, TILE_ROWS, TILE_ROWS, TILE_ROWS, TILE_ROWS, TILE_ROWS,
+             TILE_ROWS},
+};
+
+AMX_TARGET static void configure_tiles(void) { _tile_loadconfig(&TILES); }
 
 /* Up to 2 row tiles x 2 output blocks (`rows2`, `two`): four C tiles, each the sum over the k
  * blocks [kb0, kb1) in order of its own A tile times its own B tile, added to what the C tile

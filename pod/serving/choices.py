@@ -133,12 +133,12 @@ def pick_cpu_backend(args: ServerArgs, dtype: torch.dtype, amx_prompt_rows: bool
     from kvpark.kernels.cpu_paged import (
         CpuPagedAttention,
         KernelUnavailable,
-        amx_prompt_rows_fit,
+        why_no_amx_prompt_rows,
     )
 
-    if amx_prompt_rows and not amx_prompt_rows_fit(head_dim):
-        log.info("attention: prompt rows in float32 (AMX tiles take head dims in multiples of "
-                 "32 up to 256, not %d)", head_dim)
+    why_not = why_no_amx_prompt_rows(head_dim) if amx_prompt_rows else None
+    if why_not is not None:
+        log.info("attention: prompt rows in float32 (%s)", why_not)
         amx_prompt_rows = False
 
     if dtype != torch.float32:
