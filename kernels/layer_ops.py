@@ -42,9 +42,9 @@ class _Layer(ctypes.Structure):  # Layer in csrc/layer_ops.c
 def load_kernels(isa: Isa | None = None) -> ctypes.CDLL:
     """The library built for `isa` (default: the best this CPU has), its layer ops typed."""
     lib = load_library(isa)
-    lib.kvpark_rms_norm.argtypes = [ptr, i64, i32, i32, ptr, ctypes.c_float, ptr, i64]
-    lib.kvpark_rope.argtypes = [ptr, i64, i32, i32, i32, ptr, ptr, i64]
-    lib.kvpark_silu_mul.argtypes = [ptr, i64, i32, i32, ptr, i64]
+    lib.kvpark_rms_norm.argtypes = [ptr, i64, i32, i32, ptr, ctypes.c_float, ptr, i64, i32]
+    lib.kvpark_rope.argtypes = [ptr, i64, i32, i32, i32, ptr, ptr, i64, i32]
+    lib.kvpark_silu_mul.argtypes = [ptr, i64, i32, i32, ptr, i64, i32]
     for fn in (lib.kvpark_rms_norm, lib.kvpark_rope, lib.kvpark_silu_mul):
         fn.restype = None
     lib.kvpark_layer_scratch_floats.argtypes = [ptr, i32]
@@ -71,26 +71,32 @@ def _check_rows(x: torch.Tensor) -> None:
         "float32 rows with dense features")
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             isa: Isa | None = None) -> torch.Tensor:
+def _threads(num_threads: int | None) -> int:
+    """The row ops' threads: the kernel threads (`--kernel-threads`) unless told; rows are
+    split between them, each row computed the same way by any of them."""
+    return worker_pool.get_num_threads() if num_threads is None else num_threads
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, isa: Isa | None = None,
+             num_threads: int | None = None) -> torch.Tensor:
     """x [rows, n] -> x / sqrt(mean(x^2) + eps) * weight (float32, a fixed order per row)."""
     _check_rows(x)
     rows, n = x.shape
     y = torch.empty(rows, n)
     load_kernels(isa).kvpark_rms_norm(x.data_ptr(), x.stride(0), rows, n, weight.data_ptr(),
-                                      eps, y.data_ptr(), y.stride(0))
+                                      eps, y.data_ptr(), y.stride(0), _threads(num_threads))
     return y
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
-         isa: Isa | None = None) -> torch.Tensor:
+         isa: Isa | None = None, num_threads: int | None = None) -> torch.Tensor:
     """Rotate-half RoPE of x [rows, heads, D] (a copy); cos, signed_sin [rows, D] as
     `rope_cos_sin` gives them (its [rows, 1, D] works too)."""
-    return rope_(x.contiguous().clone(), cos, signed_sin, isa)
+    return rope_(x.contiguous().clone(), cos, signed_sin, isa, num_threads)
 
 
 def rope_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
-          isa: Isa | None = None) -> torch.Tensor:
+          isa: Isa | None = None, num_threads: int | None = None) -> torch.Tensor:
     """`rope` in place on x [rows, heads, D]: heads dense within a row (a view of a qkv row's q
     and k heads will do), any row stride."""
     rows, heads, dim = x.shape
@@ -98,17 +104,18 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
     assert cos.stride(-1) == 1 and cos.stride() == signed_sin.stride(), "dense cos/sin rows"
     assert cos.shape[-1] == dim and cos.shape[0] >= rows
     load_kernels(isa).kvpark_rope(x.data_ptr(), x.stride(0), rows, heads, dim, cos.data_ptr(),
-                                  signed_sin.data_ptr(), cos.stride(0))
+                                  signed_sin.data_ptr(), cos.stride(0), _threads(num_threads))
     return x
 
 
-def silu_mul(gate_up: torch.Tensor, isa: Isa | None = None) -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor, isa: Isa | None = None,
+             num_threads: int | None = None) -> torch.Tensor:
     """gate_up [rows, 2n] -> silu(gate) * up [rows, n]."""
     _check_rows(gate_up)
     rows, n = gate_up.shape[0], gate_up.shape[1] // 2
     y = torch.empty(rows, n)
     load_kernels(isa).kvpark_silu_mul(gate_up.data_ptr(), gate_up.stride(0), rows, n,
-                                      y.data_ptr(), y.stride(0))
+                                      y.data_ptr(), y.stride(0), _threads(num_threads))
     return y
 
 

@@ -15,6 +15,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "worker_pool.h"
+
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -41,8 +43,8 @@ typedef struct {
 } Layer;
 
 /* y = x / sqrt(mean(x^2) + eps) * w, row by row; y may be x */
-void kvpark_rms_norm(const float *x, int64_t x_stride, int rows, int n, const float *w,
-                     float eps, float *y, int64_t y_stride) {
+static void rms_norm_rows(const float *x, int64_t x_stride, int rows, int n, const float *w,
+                          float eps, float *y, int64_t y_stride) {
     for (int r = 0; r < rows; r++) {
         const float *xr = x + r * x_stride;
         float *yr = y + r * y_stride;
@@ -61,8 +63,8 @@ void kvpark_rms_norm(const float *x, int64_t x_stride, int rows, int n, const fl
 /* Rotate-half RoPE in place on `heads` heads of `head_dim` from the start of each row:
  * out = x * cos + (x2, x1) * sin_signed, cos and sin_signed [rows, head_dim] (the sin's first
  * half negated), as pod/model/llama.py's rope_cos_sin gives them */
-void kvpark_rope(float *x, int64_t x_stride, int rows, int heads, int head_dim,
-                 const float *cos, const float *sin_signed, int64_t cs_stride) {
+static void rope_rows(float *x, int64_t x_stride, int rows, int heads, int head_dim,
+                      const float *cos, const float *sin_signed, int64_t cs_stride) {
     const int half = head_dim / 2;
     for (int r = 0; r < rows; r++) {
         const float *c = cos + r * cs_stride, *s = sin_signed + r * cs_stride;
@@ -159,8 +161,8 @@ static inline void silu_mul_lanes(const float *g, const float *u, float *y) {
 
 /* y[:, i] = silu(gu[:, i]) * gu[:, n + i] for i < n; y may be gu (each write is behind both of
  * its reads). Lanes and the tail compute the same bits (exp_poly). */
-void kvpark_silu_mul(const float *gu, int64_t gu_stride, int rows, int n, float *y,
-                     int64_t y_stride) {
+static void silu_mul_rows(const float *gu, int64_t gu_stride, int rows, int n, float *y,
+                          int64_t y_stride) {
     for (int r = 0; r < rows; r++) {
         const float *g = gu + r * gu_stride, *u = g + n;
         float *yr = y + r * y_stride;
@@ -168,6 +170,72 @@ void kvpark_silu_mul(const float *gu, int64_t gu_stride, int rows, int n, float 
         for (; i + SILU_LANES <= n; i += SILU_LANES) silu_mul_lanes(g + i, u + i, yr + i);
         for (; i < n; i++) yr[i] = g[i] / (1.0f + exp_poly(-g[i])) * u[i];
     }
+}
+
+/* ---- the row ops for dense rows (kernels/layer_ops.py): rows split between up to
+ * num_threads threads of the pool, each row computed by the loops above whichever thread takes
+ * it, so the bits do not depend on the split */
+typedef struct RowsCall RowsCall;
+struct RowsCall {
+    void (*run)(const RowsCall *c, int first, int rows);
+    const float *in, *w, *cos, *sin;
+    float *out;
+    int64_t in_stride, out_stride, cs_stride;
+    int rows, n, heads;
+    float eps;
+};
+
+static void rows_part(void *arg, int part, int num_parts) {
+    const RowsCall *c = arg;
+    const int first = (int)((int64_t)c->rows * part / num_parts);
+    const int end = (int)((int64_t)c->rows * (part + 1) / num_parts);
+    c->run(c, first, end - first);
+}
+
+#define ROWS_PER_PART 16 /* fewer a thread would not pay for waking it */
+
+static void run_rows(const RowsCall *c, int num_threads) {
+    int parts = c->rows / ROWS_PER_PART;
+    if (parts > num_threads) parts = num_threads;
+    if (parts <= 1) c->run(c, 0, c->rows);
+    else kvpark_pool_run(rows_part, (void *)c, parts, parts);
+}
+
+static void rms_norm_part(const RowsCall *c, int first, int rows) {
+    rms_norm_rows(c->in + first * c->in_stride, c->in_stride, rows, c->n, c->w, c->eps,
+                  c->out + first * c->out_stride, c->out_stride);
+}
+
+void kvpark_rms_norm(const float *x, int64_t x_stride, int rows, int n, const float *w,
+                     float eps, float *y, int64_t y_stride, int num_threads) {
+    const RowsCall c = {.run = rms_norm_part, .in = x, .w = w, .out = y, .in_stride = x_stride,
+                        .out_stride = y_stride, .rows = rows, .n = n, .eps = eps};
+    run_rows(&c, num_threads);
+}
+
+static void rope_part(const RowsCall *c, int first, int rows) {
+    rope_rows(c->out + first * c->out_stride, c->out_stride, rows, c->heads, c->n,
+              c->cos + first * c->cs_stride, c->sin + first * c->cs_stride, c->cs_stride);
+}
+
+void kvpark_rope(float *x, int64_t x_stride, int rows, int heads, int head_dim,
+                 const float *cos, const float *sin_signed, int64_t cs_stride, int num_threads) {
+    const RowsCall c = {.run = rope_part, .cos = cos, .sin = sin_signed, .out = x,
+                        .out_stride = x_stride, .cs_stride = cs_stride, .rows = rows,
+                        .n = head_dim, .heads = heads};
+    run_rows(&c, num_threads);
+}
+
+static void silu_mul_part(const RowsCall *c, int first, int rows) {
+    silu_mul_rows(c->in + first * c->in_stride, c->in_stride, rows, c->n,
+                  c->out + first * c->out_stride, c->out_stride);
+}
+
+void kvpark_silu_mul(const float *gu, int64_t gu_stride, int rows, int n, float *y,
+                     int64_t y_stride, int num_threads) {
+    const RowsCall c = {.run = silu_mul_part, .in = gu, .out = y, .in_stride = gu_stride,
+                        .out_stride = y_stride, .rows = rows, .n = n};
+    run_rows(&c, num_threads);
 }
 
 static int linear(const QWeight *w, const float *x, int64_t x_stride, int rows, float *y,
@@ -207,11 +275,11 @@ int kvpark_layer_pre(const Layer *L, const float *x, int64_t x_stride, int rows,
     if (check(L)) return 2;
     if (scratch_floats < kvpark_layer_scratch_floats(L, rows)) return 3;
     float *h = scratch, *xsum = scratch + (int64_t)rows * L->hidden;
-    kvpark_rms_norm(x, x_stride, rows, L->hidden, L->input_norm, L->eps, h, L->hidden);
+    rms_norm_rows(x, x_stride, rows, L->hidden, L->input_norm, L->eps, h, L->hidden);
     const int status = linear(&L->qkv, h, L->hidden, rows, qkv, qkv_stride, xsum, num_threads);
     if (status) return status;
-    kvpark_rope(qkv, qkv_stride, rows, L->num_heads + L->num_kv_heads, L->head_dim, cos,
-                sin_signed, cs_stride);
+    rope_rows(qkv, qkv_stride, rows, L->num_heads + L->num_kv_heads, L->head_dim, cos,
+              sin_signed, cs_stride);
     return 0;
 }
 
@@ -234,10 +302,10 @@ int kvpark_layer_post(const Layer *L, float *x, int64_t x_stride, int rows, cons
     int status = linear(&L->o, attn, attn_stride, rows, tmp, hidden, xsum, num_threads);
     if (status) return status;
     add_rows(x, x_stride, tmp, hidden, rows, hidden);
-    kvpark_rms_norm(x, x_stride, rows, hidden, L->post_norm, L->eps, tmp, hidden);
+    rms_norm_rows(x, x_stride, rows, hidden, L->post_norm, L->eps, tmp, hidden);
     status = linear(&L->gate_up, tmp, hidden, rows, gu, 2 * inter, xsum, num_threads);
     if (status) return status;
-    kvpark_silu_mul(gu, 2 * inter, rows, inter, gu, 2 * inter);
+    silu_mul_rows(gu, 2 * inter, rows, inter, gu, 2 * inter);
     status = linear(&L->down, gu, 2 * inter, rows, tmp, hidden, xsum, num_threads);
     if (status) return status;
     add_rows(x, x_stride, tmp, hidden, rows, hidden);

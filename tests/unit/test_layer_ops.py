@@ -93,6 +93,28 @@ def test_silu_mul_is_close_to_torch_and_per_row(isa):
         assert same_bits(layer_ops.silu_mul(gu[r : r + 1], isa), y[r : r + 1])
 
 
+@pytest.mark.parametrize("rows", [1, 15, 16, 31, 32, 33, 100, 600])
+def test_the_row_ops_split_rows_between_threads_without_changing_a_bit(smollm2, rows):
+    c = smollm2.config
+    x, w = randn(rows, 576, seed=3) * 3, randn(576, seed=4)
+    gu = randn(rows, 2 * 1536, seed=5) * 4
+    qk = randn(rows, c.num_heads + c.num_kv_heads, c.head_dim, seed=6)
+    positions = torch.arange(rows) * 7
+    cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, torch.float32)
+    cos, sin = cos[:, 0].contiguous(), sin[:, 0].contiguous()
+    one = (layer_ops.rms_norm(x, w, 1e-5, num_threads=1), layer_ops.silu_mul(gu, num_threads=1),
+           layer_ops.rope(qk, cos, sin, num_threads=1))
+    for threads in (2, 3):
+        split = (layer_ops.rms_norm(x, w, 1e-5, num_threads=threads),
+                 layer_ops.silu_mul(gu, num_threads=threads),
+                 layer_ops.rope(qk, cos, sin, num_threads=threads))
+        assert all(same_bits(a, b) for a, b in zip(one, split)), threads
+    # every row as computed alone (the split puts rows 16 and more apart on other threads)
+    for r in {0, rows // 2, rows - 1}:
+        assert same_bits(layer_ops.silu_mul(gu[r:r + 1], num_threads=1), one[1][r:r + 1])
+        assert same_bits(layer_ops.rms_norm(x[r:r + 1], w, 1e-5, num_threads=1), one[0][r:r + 1])
+
+
 def test_silu_gives_each_value_the_same_bits_in_a_vector_lane_in_the_tail_and_on_every_build():
     """exp by one polynomial in the same operations everywhere: a value's SiLU does not depend on
     where it sits in a row (vector lanes, the scalar tail) nor on the build; extremes stay
