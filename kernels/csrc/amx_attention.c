@@ -6,9 +6,10 @@
  * rows; the rows after them, generated tokens, keep paged_attention.c, so a recompute replay
  * gives every row the kernel its first pass gave it).
  *
- * Per work item (sequence, tile of 16 of its prompt rows, KV head): the tile's q of the KV
- * head's query heads become bf16 A tiles once; then, chunk by chunk of CHUNK positions counted
- * from 0 (as paged_attention.c), the chunk's K and V rows become bf16 B tiles, scores
+ * Per work item (sequence, up to 64 of its prompt rows in tiles of 16, KV head): the rows' q
+ * of the KV head's query heads become bf16 A tiles once; then, chunk by chunk of CHUNK
+ * positions counted from 0 (as paged_attention.c), the chunk's K and V rows become bf16 B tiles
+ * that the item's tiles share (a thread's buffers stay a few hundred KiB at any context), scores
  * S = Q K^T come from tile dot products (each score from its own q row and k row, over head_dim
  * in blocks of 32 in order), each row's softmax numerators over its own prefix in the chunk
  * (softmax_chunks.h: a fixed order for its length), and O = P V from tile dot products over the
@@ -58,38 +59,34 @@ int kvpark_amx_attention_built(void) {
 }
 
 #ifdef AMX_ATTENTION_BUILD
+#define BLOCK_TILES 4 /* row tiles an item: they share each chunk's staged K and V */
+
 typedef struct {
-    /* attention: rows first .. first + rows - 1 of a sequence's prompt rows; staging: its
-     * tokens first .. first + rows - 1 */
-    int32_t seq, first, rows, kv_head;
+    int32_t seq, first, rows, kv_head; /* rows first .. first + rows - 1 of the prompt rows */
 } Item;
 
 typedef struct {
     const float *q, *cache;
     float *out;
     int64_t q_row, q_head;
-    const int32_t *qo_indptr, *kv_lens, *kv_indptr, *kv_indices, *prompt_rows;
+    const int32_t *qo_indptr, *kv_lens, *kv_indptr, *kv_indices;
     int num_heads, num_kv_heads, head_dim, page_size;
     float scale;
     const Item *items;
     int num_items;
     int next; /* atomic: the next unclaimed item */
     int failed;
-    /* every sequence's K and V (up to its last prompt row's prefix, zeros to a whole block of
-     * 32 tokens) as B tiles, staged once a call: sequence b, KV head g at staged[b] +
-     * g * 2 * staged_len(b) * head_dim; K tiles [token block of 16][dim block of 32], then V
-     * tiles [token block of 32][dim tile of 16] */
-    uint16_t *kv;
-    const int64_t *staged;
 } Job;
 
-/* a thread's buffers (bf16 as uint16_t) */
+/* a thread's buffers (bf16 as uint16_t): a few hundred KiB whatever the context length */
 typedef struct {
-    uint16_t *qa;   /* [group][head_dim / 32] A tiles: the tile's q rows of one head */
+    uint16_t *qa;   /* [BLOCK_TILES][group][head_dim / 32] A tiles: q rows of one head */
+    uint16_t *kb;   /* [CHUNK / 16][head_dim / 32] B tiles: pairs of dims x 16 tokens */
+    uint16_t *vb;   /* [CHUNK / 32][head_dim / 16] B tiles: pairs of tokens x 16 dims */
     uint16_t *pa;   /* [CHUNK / 32] A tiles: 16 rows x 32 tokens of P */
     float *scores;  /* [TILE][CHUNK] */
     float *part;    /* [group][TILE][PART_HEADER + head_dim]: this chunk's partials */
-    float *folded;  /* the same, the chunks so far */
+    float *folded;  /* [BLOCK_TILES][group][TILE][PART_HEADER + head_dim]: the chunks so far */
 } Scratch;
 
 typedef struct {
@@ -151,56 +148,41 @@ static const float *token_row(const Job *job, int seq, int t) {
                             * job->head_dim;
 }
 
-/* the item's q rows as A tiles, per head of its group: qa[(h * kbs + kb)] row r = the bf16 of
- * q[row r][kb * 32 ..], zero rows past the tile's rows */
+/* the item's q rows as A tiles: qa[(tile * group + h) * kbs + kb] row r = the bf16 of the
+ * query head's q[row 16 tile + r][32 kb ..], zero rows past the item's rows */
 static void stage_q(const Job *job, const Item *it, int group, Scratch *s) {
-    const int d = job->head_dim, kbs = d / PAIR_K;
+    const int d = job->head_dim, kbs = d / PAIR_K, tiles = (it->rows + TILE - 1) / TILE;
     const int64_t row0 = job->qo_indptr[it->seq] + it->first;
-    memset(s->qa, 0, sizeof(uint16_t) * (size_t)group * kbs * TILE_ELEMS);
-    for (int h = 0; h < group; h++)
-        for (int r = 0; r < it->rows; r++) {
+    memset(s->qa, 0, sizeof(uint16_t) * (size_t)tiles * group * kbs * TILE_ELEMS);
+    for (int r = 0; r < it->rows; r++)
+        for (int h = 0; h < group; h++) {
             const float *q = job->q + (row0 + r) * job->q_row
                              + (int64_t)(it->kv_head * group + h) * job->q_head;
+            uint16_t *tiles_h = s->qa + ((long)(r / TILE) * group + h) * kbs * TILE_ELEMS;
             for (int i = 0; i < d; i += 16)
-                to_bf16_x16(q + i, s->qa + ((long)h * kbs + i / PAIR_K) * TILE_ELEMS
-                                       + r * PAIR_K + i % PAIR_K);
+                to_bf16_x16(q + i, tiles_h + (long)(i / PAIR_K) * TILE_ELEMS
+                                       + (r % TILE) * PAIR_K + i % PAIR_K);
         }
 }
 
-static inline int64_t staged_len(const Job *job, int b) { /* tokens, a multiple of 32 */
-    const int q_len = job->qo_indptr[b + 1] - job->qo_indptr[b];
-    return ceil_to(job->kv_lens[b] - q_len + job->prompt_rows[b], PAIR_K);
-}
-
-static inline uint16_t *staged_k(const Job *job, int b, int g) {
-    return job->kv + job->staged[b] + (int64_t)g * 2 * staged_len(job, b) * job->head_dim;
-}
-
-static inline uint16_t *staged_v(const Job *job, int b, int g) {
-    return staged_k(job, b, g) + staged_len(job, b) * job->head_dim;
-}
-
-/* a staging item: tokens [first, first + rows) of sequence seq, KV head kv_head, into the
- * staged tiles (tokens past the last prompt row's prefix as zeros) */
-static void stage_kv(const Job *job, const Item *it) {
-    const int d = job->head_dim, kbs = d / PAIR_K, dts = d / TILE, b = it->seq;
-    const int q_len = job->qo_indptr[b + 1] - job->qo_indptr[b];
-    const int need = job->kv_lens[b] - q_len + job->prompt_rows[b];
+/* tokens start .. start + n - 1 of the item's KV head as B tiles (kb for the scores, vb for
+ * P V); the tokens after them up to a whole block of 32 as zeros (never read from a page) */
+static void stage_kv(const Job *job, const Item *it, int start, int n, Scratch *s) {
+    const int d = job->head_dim, kbs = d / PAIR_K, dts = d / TILE;
     const int64_t head = (int64_t)it->kv_head * d;
     const int64_t v_off = (int64_t)job->page_size * job->num_kv_heads * d;
-    uint16_t *kt = staged_k(job, b, it->kv_head), *vt = staged_v(job, b, it->kv_head);
     uint16_t row[2][MAX_HEAD_DIM];
-    for (int t = it->first; t < it->first + it->rows; t += 2) { /* token pairs */
+    for (int t = 0; t < ceil_to(n, PAIR_K); t += 2) { /* token pairs */
         for (int u = 0; u < 2; u++) { /* the pair's K (scores' tiles), then its V, as bf16 */
-            const float *k = t + u < need ? token_row(job, b, t + u) + head : NULL;
+            const float *k = t + u < n ? token_row(job, it->seq, start + t + u) + head : NULL;
             if (k == NULL) memset(row[u], 0, sizeof(uint16_t) * d);
             else
                 for (int i = 0; i < d; i += 16) to_bf16_x16(k + i, row[u] + i);
             /* K tile [token / 16][dims / 32]: row p holds dims (2p, 2p + 1) for 16 tokens */
-            uint32_t *pairs = (uint32_t *)row[u];
+            const uint32_t *pairs = (const uint32_t *)row[u];
             for (int i = 0; i < d / 2; i++)
-                ((uint32_t *)kt)[(((int64_t)(t + u) / TILE * kbs + i / TILE) * TILE_ELEMS
-                                  + (i % TILE) * 32 + ((t + u) % TILE) * 2) / 2] = pairs[i];
+                ((uint32_t *)s->kb)[(((int64_t)(t + u) / TILE * kbs + i / TILE) * TILE_ELEMS
+                                     + (i % TILE) * 32 + ((t + u) % TILE) * 2) / 2] = pairs[i];
             if (k == NULL) memset(row[u], 0, sizeof(uint16_t) * d);
             else
                 for (int i = 0; i < d; i += 16) to_bf16_x16(k + v_off + i, row[u] + i);
@@ -209,43 +191,28 @@ static void stage_kv(const Job *job, const Item *it) {
         for (int i = 0; i < d; i += TILE) {
             __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row[0] + i)));
             __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row[1] + i)));
-            _mm512_storeu_si512(vt + ((int64_t)(t / PAIR_K) * dts + i / TILE) * TILE_ELEMS
+            _mm512_storeu_si512(s->vb + ((int64_t)(t / PAIR_K) * dts + i / TILE) * TILE_ELEMS
                                     + (t % PAIR_K / 2) * 32,
                                 _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
         }
     }
 }
 
-static void stage_part(void *arg, int part, int num_parts) {
-    (void)part;
-    (void)num_parts;
-    Job *job = arg;
-    for (;;) {
-        const int i = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
-        if (i >= job->num_items) break;
-        stage_kv(job, job->items + i);
-    }
-}
-
-/* one chunk of one head: the partials of the tile's rows that reach it, into part (rows that
- * do not reach it are left alone) */
-static void run_head_chunk(const Job *job, const Item *it, int h, int start, int n,
-                           int first_len, Scratch *s, float *part) {
+/* A tile of rows (the first's prefix first_len) in the staged chunk from `start`, of which the
+ * tile's rows need n tokens, for one query head (its q tiles qa): the partials of the rows
+ * that reach the chunk into part (the others are left alone) */
+static void run_head_chunk(const Job *job, const uint16_t *qa, int rows, int first_len,
+                           int start, int n, Scratch *s, float *part) {
     const int d = job->head_dim, kbs = d / PAIR_K, dts = d / TILE;
     const int n16 = ceil_to(n, TILE), n32 = ceil_to(n, PAIR_K), stride = PART_HEADER + d;
-    const uint16_t *qa = s->qa + (long)h * kbs * TILE_ELEMS;
-    const uint16_t *kt = staged_k(job, it->seq, it->kv_head) + (int64_t)start / TILE * kbs
-                                                                 * TILE_ELEMS;
-    const uint16_t *vt = staged_v(job, it->seq, it->kv_head) + (int64_t)start / PAIR_K * dts
-                                                                 * TILE_ELEMS;
     for (int tb = 0; tb < n16 / TILE; tb += 4) { /* scores[r][t], four token tiles at a time */
         const int count = n16 / TILE - tb < 4 ? n16 / TILE - tb : 4;
-        tile_products(qa, kbs, kt + (long)tb * kbs * TILE_ELEMS, TILE_ELEMS,
+        tile_products(qa, kbs, s->kb + (long)tb * kbs * TILE_ELEMS, TILE_ELEMS,
                       (long)kbs * TILE_ELEMS, count, s->scores + tb * TILE, TILE, CHUNK * 4);
     }
     for (int r = 0; r < TILE; r++) {
         float *row = s->scores + (long)r * CHUNK;
-        const int len = r < it->rows ? first_len + r - start : 0; /* tokens it attends here */
+        const int len = r < rows ? first_len + r - start : 0; /* tokens it attends here */
         int from = 0;
         if (len > 0) {
             const int m = len < CHUNK ? len : CHUNK;
@@ -261,9 +228,9 @@ static void run_head_chunk(const Job *job, const Item *it, int h, int start, int
     for (int dt = 0; dt < dts; dt += 4) { /* O[r][dims], four dim tiles at a time */
         const int count = dts - dt < 4 ? dts - dt : 4;
         float tmp[TILE * 4 * TILE];
-        tile_products(s->pa, n32 / PAIR_K, vt + (long)dt * TILE_ELEMS,
+        tile_products(s->pa, n32 / PAIR_K, s->vb + (long)dt * TILE_ELEMS,
                       (long)dts * TILE_ELEMS, TILE_ELEMS, count, tmp, TILE, 4 * TILE * 4);
-        for (int r = 0; r < it->rows; r++)
+        for (int r = 0; r < rows; r++)
             if (first_len + r - start > 0)
                 memcpy(part + (long)r * stride + PART_HEADER + dt * TILE, tmp + r * 4 * TILE,
                        sizeof(float) * count * TILE);
@@ -272,26 +239,35 @@ static void run_head_chunk(const Job *job, const Item *it, int h, int start, int
 
 static void run_item(const Job *job, const Item *it, Scratch *s) {
     const int hq = job->num_heads, group = hq / job->num_kv_heads, d = job->head_dim;
-    const int stride = PART_HEADER + d, b = it->seq;
+    const int stride = PART_HEADER + d, kbs = d / PAIR_K, b = it->seq;
+    const int tiles = (it->rows + TILE - 1) / TILE;
     const int q_len = job->qo_indptr[b + 1] - job->qo_indptr[b];
     const int first_len = job->kv_lens[b] - q_len + it->first + 1; /* the first row's prefix */
     const int last_len = first_len + it->rows - 1;
     stage_q(job, it, group, s);
-    for (int c = 0, start = 0; start < last_len; c++, start += CHUNK) {
-        const int n = last_len - start < CHUNK ? last_len - start : CHUNK;
-        for (int h = 0; h < group; h++) {
-            float *folded = s->folded + (long)h * TILE * stride;
-            float *part = c == 0 ? folded : s->part + (long)h * TILE * stride;
-            run_head_chunk(job, it, h, start, n, first_len, s, part);
-            for (int r = 0; c > 0 && r < it->rows; r++)
-                if (first_len + r > start)
-                    fold(folded + (long)r * stride, part + (long)r * stride, d);
+    for (int start = 0; start < last_len; start += CHUNK) {
+        stage_kv(job, it, start, last_len - start < CHUNK ? last_len - start : CHUNK, s);
+        for (int t = 0; t < tiles; t++) {
+            const int rows = it->rows - t * TILE < TILE ? it->rows - t * TILE : TILE;
+            const int tile_len = first_len + t * TILE, tile_last = tile_len + rows - 1;
+            if (tile_last <= start) continue; /* no row of the tile reaches the chunk */
+            const int n = tile_last - start < CHUNK ? tile_last - start : CHUNK;
+            for (int h = 0; h < group; h++) {
+                float *folded = s->folded + ((long)t * group + h) * TILE * stride;
+                float *part = start == 0 ? folded : s->part + (long)h * TILE * stride;
+                run_head_chunk(job, s->qa + ((long)t * group + h) * kbs * TILE_ELEMS, rows,
+                               tile_len, start, n, s, part);
+                for (int r = 0; start > 0 && r < rows; r++)
+                    if (tile_len + r > start)
+                        fold(folded + (long)r * stride, part + (long)r * stride, d);
+            }
         }
     }
     const int64_t row0 = job->qo_indptr[b] + it->first;
-    for (int h = 0; h < group; h++)
-        for (int r = 0; r < it->rows; r++) {
-            const float *acc = s->folded + ((long)h * TILE + r) * stride;
+    for (int r = 0; r < it->rows; r++)
+        for (int h = 0; h < group; h++) {
+            const float *acc = s->folded + (((long)(r / TILE) * group + h) * TILE + r % TILE)
+                                               * stride;
             float *o = job->out + ((row0 + r) * hq + it->kv_head * group + h) * d;
             const float inv_sum = 1.0f / acc[1];
             for (int i = 0; i < d; i++) o[i] = acc[PART_HEADER + i] * inv_sum + 0.0f; /* -0: +0 */
@@ -303,17 +279,19 @@ static void run_part(void *arg, int part, int num_parts) {
     (void)num_parts;
     Job *job = arg;
     const int d = job->head_dim, group = job->num_heads / job->num_kv_heads;
-    const size_t qa = (size_t)group * (d / PAIR_K) * TILE_ELEMS;
+    const size_t qa = (size_t)BLOCK_TILES * group * (d / PAIR_K) * TILE_ELEMS;
+    const size_t kb = (size_t)(CHUNK / TILE) * (d / PAIR_K) * TILE_ELEMS;
+    const size_t vb = (size_t)(CHUNK / PAIR_K) * (d / TILE) * TILE_ELEMS;
     const size_t pa = (size_t)(CHUNK / PAIR_K) * TILE_ELEMS;
-    const size_t parts = (size_t)group * TILE * (PART_HEADER + d);
-    Scratch s;
-    uint16_t *halves = aligned_alloc(64, sizeof(uint16_t) * (qa + pa));
-    float *floats = aligned_alloc(64, sizeof(float) * ((size_t)TILE * CHUNK + 2 * parts));
+    const size_t one = (size_t)group * TILE * (PART_HEADER + d); /* a tile's partials */
+    uint16_t *halves = aligned_alloc(64, sizeof(uint16_t) * (qa + kb + vb + pa));
+    float *floats = aligned_alloc(64, sizeof(float) * ((size_t)TILE * CHUNK
+                                                        + (1 + BLOCK_TILES) * one));
     if (halves == NULL || floats == NULL) {
         __atomic_store_n(&job->failed, 1, __ATOMIC_RELAXED);
     } else {
-        s = (Scratch){halves, halves + qa, floats,
-                      floats + (size_t)TILE * CHUNK, floats + (size_t)TILE * CHUNK + parts};
+        Scratch s = {halves, halves + qa, halves + qa + kb, halves + qa + kb + vb, floats,
+                     floats + (size_t)TILE * CHUNK, floats + (size_t)TILE * CHUNK + one};
         configure_tiles();
         for (;;) {
             const int i = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
@@ -340,64 +318,31 @@ int kvpark_amx_prompt_attention(const float *q, int64_t q_row_stride, int64_t q_
         || num_heads / num_kv_heads > MAX_GROUP || head_dim % PAIR_K != 0
         || head_dim > MAX_HEAD_DIM)
         return 1;
+    const int block = BLOCK_TILES * TILE;
     int num_items = 0;
     for (int b = 0; b < num_seqs; b++) {
         const int q_len = qo_indptr[b + 1] - qo_indptr[b];
         if (prompt_rows[b] < 0 || prompt_rows[b] > q_len || q_len > kv_lens[b]) return 1;
-        num_items += (prompt_rows[b] + TILE - 1) / TILE * num_kv_heads;
+        num_items += (prompt_rows[b] + block - 1) / block * num_kv_heads;
     }
-    /* staging items: blocks of CHUNK tokens of each (sequence, KV head) */
-    int64_t *staged = malloc(sizeof(int64_t) * (size_t)(num_seqs > 0 ? num_seqs : 1));
-    int64_t total = 0;
-    int num_blocks = 0;
-    for (int b = 0; b < num_seqs; b++) {
-        const int q_len = qo_indptr[b + 1] - qo_indptr[b];
-        const int len = ceil_to(kv_lens[b] - q_len + prompt_rows[b], PAIR_K);
-        if (staged != NULL) staged[b] = total;
-        if (prompt_rows[b] > 0) {
-            total += (int64_t)2 * len * head_dim * num_kv_heads;
-            num_blocks += (len + CHUNK - 1) / CHUNK * num_kv_heads;
-        }
-    }
-    const int most = num_items > num_blocks ? num_items : num_blocks;
-    Item *items = malloc(sizeof(Item) * (size_t)(most > 0 ? most : 1));
-    uint16_t *kv = malloc(sizeof(uint16_t) * (size_t)(total > 0 ? total : 1));
-    if (staged == NULL || items == NULL || kv == NULL) {
-        free(staged);
-        free(items);
-        free(kv);
-        return 2;
-    }
+    Item *items = malloc(sizeof(Item) * (size_t)(num_items > 0 ? num_items : 1));
+    if (items == NULL) return 2;
+    /* longest prefixes first: the threads end together */
     int n = 0;
-    for (int b = 0; b < num_seqs; b++) {
-        const int q_len = qo_indptr[b + 1] - qo_indptr[b];
-        const int len = ceil_to(kv_lens[b] - q_len + prompt_rows[b], PAIR_K);
-        for (int first = 0; prompt_rows[b] > 0 && first < len; first += CHUNK)
-            for (int g = 0; g < num_kv_heads; g++)
-                items[n++] = (Item){b, first, len - first < CHUNK ? len - first : CHUNK, g};
-    }
-    Job job = {q, cache, out, q_row_stride, q_head_stride, qo_indptr, kv_lens, kv_indptr,
-               kv_indices, prompt_rows, num_heads, num_kv_heads, head_dim, page_size, scale,
-               items, num_blocks, 0, 0, kv, staged};
-    const int stagers = num_threads < num_blocks ? num_threads : num_blocks;
-    kvpark_pool_run(stage_part, &job, stagers > 0 ? stagers : 1, stagers > 0 ? stagers : 1);
-    /* then the attention items, longest prefixes first: the threads end together */
-    n = 0;
     for (int b = 0; b < num_seqs; b++)
-        for (int first = (prompt_rows[b] + TILE - 1) / TILE * TILE - TILE; first >= 0;
-             first -= TILE)
+        for (int first = (prompt_rows[b] + block - 1) / block * block - block; first >= 0;
+             first -= block)
             for (int g = 0; g < num_kv_heads; g++) {
-                const int rows = prompt_rows[b] - first < TILE ? prompt_rows[b] - first : TILE;
+                const int rows = prompt_rows[b] - first < block ? prompt_rows[b] - first : block;
                 items[n++] = (Item){b, first, rows, g};
             }
-    job.num_items = num_items;
-    job.next = 0;
+    Job job = {q, cache, out, q_row_stride, q_head_stride, qo_indptr, kv_lens, kv_indptr,
+               kv_indices, num_heads, num_kv_heads, head_dim, page_size, scale, items,
+               num_items, 0, 0};
     if (num_threads > num_items) num_threads = num_items;
     if (num_threads < 1) num_threads = 1;
     kvpark_pool_run(run_part, &job, num_threads, num_threads);
-    free(staged);
     free(items);
-    free(kv);
     return job.failed ? 2 : 0;
 #else
     (void)q, (void)q_row_stride, (void)q_head_stride, (void)cache, (void)out, (void)num_seqs;
