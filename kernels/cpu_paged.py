@@ -62,15 +62,17 @@ def is_available() -> bool:
         return False
 
 
-def amx_prompt_rows_fit(head_dim: int) -> bool:
-    """csrc/amx_attention.c takes head dims in whole tile rows (32 bf16), up to 256."""
-    return head_dim % 32 == 0 and head_dim <= 256
+def amx_prompt_rows_fit(head_dim: int, group: int = 1) -> bool:
+    """csrc/amx_attention.c takes head dims in whole tile rows (32 bf16), up to 256, and up to
+    16 query heads a KV head."""
+    return head_dim % 32 == 0 and head_dim <= 256 and 1 <= group <= 16
 
 
-def why_no_amx_prompt_rows(head_dim: int) -> str | None:
+def why_no_amx_prompt_rows(head_dim: int, group: int = 1) -> str | None:
     """Why prompt rows' attention cannot run on AMX tiles here (None: it can)."""
-    if not amx_prompt_rows_fit(head_dim):
-        return f"AMX tiles take head dims in multiples of 32 up to 256, not {head_dim}"
+    if not amx_prompt_rows_fit(head_dim, group):
+        return (f"AMX tiles take head dims in multiples of 32 up to 256 and up to 16 query heads "
+                f"a KV head, not {head_dim} and {group}")
     if not amx_gemm.usable():
         return "AMX does not run here"
     try:

@@ -121,14 +121,15 @@ def pick_backend(args: ServerArgs, device: torch.device, config: ModelConfig,
     if args.attention_backend == "flashinfer":
         raise ValueError("--attention-backend flashinfer needs a CUDA device")
     if args.attention_backend in ("auto", "cpu") and device.type == "cpu":
-        return pick_cpu_backend(args, dtype, amx_prompt_rows, config.head_dim)
+        return pick_cpu_backend(args, dtype, amx_prompt_rows, config.head_dim,
+                                config.num_heads // max(1, config.num_kv_heads))
     if args.attention_backend == "cpu":
         raise ValueError("--attention-backend cpu runs on the CPU only")
     return TorchPagedAttention(device)
 
 
 def pick_cpu_backend(args: ServerArgs, dtype: torch.dtype, amx_prompt_rows: bool = False,
-                     head_dim: int = 0) -> AttentionBackend:
+                     head_dim: int = 0, group: int = 1) -> AttentionBackend:
     """The C kernel (reads pages in place) where it builds; the torch reference otherwise."""
     from kvpark.kernels.cpu_paged import (
         CpuPagedAttention,
@@ -136,7 +137,7 @@ def pick_cpu_backend(args: ServerArgs, dtype: torch.dtype, amx_prompt_rows: bool
         why_no_amx_prompt_rows,
     )
 
-    why_not = why_no_amx_prompt_rows(head_dim) if amx_prompt_rows else None
+    why_not = why_no_amx_prompt_rows(head_dim, group) if amx_prompt_rows else None
     if why_not is not None:
         log.info("attention: prompt rows in float32 (%s)", why_not)
         amx_prompt_rows = False

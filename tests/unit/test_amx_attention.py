@@ -19,9 +19,10 @@ PS, HQ, HKV = 16, 9, 3
 LENGTHS = (1, 2, 15, 16, 17, 31, 33, 64, 100, 255, 256, 257, 300, 513, 600)
 
 
-def make_cache(num_pages: int, head_dim: int = 64, seed: int = 0) -> torch.Tensor:
+def make_cache(num_pages: int, head_dim: int = 64, seed: int = 0,
+               kv_heads: int = HKV) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(num_pages, 2, PS, HKV, head_dim, generator=g)
+    return torch.randn(num_pages, 2, PS, kv_heads, head_dim, generator=g)
 
 
 def tables(kv_lens: list[int], num_pages: int, seed: int = 1) -> list[list[int]]:
@@ -71,12 +72,13 @@ def reference(q: torch.Tensor, cache: torch.Tensor, table: list[int], kv_len: in
     return torch.einsum("hts,shd->thd", s.softmax(-1), v)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_prompt_rows_are_attention_to_bf16_accuracy(amx, head_dim):
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [
+    (64, HQ, HKV), (128, 8, 8), (256, 16, 4), (64, 16, 1)])
+def test_prompt_rows_are_attention_to_bf16_accuracy(amx, head_dim, heads, kv_heads):
     n = 600
-    cache = make_cache(-(-n // PS) + 4, head_dim)
+    cache = make_cache(-(-n // PS) + 4, head_dim, kv_heads=kv_heads)
     table = tables([n], cache.shape[0])[0]
-    q = torch.randn(n, HQ, head_dim, generator=torch.Generator().manual_seed(2))
+    q = torch.randn(n, heads, head_dim, generator=torch.Generator().manual_seed(2))
     out = attend(amx, q, cache, StepLayout([table], [n], [n], PS, [n]))
     err = (out.double() - reference(q, cache, table, n)).abs()
     # P is rounded to bf16 too (8 bits): a few parts in 1000 of |v| at most
@@ -158,8 +160,9 @@ def test_a_step_without_prompt_rows_is_the_float32_kernels(amx, fp32):
 
 
 def test_head_sizes_the_tiles_take():
-    assert amx_prompt_rows_fit(64) and amx_prompt_rows_fit(128) and amx_prompt_rows_fit(256)
+    assert amx_prompt_rows_fit(64) and amx_prompt_rows_fit(128) and amx_prompt_rows_fit(256, 16)
     assert not amx_prompt_rows_fit(80) and not amx_prompt_rows_fit(512)
+    assert not amx_prompt_rows_fit(64, 17)
 
 
 def test_the_server_gives_prompt_rows_amx_where_its_linears_have_it():
@@ -176,3 +179,5 @@ def test_the_server_gives_prompt_rows_amx_where_its_linears_have_it():
     assert pick_backend(args, cpu, config, torch.float32).name == "cpu"
     odd = replace(config, head_dim=48)  # not whole tile rows: float32 prompt rows
     assert pick_backend(args, cpu, odd, torch.float32, amx_prompt_rows=True).name == "cpu"
+    wide = replace(config, num_heads=36, num_kv_heads=2)  # 18 query heads a KV head
+    assert pick_backend(args, cpu, wide, torch.float32, amx_prompt_rows=True).name == "cpu"
