@@ -31,6 +31,7 @@
 
 #include "bf16.h"
 #include "softmax_chunks.h"
+#include "tile_config.h"
 #include "worker_pool.h"
 
 #if defined(__x86_64__) && defined(__AVX512F__) && \
@@ -89,14 +90,8 @@ typedef struct {
     float *folded;  /* [BLOCK_TILES][group][TILE][PART_HEADER + head_dim]: the chunks so far */
 } Scratch;
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
 
-/* every tile 16 rows of 64 bytes: 0-3 C (float32), 4 A, 5 B. A constant, not stores before
- * ldtilecfg (GCC 12 dropped such stores as dead where the function was not inlined) */
+/* every tile 16 rows of 64 bytes: 0-3 C (float32), 4 A, 5 B (a constant: tile_config.h) */
 static const TileConfig TILES __attribute__((aligned(64))) = {
     .palette = 1,
     .colsb = {64, 64, 64, 64, 64, 64},

@@ -25,6 +25,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "tile_config.h"
 #include "worker_pool.h"
 
 #if defined(__x86_64__) && ((defined(__clang__) && __clang_major__ >= 12) || \
@@ -152,15 +153,8 @@ static void emulate_tile(const uint16_t *a, const uint16_t *b, int kbs, float *t
 }
 
 #ifdef KVPARK_AMX_BUILD
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
-/* 0-3: C (row tile r, block j at 2 r + j); 4, 5: A; 6, 7: B; each 16 rows of 64 bytes. A
- * constant, not stores before ldtilecfg: GCC 12 dropped such stores as dead in quant_tiles.c
- * where the function was not inlined (its AVX2 build), and ldtilecfg then faulted */
+/* 0-3: C (row tile r, block j at 2 r + j); 4, 5: A; 6, 7: B; each 16 rows of 64 bytes (a
+ * constant: tile_config.h) */
 static const TileConfig TILES __attribute__((aligned(64))) = {
     .palette = 1,
     .colsb = {64, 64, 64, 64, 64, 64, 64, 64},

@@ -30,6 +30,7 @@
 #include <string.h>
 
 #include "worker_pool.h"
+#include "tile_config.h"
 
 #if defined(__x86_64__) && ((defined(__clang__) && __clang_major__ >= 12) || \
                             (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
@@ -214,14 +215,8 @@ VEC_TARGET static void vector_tile(const Call *c, int t) {
 }
 
 /* ---- AMX: 16 rows x 16 outputs a tile, two blocks in flight ------------------------------ */
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
 
-/* a constant, not stores before ldtilecfg: GCC 12 dropped those stores as dead where this
- * function was not inlined into its caller (the AVX2 build), and the config then faulted */
+/* a constant (tile_config.h) */
 static const TileConfig TILES __attribute__((aligned(64))) = {
     .palette = 1,
     /* 0, 1: A, 16 rows of one block's 32 quants; 2, 3: B, 8 rows of 4 inputs x 16 outputs;
