@@ -73,10 +73,15 @@ def why_no_amx_prompt_rows(head_dim: int, group: int = 1) -> str | None:
     if not amx_prompt_rows_fit(head_dim, group):
         return (f"AMX tiles take head dims in multiples of 32 up to 256 and up to 16 query heads "
                 f"a KV head, not {head_dim} and {group}")
+    return why_no_amx_kernel()
+
+
+def why_no_amx_kernel(isa: Isa | None = None) -> str | None:
+    """Why csrc/amx_attention.c cannot run here (None: it can)."""
     if not amx_gemm.usable():
         return "AMX does not run here"
     try:
-        built = load_kernel().kvpark_amx_attention_built()
+        built = load_kernel(isa).kvpark_amx_attention_built()
     except KernelUnavailable as exc:
         return str(exc)
     return None if built else "the compiler has no AMX intrinsics"
@@ -132,8 +137,9 @@ class CpuPagedAttention(TorchPagedAttention):
         super().__init__(device)
         self.amx_prompt_rows = amx_prompt_rows
         if amx_prompt_rows:
-            if not (amx_gemm.usable() and load_kernel(isa).kvpark_amx_attention_built()):
-                raise KernelUnavailable("AMX prompt-row attention does not run here")
+            why_not = why_no_amx_kernel(isa)
+            if why_not is not None:
+                raise KernelUnavailable(f"AMX prompt-row attention: {why_not}")
             self.name = "cpu+amx"  # in the numerics fingerprint: prompt rows' bits differ
         self._prompt_kernel = load_kernel(isa).kvpark_amx_prompt_attention
         self._prompt_rows: torch.Tensor | None = None  # this step's, where AMX takes them
