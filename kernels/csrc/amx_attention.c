@@ -30,6 +30,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "paged_plan.h"
 #include "softmax_chunks.h"
 #include "tile_config.h"
 #include "worker_pool.h"
@@ -67,12 +68,7 @@ typedef struct {
 } Item;
 
 typedef struct {
-    const float *q, *cache;
-    float *out;
-    int64_t q_row, q_head;
-    const int32_t *qo_indptr, *kv_lens, *kv_indptr, *kv_indices;
-    int num_heads, num_kv_heads, head_dim, page_size;
-    float scale;
+    PagedPlan in;
     const Item *items;
     int num_items;
     int next; /* atomic: the next unclaimed item */
@@ -136,23 +132,16 @@ AMX_TARGET static void tile_products(const uint16_t *a, int blocks, const uint16
     if (count > 3) _tile_stored(3, c + 3 * c_step, ldc);
 }
 
-static const float *token_row(const Job *job, int seq, int t) {
-    const int ps = job->page_size;
-    const int32_t *pages = job->kv_indices + job->kv_indptr[seq];
-    return job->cache + ((int64_t)pages[t / ps] * 2 * ps + t % ps) * job->num_kv_heads
-                            * job->head_dim;
-}
-
 /* the item's q rows as A tiles: qa[(tile * group + h) * kbs + kb] row r = the bf16 of the
  * query head's q[row 16 tile + r][32 kb ..], zero rows past the item's rows */
 static void stage_q(const Job *job, const Item *it, int group, Scratch *s) {
-    const int d = job->head_dim, kbs = d / PAIR_K, tiles = (it->rows + TILE - 1) / TILE;
-    const int64_t row0 = job->qo_indptr[it->seq] + it->first;
+    const int d = job->in.head_dim, kbs = d / PAIR_K, tiles = (it->rows + TILE - 1) / TILE;
+    const int64_t row0 = job->in.qo_indptr[it->seq] + it->first;
     memset(s->qa, 0, sizeof(uint16_t) * (size_t)tiles * group * kbs * TILE_ELEMS);
     for (int r = 0; r < it->rows; r++)
         for (int h = 0; h < group; h++) {
-            const float *q = job->q + (row0 + r) * job->q_row
-                             + (int64_t)(it->kv_head * group + h) * job->q_head;
+            const float *q = job->in.q + (row0 + r) * job->in.q_row
+                             + (int64_t)(it->kv_head * group + h) * job->in.q_head;
             uint16_t *tiles_h = s->qa + ((long)(r / TILE) * group + h) * kbs * TILE_ELEMS;
             for (int i = 0; i < d; i += 16)
                 to_bf16_x16(q + i, tiles_h + (long)(i / PAIR_K) * TILE_ELEMS
@@ -163,13 +152,14 @@ static void stage_q(const Job *job, const Item *it, int group, Scratch *s) {
 /* tokens start .. start + n - 1 of the item's KV head as B tiles (kb for the scores, vb for
  * P V); the tokens after them up to a whole block of 32 as zeros (never read from a page) */
 static void stage_kv(const Job *job, const Item *it, int start, int n, Scratch *s) {
-    const int d = job->head_dim, kbs = d / PAIR_K, dts = d / TILE;
+    const int d = job->in.head_dim, kbs = d / PAIR_K, dts = d / TILE;
     const int64_t head = (int64_t)it->kv_head * d;
-    const int64_t v_off = (int64_t)job->page_size * job->num_kv_heads * d;
+    const int64_t v_off = (int64_t)job->in.page_size * job->in.num_kv_heads * d;
     uint16_t row[2][MAX_HEAD_DIM];
     for (int t = 0; t < ceil_to(n, PAIR_K); t += 2) { /* token pairs */
         for (int u = 0; u < 2; u++) { /* the pair's K (scores' tiles), then its V, as bf16 */
-            const float *k = t + u < n ? token_row(job, it->seq, start + t + u) + head : NULL;
+            const float *k =
+                t + u < n ? paged_k_row(&job->in, it->seq, start + t + u) + head : NULL;
             if (k == NULL) memset(row[u], 0, sizeof(uint16_t) * d);
             else
                 for (int i = 0; i < d; i += 16) to_bf16_x16(k + i, row[u] + i);
@@ -198,7 +188,7 @@ static void stage_kv(const Job *job, const Item *it, int start, int n, Scratch *
  * that reach the chunk into part (the others are left alone) */
 static void run_head_chunk(const Job *job, const uint16_t *qa, int rows, int first_len,
                            int start, int n, Scratch *s, float *part) {
-    const int d = job->head_dim, kbs = d / PAIR_K, dts = d / TILE;
+    const int d = job->in.head_dim, kbs = d / PAIR_K, dts = d / TILE;
     const int n16 = ceil_to(n, TILE), n32 = ceil_to(n, PAIR_K), stride = PART_HEADER + d;
     for (int tb = 0; tb < n16 / TILE; tb += 4) { /* scores[r][t], four token tiles at a time */
         const int count = n16 / TILE - tb < 4 ? n16 / TILE - tb : 4;
@@ -211,7 +201,7 @@ static void run_head_chunk(const Job *job, const uint16_t *qa, int rows, int fir
         int from = 0;
         if (len > 0) {
             const int m = len < CHUNK ? len : CHUNK;
-            for (int t = 0; t < m; t++) row[t] *= job->scale;
+            for (int t = 0; t < m; t++) row[t] *= job->in.scale;
             softmax_numerators(row, m, part + (long)r * stride);
             from = m;
         }
@@ -233,11 +223,10 @@ static void run_head_chunk(const Job *job, const uint16_t *qa, int rows, int fir
 }
 
 static void run_item(const Job *job, const Item *it, Scratch *s) {
-    const int hq = job->num_heads, group = hq / job->num_kv_heads, d = job->head_dim;
+    const int hq = job->in.num_heads, group = hq / job->in.num_kv_heads, d = job->in.head_dim;
     const int stride = PART_HEADER + d, kbs = d / PAIR_K, b = it->seq;
     const int tiles = (it->rows + TILE - 1) / TILE;
-    const int q_len = job->qo_indptr[b + 1] - job->qo_indptr[b];
-    const int first_len = job->kv_lens[b] - q_len + it->first + 1; /* the first row's prefix */
+    const int first_len = paged_prefix_len(&job->in, b, it->first); /* of the first row */
     const int last_len = first_len + it->rows - 1;
     stage_q(job, it, group, s);
     for (int start = 0; start < last_len; start += CHUNK) {
@@ -258,12 +247,12 @@ static void run_item(const Job *job, const Item *it, Scratch *s) {
             }
         }
     }
-    const int64_t row0 = job->qo_indptr[b] + it->first;
+    const int64_t row0 = job->in.qo_indptr[b] + it->first;
     for (int r = 0; r < it->rows; r++)
         for (int h = 0; h < group; h++) {
             const float *acc = s->folded + (((long)(r / TILE) * group + h) * TILE + r % TILE)
                                                * stride;
-            float *o = job->out + ((row0 + r) * hq + it->kv_head * group + h) * d;
+            float *o = job->in.out + ((row0 + r) * hq + it->kv_head * group + h) * d;
             const float inv_sum = 1.0f / acc[1];
             for (int i = 0; i < d; i++) o[i] = acc[PART_HEADER + i] * inv_sum + 0.0f; /* -0: +0 */
         }
@@ -273,7 +262,7 @@ static void run_part(void *arg, int part, int num_parts) {
     (void)part;
     (void)num_parts;
     Job *job = arg;
-    const int d = job->head_dim, group = job->num_heads / job->num_kv_heads;
+    const int d = job->in.head_dim, group = job->in.num_heads / job->in.num_kv_heads;
     const size_t qa = (size_t)BLOCK_TILES * group * (d / PAIR_K) * TILE_ELEMS;
     const size_t kb = (size_t)(CHUNK / TILE) * (d / PAIR_K) * TILE_ELEMS;
     const size_t vb = (size_t)(CHUNK / PAIR_K) * (d / TILE) * TILE_ELEMS;
@@ -331,8 +320,8 @@ int kvpark_amx_prompt_attention(const float *q, int64_t q_row_stride, int64_t q_
                 const int rows = prompt_rows[b] - first < block ? prompt_rows[b] - first : block;
                 items[n++] = (Item){b, first, rows, g};
             }
-    Job job = {q, cache, out, q_row_stride, q_head_stride, qo_indptr, kv_lens, kv_indptr,
-               kv_indices, num_heads, num_kv_heads, head_dim, page_size, scale, items,
+    Job job = {{q, cache, out, q_row_stride, q_head_stride, qo_indptr, kv_lens, kv_indptr,
+                kv_indices, num_heads, num_kv_heads, head_dim, page_size, scale}, items,
                num_items, 0, 0};
     if (num_threads > num_items) num_threads = num_items;
     if (num_threads < 1) num_threads = 1;

@@ -30,6 +30,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "paged_plan.h"
 #include "softmax_chunks.h"
 #include "worker_pool.h"
 
@@ -60,12 +61,7 @@ typedef struct {
 } Item;
 
 typedef struct {
-    const float *q, *cache;
-    float *out;
-    int64_t q_row, q_head;
-    const int32_t *qo_indptr, *kv_lens, *kv_indptr, *kv_indices;
-    int num_heads, num_kv_heads, head_dim, page_size;
-    float scale;
+    PagedPlan in;
     Tile *tiles;
     const Item *items;
     int num_items;
@@ -197,34 +193,29 @@ static void weighted_v(float *o, const float *p, const float *const *v, int64_t 
         }
 }
 
-
 static inline int prefix_len(const Job *job, const Tile *tile) { /* of the tile's first row */
-    const int b = tile->seq;
-    return job->kv_lens[b] - (job->qo_indptr[b + 1] - job->qo_indptr[b]) + tile->first + 1;
+    return paged_prefix_len(&job->in, tile->seq, tile->first);
 }
 
 /* the first K rows (PREFETCH at most) of chunk c of a tile, into rows; returns how many */
 static int first_k_rows(const Job *job, const Tile *tile, int c, const float **rows) {
-    const int ps = job->page_size, start = c * CHUNK;
+    const int start = c * CHUNK;
     const int stop = min_int(start + PREFETCH, prefix_len(job, tile) + tile->rows - 1);
-    const int64_t token_stride = (int64_t)job->num_kv_heads * job->head_dim;
-    const int32_t *pages = job->kv_indices + job->kv_indptr[tile->seq];
-    for (int t = start; t < stop; t++)
-        rows[t - start] = job->cache + ((int64_t)pages[t / ps] * 2 * ps + t % ps) * token_stride;
+    for (int t = start; t < stop; t++) rows[t - start] = paged_k_row(&job->in, tile->seq, t);
     return stop > start ? stop - start : 0;
 }
 
 /* chunk c of a tile: the partials of each (row, head) whose prefix reaches into the chunk, at
  * part[(r * num_heads + head) * (PART_HEADER + d)]. Scores for the whole chunk, then V. */
 static void run_chunk(const Job *job, const Tile *tile, int c, Scratch *s, float *part) {
-    const int hq = job->num_heads, group = hq / job->num_kv_heads, d = job->head_dim;
-    const int ps = job->page_size, first_len = prefix_len(job, tile), start = c * CHUNK;
+    const int hq = job->in.num_heads, group = hq / job->in.num_kv_heads, d = job->in.head_dim;
+    const int ps = job->in.page_size, first_len = prefix_len(job, tile), start = c * CHUNK;
     const int n = min_int(CHUNK, first_len + tile->rows - 1 - start); /* tokens any row needs */
     const int padded = (n + LANES - 1) / LANES * LANES;
-    const int64_t token_stride = (int64_t)job->num_kv_heads * d;
-    const int32_t *pages = job->kv_indices + job->kv_indptr[tile->seq];
+    const int64_t token_stride = (int64_t)job->in.num_kv_heads * d;
+    const int32_t *pages = job->in.kv_indices + job->in.kv_indptr[tile->seq];
     for (int t = 0, page = start / ps, slot = start % ps; t < n; t++) {
-        s->k[t] = job->cache + ((int64_t)pages[page] * 2 * ps + slot) * token_stride;
+        s->k[t] = job->in.cache + ((int64_t)pages[page] * 2 * ps + slot) * token_stride;
         s->v[t] = s->k[t] + (int64_t)ps * token_stride;
         if (++slot == ps) slot = 0, page++;
     }
@@ -246,7 +237,7 @@ static void run_chunk(const Job *job, const Tile *tile, int c, Scratch *s, float
             if (first_len + i / hq > start + t) /* the row needs this block */
                 store(s->scores + i * CHUNK + t,
                       dots(s->q + i * d, s->k + t, (int64_t)(i % hq / group) * d, d)
-                      * job->scale);
+                      * job->in.scale);
         }
     }
     for (int i = begin; i < end; i++) {
@@ -269,11 +260,12 @@ static void run_chunk(const Job *job, const Tile *tile, int c, Scratch *s, float
 
 static void run_item(Job *job, const Item *item, Scratch *s) {
     Tile *tile = job->tiles + item->tile;
-    const int hq = job->num_heads, d = job->head_dim, stride = PART_HEADER + d;
-    const int64_t row0 = job->qo_indptr[tile->seq] + tile->first;
+    const int hq = job->in.num_heads, d = job->in.head_dim, stride = PART_HEADER + d;
+    const int64_t row0 = job->in.qo_indptr[tile->seq] + tile->first;
     for (int r = 0; r < tile->rows; r++)
         for (int h = 0; h < hq; h++)
-            memcpy(s->q + (r * hq + h) * d, job->q + (row0 + r) * job->q_row + h * job->q_head,
+            memcpy(s->q + (r * hq + h) * d,
+                   job->in.q + (row0 + r) * job->in.q_row + h * job->in.q_head,
                    sizeof(float) * d);
     const int first_len = prefix_len(job, tile);
     const int64_t chunk_floats = (int64_t)tile->rows * hq * stride;
@@ -303,7 +295,7 @@ static void run_item(Job *job, const Item *item, Scratch *s) {
     for (int r = 0; r < tile->rows; r++)
         for (int h = 0; h < hq; h++)
             finish(s->folded + (r * hq + h) * stride, d,
-                   job->out + ((row0 + r) * hq + h) * d);
+                   job->in.out + ((row0 + r) * hq + h) * d);
 }
 
 /* one thread's share: work items claimed one at a time (an item's arithmetic is the same
@@ -312,7 +304,7 @@ static void run_part(void *arg, int part, int num_parts) {
     (void)part;
     (void)num_parts;
     Job *job = arg;
-    const size_t heads = (size_t)ROW_TILE * job->num_heads, d = (size_t)job->head_dim;
+    const size_t heads = (size_t)ROW_TILE * job->in.num_heads, d = (size_t)job->in.head_dim;
     Scratch *s = malloc(sizeof(Scratch));
     float *buf = malloc(sizeof(float) * (heads * d + heads * CHUNK
                                          + 2 * heads * (PART_HEADER + d)));
@@ -379,8 +371,8 @@ int kvpark_paged_attention(const float *q, int64_t q_row_stride, int64_t q_head_
         else
             for (int c = 0; c < tiles[t].num_chunks; c++) items[i++] = (Item){t, c, c + 1};
     }
-    Job job = {q, cache, out, q_row_stride, q_head_stride, qo_indptr, kv_lens, kv_indptr,
-               kv_indices, num_heads, num_kv_heads, head_dim, page_size, scale, tiles, items,
+    Job job = {{q, cache, out, q_row_stride, q_head_stride, qo_indptr, kv_lens, kv_indptr,
+                kv_indices, num_heads, num_kv_heads, head_dim, page_size, scale}, tiles, items,
                num_items, 0, parts, 0};
     /* 2 items a thread at least: a short decode row is 1 or 2 items of a few us, less than
      * waking a worker and waiting for the slower half saves (the bits do not change) */
