@@ -65,17 +65,20 @@ def attention_cases(model: LlamaModel, batch: int, context: int, isas,
     layout = StepLayout([list(range(i * pages, (i + 1) * pages)) for i in range(batch)],
                         [context] * batch, [1] * batch, page)
 
-    def attend(isa, n):
-        backend = CpuPagedAttention(isa=isa, num_threads=n)
-        backend.plan(layout)
+    return [(f"attention b{batch} ctx{context} {isa.value} k{n}",
+             every_layer(model, CpuPagedAttention(isa=isa, num_threads=n), layout, q, cache), 1,
+             n) for isa in isas for n in threads]
 
-        def run():
-            for _ in range(c.num_layers):
-                backend.attend(q, cache)
-        return run
 
-    return [(f"attention b{batch} ctx{context} {isa.value} k{n}", attend(isa, n), 1, n)
-            for isa in isas for n in threads]
+def every_layer(model: LlamaModel, backend: CpuPagedAttention, layout: StepLayout,
+                q: torch.Tensor, cache: torch.Tensor) -> Callable[[], None]:
+    """One step's attention in every layer of the model (one cache stands for each)."""
+    backend.plan(layout)
+
+    def run():
+        for _ in range(model.config.num_layers):
+            backend.attend(q, cache)
+    return run
 
 
 def prompt_attention_cases(model: LlamaModel, length: int, threads: list[int]) -> list[Case]:
@@ -88,17 +91,10 @@ def prompt_attention_cases(model: LlamaModel, length: int, threads: list[int]) -
     q = torch.randn(length, c.num_heads, c.head_dim)
     kinds = [False] + ([True] if amx_gemm.usable() else [])
 
-    def attend(amx, n):
-        backend = CpuPagedAttention(num_threads=n, amx_prompt_rows=amx)
-        backend.plan(StepLayout([list(range(pages))], [length], [length], page,
-                                [length] if amx else None))
-
-        def run():
-            for _ in range(c.num_layers):
-                backend.attend(q, cache)
-        return run
-
-    return [(f"prompt attention {length} {'amx' if amx else 'fp32'} k{n}", attend(amx, n), 1, n)
+    return [(f"prompt attention {length} {'amx' if amx else 'fp32'} k{n}",
+             every_layer(model, CpuPagedAttention(num_threads=n, amx_prompt_rows=amx),
+                         StepLayout([list(range(pages))], [length], [length], page,
+                                    [length] if amx else None), q, cache), 1, n)
             for n in threads for amx in kinds]
 
 
