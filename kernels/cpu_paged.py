@@ -11,6 +11,10 @@ headers, no build step at install time. Where no compiler works, `load_kernel` r
 Every query row is computed by the same arithmetic whatever else the step holds (see the C
 file), so greedy output stays independent of batch neighbours and of prompt chunking, and a
 recompute replay reproduces the decode rows' bits. Float32 only.
+
+Where the prompt rows' linears run on AMX, the rows a step's layout marks as prompt rows take
+`csrc/amx_attention.c` instead (bf16 tile products, float32 sums; the same per-row guarantee),
+the others this kernel: each row the kernel its position gives it, in a replay too.
 """
 
 from __future__ import annotations

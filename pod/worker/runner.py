@@ -45,6 +45,13 @@ def get_chunk_output(emitted: tuple[Sampled, ...], prompt_logprobs: tuple[TokenL
     return ChunkOutput(emitted[0] if emitted else None, prompt_logprobs, emitted[1:], seed)
 
 
+def prompt_rows(item: PlannedChunk) -> int:
+    """How many of the chunk's rows, from its first, are at prompt positions: the rest are
+    generated tokens' (first fed or replayed), which read blocks and the float32 attention."""
+    seq = item.seq
+    return max(0, min(item.num_rows, seq.num_prompt - seq.num_computed))
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, pool: KVPool, backend: AttentionBackend,
                  graphs: DecodeGraphRunner | None = None, fault_token: int | None = None,
@@ -65,8 +72,7 @@ class ModelRunner:
             kv_lens=[item.seq.num_computed + item.num_rows for item in plan],
             q_lens=[item.num_rows for item in plan],
             page_size=self.pool.page_size,
-            prompt_rows=[max(0, min(item.num_rows, item.seq.num_prompt - item.seq.num_computed))
-                         for item in plan],
+            prompt_rows=[prompt_rows(item) for item in plan],
         )
 
     def run(self, plan: list[PlannedChunk]) -> list[ChunkOutput]:
@@ -104,8 +110,11 @@ class ModelRunner:
         their plain decode would). None: the model has no blocks."""
         if not self.model.has_blocks:
             return None
-        return [p >= item.seq.num_prompt for item in plan
-                for p in range(item.seq.num_computed, item.seq.num_computed + item.num_rows)]
+        mask: list[bool] = []
+        for item in plan:
+            dense = prompt_rows(item)
+            mask.extend([False] * dense + [True] * (item.num_rows - dense))
+        return mask
 
     def check_fault(self, plan: list[PlannedChunk]) -> None:
         if self.fault_token is not None:

@@ -12,8 +12,8 @@ from kvpark.kernels import amx_gemm
 from kvpark.kernels.attention import StepLayout
 from kvpark.kernels.cpu_paged import CpuPagedAttention, amx_prompt_rows_fit
 
-pytestmark = pytest.mark.skipif(not amx_gemm.usable(),
-                                reason="this CPU or OS does not run AMX tiles")
+needs_amx = pytest.mark.skipif(not amx_gemm.usable(),
+                               reason="this CPU or OS does not run AMX tiles")
 
 PS, HQ, HKV = 16, 9, 3
 LENGTHS = (1, 2, 15, 16, 17, 31, 33, 64, 100, 255, 256, 257, 300, 513, 600)
@@ -72,6 +72,7 @@ def reference(q: torch.Tensor, cache: torch.Tensor, table: list[int], kv_len: in
     return torch.einsum("hts,shd->thd", s.softmax(-1), v)
 
 
+@needs_amx
 @pytest.mark.parametrize("head_dim,heads,kv_heads", [
     (64, HQ, HKV), (128, 8, 8), (256, 16, 4), (64, 16, 1)])
 def test_prompt_rows_are_attention_to_bf16_accuracy(amx, head_dim, heads, kv_heads):
@@ -85,6 +86,7 @@ def test_prompt_rows_are_attention_to_bf16_accuracy(amx, head_dim, heads, kv_hea
     assert err.max() < 0.02 and err.mean() < 1e-3, (err.max(), err.mean())
 
 
+@needs_amx
 def test_a_prompt_rows_bits_do_not_depend_on_its_step(amx):
     n = max(LENGTHS)
     cache = make_cache(60)
@@ -103,6 +105,7 @@ def test_a_prompt_rows_bits_do_not_depend_on_its_step(amx):
             assert same_bits(part, whole[offset:end]), (offset, length)
 
 
+@needs_amx
 def test_a_prompt_rows_bits_do_not_depend_on_the_sequences_beside_it(amx):
     lens = [583, 461, 97, 5, 300]
     cache = make_cache(200)
@@ -124,6 +127,7 @@ def test_a_prompt_rows_bits_do_not_depend_on_the_sequences_beside_it(amx):
         row += ql
 
 
+@needs_amx
 def test_the_thread_count_does_not_change_a_bit():
     n = 600
     cache = make_cache(60)
@@ -135,6 +139,7 @@ def test_the_thread_count_does_not_change_a_bit():
     assert same_bits(one, two)
 
 
+@needs_amx
 def test_what_lies_past_a_sequences_tokens_is_never_read(amx):
     n = 70  # the last page is partly filled; whole pages of NaN beside it
     cache = make_cache(40)
@@ -149,6 +154,7 @@ def test_what_lies_past_a_sequences_tokens_is_never_read(amx):
     assert same_bits(attend(amx, q, dirty, StepLayout([table], [n], [n], PS, [n])), clean)
 
 
+@needs_amx
 def test_a_step_without_prompt_rows_is_the_float32_kernels(amx, fp32):
     lens = [300, 40]
     cache = make_cache(40)
@@ -165,6 +171,7 @@ def test_head_sizes_the_tiles_take():
     assert not amx_prompt_rows_fit(64, 17)
 
 
+@needs_amx
 def test_the_server_gives_prompt_rows_amx_where_its_linears_have_it():
     from dataclasses import replace
 
@@ -181,3 +188,22 @@ def test_the_server_gives_prompt_rows_amx_where_its_linears_have_it():
     assert pick_backend(args, cpu, odd, torch.float32, amx_prompt_rows=True).name == "cpu"
     wide = replace(config, num_heads=36, num_kv_heads=2)  # 18 query heads a KV head
     assert pick_backend(args, cpu, wide, torch.float32, amx_prompt_rows=True).name == "cpu"
+
+
+def test_the_runner_marks_the_rows_at_prompt_positions():
+    """A prefill chunk, a chunk reaching past the prompt (a recompute replay), a decode row and
+    a draft's rows: the layout's prompt rows, and the block mask reads blocks for the others."""
+    from types import SimpleNamespace
+
+    from kvpark.pod.worker.runner import ModelRunner
+
+    def item(num_prompt, num_computed, num_rows):
+        seq = SimpleNamespace(num_prompt=num_prompt, num_computed=num_computed,
+                              page_table=list(range(8)))
+        return SimpleNamespace(seq=seq, num_rows=num_rows)
+
+    plan = [item(40, 0, 32), item(40, 32, 20), item(40, 60, 1), item(40, 45, 4)]
+    runner = ModelRunner(SimpleNamespace(has_blocks=True), SimpleNamespace(page_size=PS), None)
+    assert runner.get_layout(plan).prompt_rows == [32, 8, 0, 0]
+    mask = runner.get_block_mask(plan)
+    assert mask == [False] * 32 + [False] * 8 + [True] * 12 + [True] + [True] * 4
