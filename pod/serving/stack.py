@@ -310,13 +310,14 @@ def build_memory(args: ServerArgs, target: Target, draft: DraftStack | None,
                   args.page_size, config.num_kv_heads, config.head_dim, dtype=dtype,
                   device=device, cache=make_prefix_cache(args, target.model, identity))
     pool.states = states
-    backend = pick_backend(args, device, config, dtype, amx_prompt_rows=gemm_engine(
-        target.model.weight_format, device) == "amx")
+    def prompt_rows_on_amx(model: LlamaModel) -> bool:
+        return gemm_engine(model.weight_format, device) == "amx"
+
+    backend = pick_backend(args, device, config, dtype, prompt_rows_on_amx(target.model))
     drafter: Drafter | MTPDrafter | None = None
     if draft is not None:
-        drafter = Drafter(draft.model, pick_backend(
-            args, device, draft.loaded.config, dtype, amx_prompt_rows=gemm_engine(
-                draft.model.weight_format, device) == "amx"),
+        drafter = Drafter(draft.model, pick_backend(args, device, draft.loaded.config, dtype,
+                                                    prompt_rows_on_amx(draft.model)),
                           pool.caches[num_attention:], args.page_size)
     elif target.mtp is not None:
         drafter = MTPDrafter(target.mtp, pick_backend(args, device, config, dtype),
