@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import httpx
 from plotting import LATENCY_HEADERS, latency_cells, latency_summary, plot_latency
-from workload import ServerProcess, gaps, median, print_table, write_json
+from workload import TLS, ServerProcess, gaps, median, print_table, write_json
 
 MIB = 1 << 20
 COMPARED = {"prefix-cache": ("cache on", "cache off", "--no-prefix-cache"),
@@ -71,7 +71,7 @@ def chat_turn(url: str, conv: Conversation, text: str, max_tokens: int) -> dict:
     arrivals: list[float] = []  # of each chunk with text
     try:
         with httpx.stream("POST", f"{url}/v1/chat/completions", json=body,
-                          timeout=1800) as response:
+                          timeout=1800, verify=TLS) as response:
             if response.status_code != 200:
                 error = response.read().decode()
             for line in response.iter_lines() if error is None else ():

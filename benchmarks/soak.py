@@ -42,7 +42,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 import httpx
-from workload import ServerProcess, long_prompt, parse_metrics, print_table, write_json
+from workload import TLS, ServerProcess, long_prompt, parse_metrics, print_table, write_json
 
 MIB = 1 << 20
 CLIENT_TIMEOUT = 120.0  # seconds; a request that takes longer counts as lost
@@ -91,7 +91,7 @@ def send(url: str, job: Job) -> tuple[str, float, str]:
     path = "/v1/chat/completions" if job.chat else "/v1/completions"
     try:
         with httpx.stream("POST", f"{url}{path}", json=body_of(job),
-                          timeout=CLIENT_TIMEOUT) as response:
+                          timeout=CLIENT_TIMEOUT, verify=TLS) as response:
             if response.status_code == 503:
                 response.read()
                 return "rejected", float(response.headers.get("retry-after", "1")), ""

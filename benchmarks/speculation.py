@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import httpx
 from workload import (
     LIGHTHOUSE,
+    TLS,
     ServerProcess,
     median,
     parse_metrics,
@@ -95,7 +96,7 @@ def stream(url: str, prompt: str, max_tokens: int, temperature: float) -> Chat:
     started = time.perf_counter()
     try:
         with httpx.stream("POST", f"{url}/v1/chat/completions", json=body,
-                          timeout=1800) as response:
+                          timeout=1800, verify=TLS) as response:
             response.raise_for_status()
             for line in response.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":

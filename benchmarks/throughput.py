@@ -26,7 +26,7 @@ import time
 
 import httpx
 from plotting import LATENCY_HEADERS, latency_cells, latency_summary, plot_latency
-from workload import ServerProcess, long_prompt, median, print_table, stream_chat, write_json
+from workload import TLS, ServerProcess, long_prompt, median, print_table, stream_chat, write_json
 
 
 def measure_prefill(url: str, prompt_tokens: int, salt: str) -> dict:
@@ -38,7 +38,8 @@ def measure_prefill(url: str, prompt_tokens: int, salt: str) -> dict:
                                                                   f"prefill {salt}")}]}
     started = time.perf_counter()
     first, prompt = None, 0
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as response:
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600,
+                      verify=TLS) as response:
         response.raise_for_status()
         for line in response.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":

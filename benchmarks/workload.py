@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import ssl
 import statistics
 import sys
 import time
@@ -14,6 +15,12 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "server"))
 from serverproc import ServerProcess, parse_metrics  # noqa: E402,F401
 from texts import LIGHTHOUSE  # noqa: E402,F401  (a passage to copy: tests/server/texts.py)
+
+# One TLS context for every request the benchmarks time (`verify=TLS`). Without it each
+# `httpx.stream` builds its own, loading the CA bundle even for http:// under the GIL: tens of
+# milliseconds a request, over a second for 32 chats started at once, all of it counted in the
+# time to first token of whichever server was being measured.
+TLS = ssl.create_default_context()
 
 TOPICS = ["the history of bread", "how tides work", "the life of honeybees",
           "building a wooden boat", "the rules of chess", "why the sky is blue",
@@ -58,7 +65,7 @@ def stream_chat(base_url: str, prompt: str, max_tokens: int, timeout: float = 18
     arrivals: list[float] = []  # of each chunk with text: one token each, bar held-back text
     try:
         with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body,
-                          timeout=timeout) as response:
+                          timeout=timeout, verify=TLS) as response:
             if response.status_code != 200:
                 response.read()
                 return ChatResult(False, 0, "", response.text, time.perf_counter() - started)
