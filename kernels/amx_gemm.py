@@ -34,6 +34,8 @@ def _library():
     i32, i64, ptr = ctypes.c_int, ctypes.c_long, ctypes.c_void_p
     lib.kvpark_amx_gemm_bf16.argtypes = [ptr, i32, i32, ptr, i32, ptr, i32, i32]
     lib.kvpark_amx_gemm_bf16.restype = i32
+    lib.kvpark_amx_gemm_bf16_silu.argtypes = [ptr, i32, i32, ptr, i32, ptr, i32, i32]
+    lib.kvpark_amx_gemm_bf16_silu.restype = i32
     lib.kvpark_amx_pack_bf16.argtypes = [ptr, i32, i32, ptr]
     lib.kvpark_amx_packed_elems.argtypes = [i32, i32]
     lib.kvpark_amx_packed_elems.restype = i64
@@ -83,15 +85,34 @@ def pack(weight: torch.Tensor) -> PackedBf16:
 def gemm(x: torch.Tensor, weight: PackedBf16, emulate: bool = False,
          num_threads: int | None = None) -> torch.Tensor:
     """x [rows, in] float32 (rounded to bf16) times W^T: [rows, out] float32."""
+    return _run(_library().kvpark_amx_gemm_bf16, x, weight, weight.out_features, emulate,
+                num_threads)
+
+
+def fuses_silu(weight: PackedBf16) -> bool:
+    """`gemm_silu` takes this weight: its outputs split into halves of whole 16-output blocks."""
+    return weight.out_features % (2 * TILE_ROWS) == 0
+
+
+def gemm_silu(x: torch.Tensor, gate_up: PackedBf16, emulate: bool = False,
+              num_threads: int | None = None) -> torch.Tensor:
+    """silu(g) * u for [g, u] = x [gate; up]^T, [rows, out / 2] float32: the bits of `gemm`
+    then `layer_ops.silu_mul`, without writing the GEMM's [rows, out]."""
+    assert fuses_silu(gate_up), "the halves of the outputs must be whole blocks of 16"
+    return _run(_library().kvpark_amx_gemm_bf16_silu, x, gate_up, gate_up.out_features // 2,
+                emulate, num_threads)
+
+
+def _run(fn, x: torch.Tensor, weight: PackedBf16, out_features: int, emulate: bool,
+         num_threads: int | None) -> torch.Tensor:
     x = x.to(torch.float32).contiguous()
     assert x.dim() == 2 and x.shape[1] == weight.in_features
     if not emulate and not usable():  # the cap (KVPARK_MAX_CPU_ISA) too, not only the CPU
         raise KernelUnavailable("AMX is not usable here")
-    y = torch.empty(x.shape[0], weight.out_features, dtype=torch.float32)
+    y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
     threads = worker_pool.get_num_threads() if num_threads is None else num_threads
-    done = _library().kvpark_amx_gemm_bf16(x.data_ptr(), x.shape[0], x.shape[1],
-                                           weight.data.data_ptr(), weight.out_features,
-                                           y.data_ptr(), threads, int(emulate))
+    done = fn(x.data_ptr(), x.shape[0], x.shape[1], weight.data.data_ptr(),
+              weight.out_features, y.data_ptr(), threads, int(emulate))
     if done != 0:
         raise KernelUnavailable("AMX is not usable here" if done == -1 else "out of memory")
     return y

@@ -6,6 +6,12 @@
  * row and column alone. So a row's bits do not depend on how many rows came with it, nor where
  * it sat in its tile. Threads split the outputs (groups of 32 columns), never a sum.
  *
+ * `kvpark_amx_gemm_bf16_silu` is the same GEMM over an MLP's gate and up projections stacked
+ * as one weight ([gate; up], 2 I outputs) with SwiGLU as its epilogue: a part pairs gate block
+ * j with up block j (instead of two neighbouring blocks), and y[:, 16 j ..] = silu(g) u (the
+ * row op of layer_ops.c, so the same bits as the GEMM then kvpark_silu_mul) is all it writes,
+ * half the outputs, from a part buffer that stays in cache.
+ *
  * W is packed once (`kvpark_amx_pack_bf16`) into the B tiles' layout: for each block of 16
  * outputs and each block of 32 inputs, 16 rows of input pairs x 16 outputs x 2 (VNNI), 1 KiB:
  *   packed[nb][kb][p][j][h] = bf16(W[16 nb + j][32 kb + 2 p + h]), zero past n or k.
@@ -25,6 +31,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "layer_ops.h"
 #include "tile_config.h"
 #include "worker_pool.h"
 
@@ -105,6 +112,7 @@ typedef struct {
     const uint16_t *packed;
     float *y;
     int m, n, k, kbs, row_tiles, emulate;
+    int silu;  /* n = 2 I outputs [gate; up], y [m, I] = silu(gate) up (I a multiple of 16) */
     volatile int failed;  /* a part could not get its buffer (set only to 1, by any thread) */
 } Call;
 
@@ -240,13 +248,37 @@ static void copy_out(const Call *c, const PartOut *out, int col0, int cols) {
     free(out->owned);
 }
 
-/* one part: 32 outputs (GROUP output blocks) for every row, tiles configured by the caller */
-static void gemm_part(Call *c, int part) {
+/* a part's two output blocks and where their sums go */
+typedef struct {
+    const uint16_t *b0, *b1;
+    int two;
+    PartOut out;
+} PartPlan;
+
+static PartPlan plan_part(const Call *c, int part, float *silu_buffer) {
     int nbs = ceil_div(c->n, TILE_ROWS);
-    int nb0 = part * GROUP, two = nb0 + 1 < nbs, cols = (1 + two) * TILE_ROWS;
-    const uint16_t *b0 = c->packed + (long)nb0 * c->kbs * BLOCK_ELEMS;
-    const uint16_t *b1 = b0 + (long)c->kbs * BLOCK_ELEMS;
-    PartOut out = part_out(c, nb0 * TILE_ROWS, cols);
+    PartPlan plan;
+    if (c->silu) {  /* gate block `part` and its up block, into the run's buffer */
+        plan.b0 = c->packed + (long)part * c->kbs * BLOCK_ELEMS;
+        plan.b1 = c->packed + (long)(part + nbs / 2) * c->kbs * BLOCK_ELEMS;
+        plan.two = 1;
+        plan.out = (PartOut){silu_buffer, GROUP * TILE_ROWS, NULL};
+        return plan;
+    }
+    int nb0 = part * GROUP;
+    plan.two = nb0 + 1 < nbs;
+    plan.b0 = c->packed + (long)nb0 * c->kbs * BLOCK_ELEMS;
+    plan.b1 = plan.b0 + (long)c->kbs * BLOCK_ELEMS;
+    plan.out = part_out(c, nb0 * TILE_ROWS, (1 + plan.two) * TILE_ROWS);
+    return plan;
+}
+
+/* one part: 32 outputs (GROUP output blocks) for every row, tiles configured by the caller */
+static void gemm_part(Call *c, int part, float *silu_buffer) {
+    PartPlan plan = plan_part(c, part, silu_buffer);
+    const uint16_t *b0 = plan.b0, *b1 = plan.b1;
+    int two = plan.two, cols = (1 + two) * TILE_ROWS;
+    PartOut out = plan.out;
     if (out.base == NULL) {  /* out of memory: the call reports it */
         c->failed = 1;
         return;
@@ -272,7 +304,10 @@ static void gemm_part(Call *c, int part) {
             }
         }
     }
-    copy_out(c, &out, nb0 * TILE_ROWS, cols);
+    if (c->silu)  /* gate in columns 0..15 of the buffer, up in 16..31 */
+        kvpark_silu_mul_rows(out.base, out.ld, c->m, TILE_ROWS, c->y + part * TILE_ROWS, c->n / 2);
+    else
+        copy_out(c, &out, part * GROUP * TILE_ROWS, cols);
 }
 
 #define TASKS_PER_THREAD 4  /* parts are claimed in runs: the tiles configured once a run */
@@ -280,24 +315,31 @@ static void gemm_part(Call *c, int part) {
 static void gemm_run(void *arg, int run, int num_runs) {
     Call *c = arg;
     int parts = ceil_div(ceil_div(c->n, TILE_ROWS), GROUP);
+    float *silu_buffer = NULL;  /* a part's gate and up sums, rows x 32, reused part to part */
+    if (c->silu) {
+        silu_buffer = malloc((size_t)c->row_tiles * TILE_ROWS * GROUP * TILE_ROWS * sizeof(float));
+        if (silu_buffer == NULL) {
+            c->failed = 1;
+            return;
+        }
+    }
 #ifdef KVPARK_AMX_BUILD
     if (!c->emulate) configure_tiles();
 #endif
     for (int part = (long)run * parts / num_runs; part < (long)(run + 1) * parts / num_runs; part++)
-        gemm_part(c, part);
+        gemm_part(c, part, silu_buffer);
 #ifdef KVPARK_AMX_BUILD
     if (!c->emulate) release_tiles();
 #endif
+    free(silu_buffer);
 }
 
-/* y[m, n] (float32) = x[m, k] (float32, rounded to bf16) . W^T (packed bf16). Returns 0, or -1
- * where AMX was asked for and this CPU or OS cannot run it (nothing is written then). */
-int kvpark_amx_gemm_bf16(const float *x, int m, int k, const uint16_t *packed, int n, float *y,
-                         int num_threads, int emulate) {
+static int gemm_call(const float *x, int m, int k, const uint16_t *packed, int n, float *y,
+                     int num_threads, int emulate, int silu) {
     if (!emulate && !kvpark_amx_usable()) return -1;
     if (m <= 0) return 0;
     Call c = {x, NULL, packed, y, m, n, k, ceil_div(k, TILE_K), ceil_div(m, TILE_ROWS), emulate,
-              0};
+              silu, 0};
     c.a = malloc((size_t)c.row_tiles * TILE_ROWS * c.kbs * TILE_K * sizeof(uint16_t));
     if (c.a == NULL) return -2;
     kvpark_pool_run(convert_part, &c, c.row_tiles, num_threads);
@@ -305,4 +347,19 @@ int kvpark_amx_gemm_bf16(const float *x, int m, int k, const uint16_t *packed, i
     kvpark_pool_run(gemm_run, &c, parts < runs ? parts : runs, num_threads);
     free(c.a);
     return c.failed ? -2 : 0;
+}
+
+/* y[m, n] (float32) = x[m, k] (float32, rounded to bf16) . W^T (packed bf16). Returns 0, or -1
+ * where AMX was asked for and this CPU or OS cannot run it (nothing is written then). */
+int kvpark_amx_gemm_bf16(const float *x, int m, int k, const uint16_t *packed, int n, float *y,
+                         int num_threads, int emulate) {
+    return gemm_call(x, m, k, packed, n, y, num_threads, emulate, 0);
+}
+
+/* y[m, n / 2] = silu(g) u for [g, u] = x W^T, W packed from [gate; up] (n / 2 a multiple of 16,
+ * else -3 and nothing written); otherwise as kvpark_amx_gemm_bf16. */
+int kvpark_amx_gemm_bf16_silu(const float *x, int m, int k, const uint16_t *packed, int n,
+                              float *y, int num_threads, int emulate) {
+    if (n % (GROUP * TILE_ROWS) != 0) return -3;
+    return gemm_call(x, m, k, packed, n, y, num_threads, emulate, 1);
 }

@@ -15,6 +15,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "layer_ops.h"
 #include "worker_pool.h"
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -170,6 +171,11 @@ static void silu_mul_rows(const float *gu, int64_t gu_stride, int rows, int n, f
         for (; i + SILU_LANES <= n; i += SILU_LANES) silu_mul_lanes(g + i, u + i, yr + i);
         for (; i < n; i++) yr[i] = g[i] / (1.0f + exp_poly(-g[i])) * u[i];
     }
+}
+
+void kvpark_silu_mul_rows(const float *gu, int64_t gu_stride, int rows, int n, float *y,
+                          int64_t y_stride) {
+    silu_mul_rows(gu, gu_stride, rows, n, y, y_stride);
 }
 
 /* ---- the row ops for dense rows (kernels/layer_ops.py): rows split between up to

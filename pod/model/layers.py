@@ -14,7 +14,7 @@ from kvpark.kernels.attention import AttentionBackend
 from kvpark.kernels.quant_linear import QuantizedWeight
 
 from .config import ModelConfig
-from .linear import BlockRows, Linear, WeightFormat, linear, pad_rows
+from .linear import BlockRows, Linear, WeightFormat, linear, linear_silu, pad_rows
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -158,10 +158,18 @@ class DecoderLayer(nn.Module):
         x = x + linear(attn, self.o, rows)
         if self.c_ops(x):
             h = layer_ops.rms_norm(x, self.post_attn_norm, self.config.rms_norm_eps)
-            return x + linear(layer_ops.silu_mul(linear(h, self.gate_up, rows)), self.down, rows)
+            return x + linear(self.swiglu(h, rows), self.down, rows)
         h = rms_norm(x, self.post_attn_norm, self.config.rms_norm_eps)
         gate, up = linear(h, self.gate_up, rows).chunk(2, dim=-1)
         return x + linear(F.silu(gate) * up, self.down, rows)
+
+    def swiglu(self, h: torch.Tensor, rows: BlockRows | None) -> torch.Tensor:
+        """silu(g) * u of h's gate and up projections (float32 rows, the C ops' path): in the
+        AMX GEMM's epilogue when every row is dense, else the GEMM then the C op; the same bits
+        either way, without writing and rereading the GEMM's twice-as-wide output."""
+        if self.gate_up.fuses_silu and (rows is None or rows.num_blocks == 0):
+            return linear_silu(h, self.gate_up)
+        return layer_ops.silu_mul(linear(h, self.gate_up, rows))
 
     def c_ops(self, x: torch.Tensor) -> bool:
         """`row_ops` for float32 rows on the CPU. The C ops compute each row on its own, as the

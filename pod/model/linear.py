@@ -150,6 +150,17 @@ class Linear:
         out.index_copy_(0, rows.blocks, self.from_blocks(x.index_select(0, rows.blocks)))
         return out
 
+    @property
+    def fuses_silu(self) -> bool:
+        """`dense_silu` runs: float32 sums on AMX, no bias, halves of whole 16-output blocks."""
+        return (self.amx is not None and self.bias is None
+                and self.compute_dtype == torch.float32 and amx_gemm.fuses_silu(self.amx))
+
+    def dense_silu(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(g) * u of this [gate; up] linear's outputs for dense rows, in the AMX GEMM's
+        epilogue (the bits of `dense` then `layer_ops.silu_mul`)."""
+        return amx_gemm.gemm_silu(x, self.amx)
+
     def from_blocks(self, x: torch.Tensor) -> torch.Tensor:
         y = quant_linear(x, self.blocks)
         return y if self.bias is None else y + self.bias
@@ -175,8 +186,14 @@ class Linear:
 
 
 def linear(x: torch.Tensor, layer: Linear, rows: BlockRows | None = None) -> torch.Tensor:
-    """Every GEMM of the model goes through here (benchmarks/profile_step.py times it)."""
+    """Every GEMM of the model goes through here or `linear_silu` (benchmarks/profile_step.py
+    times both)."""
     return layer(x, rows)
+
+
+def linear_silu(x: torch.Tensor, gate_up: Linear) -> torch.Tensor:
+    """silu(g) * u of dense rows x through a [gate; up] linear whose `fuses_silu` holds."""
+    return gate_up.dense_silu(x)
 
 
 def get_gemm_rows(num_rows: int) -> int:

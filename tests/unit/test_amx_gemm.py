@@ -7,7 +7,7 @@ and OS run them."""
 import pytest
 import torch
 
-from kvpark.kernels import amx_gemm
+from kvpark.kernels import amx_gemm, layer_ops
 from kvpark.kernels.cbuild import KernelUnavailable
 
 ROWS = (1, 2, 15, 16, 17, 31, 33, 64, 100, 255, 257, 600)
@@ -87,3 +87,38 @@ def test_without_amx_the_tile_path_says_so_and_writes_nothing():
     w, x = operands(16, 32, 4)
     with pytest.raises(KernelUnavailable, match="AMX is not usable here"):
         amx_gemm.gemm(x, amx_gemm.pack(w))
+
+
+# ---- the gate and up projections with SwiGLU as the epilogue (gemm_silu) -----------------------
+@pytest.mark.parametrize("emulate", MODES)
+@pytest.mark.parametrize("n,k,threads", [
+    (64, 96, 2),      # two parts: gate block j with up block j, not with its neighbour
+    (96, 2100, 3),    # three parts, two passes over k, a thread count that splits them unevenly
+])
+def test_the_silu_epilogue_gives_the_bits_of_the_gemm_then_silu_mul(emulate, n, k, threads):
+    w, x = operands(n, k, 600)
+    packed = amx_gemm.pack(w)
+    assert amx_gemm.fuses_silu(packed)
+    for m in ROWS:
+        rows = x[:m]
+        want = layer_ops.silu_mul(amx_gemm.gemm(rows, packed, emulate=emulate))
+        got = amx_gemm.gemm_silu(rows, packed, emulate=emulate, num_threads=threads)
+        assert got.shape == (m, n // 2)
+        assert same_bits(got, want), m
+
+
+@pytest.mark.parametrize("emulate", MODES)
+def test_a_rows_swiglu_bits_do_not_depend_on_the_rows_beside_it(emulate):
+    w, x = operands(64, 200, max(ROWS) + max(OFFSETS))
+    packed = amx_gemm.pack(w)
+    whole = amx_gemm.gemm_silu(x, packed, emulate=emulate)
+    for m in ROWS:
+        for offset in OFFSETS:
+            part = amx_gemm.gemm_silu(x[offset:offset + m], packed, emulate=emulate)
+            assert same_bits(part, whole[offset:offset + m]), (m, offset)
+
+
+def test_the_silu_epilogue_takes_only_halves_of_whole_blocks():
+    assert not amx_gemm.fuses_silu(amx_gemm.pack(torch.zeros(48, 32)))  # halves of 24 outputs
+    with pytest.raises(AssertionError, match="whole blocks of 16"):
+        amx_gemm.gemm_silu(torch.zeros(2, 32), amx_gemm.pack(torch.zeros(48, 32)), emulate=True)

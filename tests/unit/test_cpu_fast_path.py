@@ -16,6 +16,7 @@ from kvpark.kernels import cpu_features, onednn_isa
 from kvpark.kernels.attention import StepLayout
 from kvpark.kernels.torch_paged import TorchPagedAttention
 from kvpark.pod.memory.kv_pool import KVPool
+from kvpark.pod.model import layers as layers_module
 from kvpark.pod.model.config import ModelConfig
 from kvpark.pod.model.layers import apply_rope, rms_norm, rope_cos_sin
 from kvpark.pod.model.linear import Linear, WeightFormat, gemm_engine
@@ -232,6 +233,24 @@ def test_model_logits_are_independent_of_batch_neighbours(small_weights, fmt, th
     ], 4)
     for step, (a, b) in enumerate(zip(alone, neighbours)):
         assert torch.equal(a[0], b[0]), f"step {step}: logits changed with batch neighbours"
+
+
+@requires_amx
+def test_the_swiglu_epilogue_changes_no_logit(small_weights, monkeypatch):
+    """amx-bf16 dense rows take SwiGLU in the gate/up GEMM's epilogue: the logits of the GEMM
+    then the C op, to the bit, for a prefill and a decode step."""
+    model = LlamaModel(SMALL, small_weights, batch_invariant=True,
+                       weight_format=WeightFormat.AMX_BF16)
+    steps = [[(0, list(range(3, 60)))], [(0, [7])]]
+    calls = []
+    fused = layers_module.linear_silu
+    monkeypatch.setattr(layers_module, "linear_silu", lambda *a: calls.append(a) or fused(*a))
+    with_epilogue = run_steps(model, steps, 1)
+    assert len(calls) == 2 * SMALL.num_layers  # every layer, both steps
+    monkeypatch.setattr(Linear, "fuses_silu", property(lambda self: False))
+    without = run_steps(model, steps, 1)
+    for a, b in zip(with_epilogue, without, strict=True):
+        assert torch.equal(a[0], b[0])
 
 
 def test_model_matches_the_reference_oracle(small_weights):
