@@ -190,6 +190,7 @@ def patch_globals() -> None:
     for module in (layers_module, decoder_base_module):  # the layers' and lm_head's linears
         module.linear = CLOCK.wrap("matmul", module.linear)
     layers_module.linear_silu = CLOCK.wrap("matmul", layers_module.linear_silu)  # + SwiGLU
+    layers_module.linear_add = CLOCK.wrap("matmul", layers_module.linear_add)  # + residual
     for half in ("attention_inputs", "mlp_residual"):  # linears, norms, RoPE, silu, adds in C
         setattr(FusedLayer, half, CLOCK.wrap("fused", getattr(FusedLayer, half)))
     # a decode step whose rows all read blocks: every layer (attention too) in one C call

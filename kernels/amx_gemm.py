@@ -36,6 +36,8 @@ def _library():
     lib.kvpark_amx_gemm_bf16.restype = i32
     lib.kvpark_amx_gemm_bf16_silu.argtypes = [ptr, i32, i32, ptr, i32, ptr, i32, i32]
     lib.kvpark_amx_gemm_bf16_silu.restype = i32
+    lib.kvpark_amx_gemm_bf16_add.argtypes = [ptr, i32, i32, ptr, i32, ptr, ptr, i32, i32]
+    lib.kvpark_amx_gemm_bf16_add.restype = i32
     lib.kvpark_amx_pack_bf16.argtypes = [ptr, i32, i32, ptr]
     lib.kvpark_amx_packed_elems.argtypes = [i32, i32]
     lib.kvpark_amx_packed_elems.restype = i64
@@ -87,6 +89,19 @@ def gemm(x: torch.Tensor, weight: PackedBf16, emulate: bool = False,
     """x [rows, in] float32 (rounded to bf16) times W^T: [rows, out] float32."""
     return _run(_library().kvpark_amx_gemm_bf16, x, weight, weight.out_features, emulate,
                 num_threads)
+
+
+def gemm_add(x: torch.Tensor, weight: PackedBf16, residual: torch.Tensor,
+             emulate: bool = False, num_threads: int | None = None) -> torch.Tensor:
+    """residual + x W^T, [rows, out] float32: the bits of `residual + gemm(x, W)` without a
+    pass of its own over the rows."""
+    residual = residual.to(torch.float32).contiguous()
+    assert residual.shape == (x.shape[0], weight.out_features)
+
+    def add(x_ptr, m, k, w_ptr, n, y_ptr, threads, emulated):
+        return _library().kvpark_amx_gemm_bf16_add(x_ptr, m, k, w_ptr, n, residual.data_ptr(),
+                                                   y_ptr, threads, emulated)
+    return _run(add, x, weight, weight.out_features, emulate, num_threads)
 
 
 def fuses_silu(weight: PackedBf16) -> bool:

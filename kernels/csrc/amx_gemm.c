@@ -12,6 +12,10 @@
  * row op of layer_ops.c, so the same bits as the GEMM then kvpark_silu_mul) is all it writes,
  * half the outputs, from a part buffer that stays in cache.
  *
+ * `kvpark_amx_gemm_bf16_add` adds the GEMM to a residual, y = r + x W^T, as the part's last
+ * pass over its columns (the bits of the GEMM then torch's r + y, without another pass over
+ * memory).
+ *
  * W is packed once (`kvpark_amx_pack_bf16`) into the B tiles' layout: for each block of 16
  * outputs and each block of 32 inputs, 16 rows of input pairs x 16 outputs x 2 (VNNI), 1 KiB:
  *   packed[nb][kb][p][j][h] = bf16(W[16 nb + j][32 kb + 2 p + h]), zero past n or k.
@@ -113,6 +117,7 @@ typedef struct {
     float *y;
     int m, n, k, kbs, row_tiles, emulate;
     int silu;  /* n = 2 I outputs [gate; up], y [m, I] = silu(gate) up (I a multiple of 16) */
+    const float *residual;  /* [m, n], added to the product (y = residual + x W^T), or NULL */
     volatile int failed;  /* a part could not get its buffer (set only to 1, by any thread) */
 } Call;
 
@@ -248,6 +253,16 @@ static void copy_out(const Call *c, const PartOut *out, int col0, int cols) {
     free(out->owned);
 }
 
+/* y[:, col0 .. col0 + cols) = residual + y, in the order torch's `residual + y` adds */
+static void add_residual(const Call *c, int col0, int cols) {
+    if (col0 + cols > c->n) cols = c->n - col0;
+    for (int r = 0; r < c->m; r++) {
+        const float *res = c->residual + (long)r * c->n + col0;
+        float *y = c->y + (long)r * c->n + col0;
+        for (int j = 0; j < cols; j++) y[j] = res[j] + y[j];
+    }
+}
+
 /* a part's two output blocks and where their sums go */
 typedef struct {
     const uint16_t *b0, *b1;
@@ -306,8 +321,10 @@ static void gemm_part(Call *c, int part, float *silu_buffer) {
     }
     if (c->silu)  /* gate in columns 0..15 of the buffer, up in 16..31 */
         kvpark_silu_mul_rows(out.base, out.ld, c->m, TILE_ROWS, c->y + part * TILE_ROWS, c->n / 2);
-    else
+    else {
         copy_out(c, &out, part * GROUP * TILE_ROWS, cols);
+        if (c->residual != NULL) add_residual(c, part * GROUP * TILE_ROWS, cols);
+    }
 }
 
 #define TASKS_PER_THREAD 4  /* parts are claimed in runs: the tiles configured once a run */
@@ -335,11 +352,11 @@ static void gemm_run(void *arg, int run, int num_runs) {
 }
 
 static int gemm_call(const float *x, int m, int k, const uint16_t *packed, int n, float *y,
-                     int num_threads, int emulate, int silu) {
+                     int num_threads, int emulate, int silu, const float *residual) {
     if (!emulate && !kvpark_amx_usable()) return -1;
     if (m <= 0) return 0;
     Call c = {x, NULL, packed, y, m, n, k, ceil_div(k, TILE_K), ceil_div(m, TILE_ROWS), emulate,
-              silu, 0};
+              silu, residual, 0};
     c.a = malloc((size_t)c.row_tiles * TILE_ROWS * c.kbs * TILE_K * sizeof(uint16_t));
     if (c.a == NULL) return -2;
     kvpark_pool_run(convert_part, &c, c.row_tiles, num_threads);
@@ -353,7 +370,13 @@ static int gemm_call(const float *x, int m, int k, const uint16_t *packed, int n
  * where AMX was asked for and this CPU or OS cannot run it (nothing is written then). */
 int kvpark_amx_gemm_bf16(const float *x, int m, int k, const uint16_t *packed, int n, float *y,
                          int num_threads, int emulate) {
-    return gemm_call(x, m, k, packed, n, y, num_threads, emulate, 0);
+    return gemm_call(x, m, k, packed, n, y, num_threads, emulate, 0, NULL);
+}
+
+/* y[m, n] = residual[m, n] + x W^T; otherwise as kvpark_amx_gemm_bf16 (y may not be residual) */
+int kvpark_amx_gemm_bf16_add(const float *x, int m, int k, const uint16_t *packed, int n,
+                             const float *residual, float *y, int num_threads, int emulate) {
+    return gemm_call(x, m, k, packed, n, y, num_threads, emulate, 0, residual);
 }
 
 /* y[m, n / 2] = silu(g) u for [g, u] = x W^T, W packed from [gate; up] (n / 2 a multiple of 16,
@@ -361,5 +384,5 @@ int kvpark_amx_gemm_bf16(const float *x, int m, int k, const uint16_t *packed, i
 int kvpark_amx_gemm_bf16_silu(const float *x, int m, int k, const uint16_t *packed, int n,
                               float *y, int num_threads, int emulate) {
     if (n % (GROUP * TILE_ROWS) != 0) return -3;
-    return gemm_call(x, m, k, packed, n, y, num_threads, emulate, 1);
+    return gemm_call(x, m, k, packed, n, y, num_threads, emulate, 1, NULL);
 }

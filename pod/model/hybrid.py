@@ -27,7 +27,7 @@ from kvpark.kernels.quant_linear import QuantizedWeight
 
 from .config import FULL_ATTENTION, DeltaNetConfig, ModelConfig
 from .decoder_base import DecoderBase
-from .layers import apply_rope, fused_blocks, rms_norm, rope_cos_sin
+from .layers import apply_rope, fused_blocks, plus_linear, rms_norm, rope_cos_sin
 from .linear import BlockRows, Linear, WeightFormat, linear, pad_rows
 from .step_states import StepStates
 
@@ -79,7 +79,7 @@ class MLPBlock(nn.Module):
     def forward(self, x: torch.Tensor, rows: BlockRows | None = None) -> torch.Tensor:
         gate, up = linear(rms_norm(x, self.post_norm, self.eps), self.gate_up, rows
                           ).chunk(2, dim=-1)
-        return x + linear(F.silu(gate) * up, self.down, rows)
+        return plus_linear(x, F.silu(gate) * up, self.down, rows)
 
 
 class GatedAttentionLayer(nn.Module):
@@ -119,7 +119,7 @@ class GatedAttentionLayer(nn.Module):
         backend.append_kv(kv_cache, k, v)
         attn = backend.attend(q, kv_cache).reshape(num_tokens, heads * dim)
         attn = pad_rows(attn, num_rows) * torch.sigmoid(gate)
-        return self.mlp(x + linear(attn, self.o, rows), rows)
+        return self.mlp(plus_linear(x, attn, self.o, rows), rows)
 
     def partial_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                      ) -> torch.Tensor:
@@ -185,7 +185,7 @@ class DeltaNetLayer(nn.Module):
                     kept[1][chunk.slot, start].copy_(state)
         gated = rms_norm(core.view(-1, s.v_head_dim), self.out_norm, eps)
         gated = gated.view(x.shape[0], -1) * F.silu(z.float())
-        return self.mlp(x + linear(gated.to(x.dtype), self.o, rows), rows)
+        return self.mlp(plus_linear(x, gated.to(x.dtype), self.o, rows), rows)
 
     def mix(self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
             conv_state: torch.Tensor, state: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from kvpark.kernels.attention import AttentionBackend
 from kvpark.kernels.quant_linear import QuantizedWeight
 
 from .config import ModelConfig
-from .linear import BlockRows, Linear, WeightFormat, linear, linear_silu, pad_rows
+from .linear import BlockRows, Linear, WeightFormat, linear, linear_add, linear_silu, pad_rows
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -51,6 +51,16 @@ def fused_blocks(quantized: dict[str, QuantizedWeight] | None,
     if not quantized or any(name not in quantized for name in names):
         return None
     return QuantizedWeight.cat([quantized[name] for name in names])
+
+
+def plus_linear(x: torch.Tensor, a: torch.Tensor, layer: Linear,
+                rows: BlockRows | None) -> torch.Tensor:
+    """x + a W^T (a residual connection): the sum in the AMX GEMM's last pass where every row
+    is dense and float32, else the GEMM then torch's add; the same bits either way."""
+    if (layer.fuses_add and (rows is None or rows.num_blocks == 0)
+            and x.dtype == a.dtype == torch.float32 and x.is_cpu):
+        return linear_add(a, layer, x)
+    return x + linear(a, layer, rows)
 
 
 class DecoderLayer(nn.Module):
@@ -155,13 +165,13 @@ class DecoderLayer(nn.Module):
                      rows: BlockRows | None) -> torch.Tensor:
         """x + attn W_o^T, then plus the MLP of its norm (norm and SiLU in C where `c_ops`);
         attn [rows, q_size]."""
-        x = x + linear(attn, self.o, rows)
+        x = plus_linear(x, attn, self.o, rows)
         if self.c_ops(x):
             h = layer_ops.rms_norm(x, self.post_attn_norm, self.config.rms_norm_eps)
-            return x + linear(self.swiglu(h, rows), self.down, rows)
+            return plus_linear(x, self.swiglu(h, rows), self.down, rows)
         h = rms_norm(x, self.post_attn_norm, self.config.rms_norm_eps)
         gate, up = linear(h, self.gate_up, rows).chunk(2, dim=-1)
-        return x + linear(F.silu(gate) * up, self.down, rows)
+        return plus_linear(x, F.silu(gate) * up, self.down, rows)
 
     def swiglu(self, h: torch.Tensor, rows: BlockRows | None) -> torch.Tensor:
         """silu(g) * u of h's gate and up projections (float32 rows, the C ops' path): in the

@@ -151,10 +151,19 @@ class Linear:
         return out
 
     @property
+    def fuses_add(self) -> bool:
+        """`dense_add` runs: float32 sums on AMX and no bias."""
+        return self.amx is not None and self.bias is None and self.compute_dtype == torch.float32
+
+    @property
     def fuses_silu(self) -> bool:
-        """`dense_silu` runs: float32 sums on AMX, no bias, halves of whole 16-output blocks."""
-        return (self.amx is not None and self.bias is None
-                and self.compute_dtype == torch.float32 and amx_gemm.fuses_silu(self.amx))
+        """`dense_silu` runs: as `fuses_add`, and halves of whole 16-output blocks."""
+        return self.fuses_add and amx_gemm.fuses_silu(self.amx)
+
+    def dense_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + x W^T for dense float32 rows, the sum in the AMX GEMM's last pass over its
+        outputs (the bits of `residual + dense(x)`)."""
+        return amx_gemm.gemm_add(x, self.amx, residual)
 
     def dense_silu(self, x: torch.Tensor) -> torch.Tensor:
         """silu(g) * u of this [gate; up] linear's outputs for dense rows, in the AMX GEMM's
@@ -186,9 +195,14 @@ class Linear:
 
 
 def linear(x: torch.Tensor, layer: Linear, rows: BlockRows | None = None) -> torch.Tensor:
-    """Every GEMM of the model goes through here or `linear_silu` (benchmarks/profile_step.py
-    times both)."""
+    """Every GEMM of the model goes through here, `linear_add` or `linear_silu`
+    (benchmarks/profile_step.py times them)."""
     return layer(x, rows)
+
+
+def linear_add(x: torch.Tensor, layer: Linear, residual: torch.Tensor) -> torch.Tensor:
+    """residual + x W^T for dense rows through a linear whose `fuses_add` holds."""
+    return layer.dense_add(x, residual)
 
 
 def linear_silu(x: torch.Tensor, gate_up: Linear) -> torch.Tensor:

@@ -122,3 +122,18 @@ def test_the_silu_epilogue_takes_only_halves_of_whole_blocks():
     assert not amx_gemm.fuses_silu(amx_gemm.pack(torch.zeros(48, 32)))  # halves of 24 outputs
     with pytest.raises(AssertionError, match="whole blocks of 16"):
         amx_gemm.gemm_silu(torch.zeros(2, 32), amx_gemm.pack(torch.zeros(48, 32)), emulate=True)
+
+
+# ---- a residual added in the GEMM's last pass (gemm_add) ------------------------------------
+@pytest.mark.parametrize("emulate", MODES)
+@pytest.mark.parametrize("n,k", [(40, 80), (48, 600), (48, 2100)])  # a partial block; whole
+def test_the_residual_epilogue_gives_the_bits_of_the_gemm_then_the_add(emulate, n, k):
+    w, x = operands(n, k, 600)
+    residual = torch.randn(600, n, generator=torch.Generator().manual_seed(1))
+    packed = amx_gemm.pack(w)
+    for m in ROWS:
+        want = residual[:m] + amx_gemm.gemm(x[:m], packed, emulate=emulate)
+        got = amx_gemm.gemm_add(x[:m], packed, residual[:m], emulate=emulate, num_threads=3)
+        assert same_bits(got, want), m
+        assert same_bits(residual[:m], torch.randn(600, n, generator=torch.Generator(
+            ).manual_seed(1))[:m])  # the residual is read, not written

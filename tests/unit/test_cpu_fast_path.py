@@ -236,20 +236,25 @@ def test_model_logits_are_independent_of_batch_neighbours(small_weights, fmt, th
 
 
 @requires_amx
-def test_the_swiglu_epilogue_changes_no_logit(small_weights, monkeypatch):
-    """amx-bf16 dense rows take SwiGLU in the gate/up GEMM's epilogue: the logits of the GEMM
-    then the C op, to the bit, for a prefill and a decode step."""
+def test_the_amx_epilogues_change_no_logit(small_weights, monkeypatch):
+    """amx-bf16 dense rows take SwiGLU in the gate/up GEMM's epilogue and both residual adds
+    in the o and down GEMMs': the logits of the GEMMs then the C op and torch's adds, to the
+    bit, for a prefill and a decode step."""
     model = LlamaModel(SMALL, small_weights, batch_invariant=True,
                        weight_format=WeightFormat.AMX_BF16)
     steps = [[(0, list(range(3, 60)))], [(0, [7])]]
-    calls = []
-    fused = layers_module.linear_silu
-    monkeypatch.setattr(layers_module, "linear_silu", lambda *a: calls.append(a) or fused(*a))
-    with_epilogue = run_steps(model, steps, 1)
-    assert len(calls) == 2 * SMALL.num_layers  # every layer, both steps
-    monkeypatch.setattr(Linear, "fuses_silu", property(lambda self: False))
-    without = run_steps(model, steps, 1)
-    for a, b in zip(with_epilogue, without, strict=True):
+    calls = {"linear_silu": [], "linear_add": []}
+    for name, seen in calls.items():
+        real = getattr(layers_module, name)
+        monkeypatch.setattr(layers_module, name,
+                            lambda *a, real=real, seen=seen: seen.append(a) or real(*a))
+    fused = run_steps(model, steps, 1)
+    layer_steps = len(steps) * SMALL.num_layers
+    assert len(calls["linear_silu"]) == layer_steps
+    assert len(calls["linear_add"]) == 2 * layer_steps
+    for flag in ("fuses_add", "fuses_silu"):
+        monkeypatch.setattr(Linear, flag, property(lambda self: False))
+    for a, b in zip(fused, run_steps(model, steps, 1), strict=True):
         assert torch.equal(a[0], b[0])
 
 

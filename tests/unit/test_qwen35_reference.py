@@ -10,10 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvpark.pod.model import layers as layers_module
 from kvpark.pod.model.hybrid import HybridModel
+from kvpark.pod.model.linear import Linear, WeightFormat
 from kvpark.pod.model.loader import load_model_files
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from cpu_isa import requires_amx  # noqa: E402
 from qwen35_reference import (  # noqa: E402
     HybridDriver,
     build_reference,
@@ -92,6 +95,20 @@ def test_a_row_does_not_depend_on_its_batch_neighbours(loaded, prompt_ids):
     alone = HybridDriver(model).feed({0: prompt_ids})
     together = HybridDriver(model, num_seqs=2).feed({1: prompt_ids[::-1], 0: prompt_ids})
     assert torch.equal(alone, together[len(prompt_ids):])
+
+
+@requires_amx
+def test_the_residual_epilogue_changes_no_bit(loaded, prompt_ids, monkeypatch):
+    """amx-bf16 linears add the residual in the GEMM's last pass (both layer kinds, both
+    residuals): the hidden states of the GEMM then the add, to the bit."""
+    model = HybridModel(loaded.config, loaded.weights, weight_format=WeightFormat.AMX_BF16)
+    calls = []
+    real = layers_module.linear_add
+    monkeypatch.setattr(layers_module, "linear_add", lambda *a: calls.append(a) or real(*a))
+    fused = HybridDriver(model).feed({0: prompt_ids})
+    assert len(calls) == 2 * loaded.config.num_layers  # the mixer's output and the MLP's
+    monkeypatch.setattr(Linear, "fuses_add", property(lambda self: False))
+    assert torch.equal(HybridDriver(model).feed({0: prompt_ids}), fused)
 
 
 def test_the_state_slot_is_what_carries_the_sequence(loaded, prompt_ids):
