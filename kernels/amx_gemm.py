@@ -32,15 +32,13 @@ TILE_K = 32
 def _library():
     lib = load_library()
     i32, i64, ptr = ctypes.c_int, ctypes.c_long, ctypes.c_void_p
-    lib.kvpark_amx_gemm_bf16.argtypes = [ptr, i32, i32, ptr, i32, ptr, i32, i32]
-    lib.kvpark_amx_gemm_bf16.restype = i32
-    lib.kvpark_amx_gemm_bf16_silu.argtypes = [ptr, i32, i32, ptr, i32, ptr, i32, i32]
-    lib.kvpark_amx_gemm_bf16_silu.restype = i32
-    lib.kvpark_amx_gemm_bf16_add.argtypes = [ptr, i32, i32, ptr, i32, ptr, ptr, i32, i32]
-    lib.kvpark_amx_gemm_bf16_add.restype = i32
+    lib.kvpark_amx_gemm.argtypes = [ptr, ptr, i32, i32, ptr, i32, ptr, ptr, ptr, i32, i32, i32]
+    lib.kvpark_amx_gemm.restype = i32
     lib.kvpark_amx_pack_bf16.argtypes = [ptr, i32, i32, ptr]
     lib.kvpark_amx_packed_elems.argtypes = [i32, i32]
     lib.kvpark_amx_packed_elems.restype = i64
+    lib.kvpark_amx_a_tiles_elems.argtypes = [i32, i32]
+    lib.kvpark_amx_a_tiles_elems.restype = i64
     return lib
 
 
@@ -84,24 +82,44 @@ def pack(weight: torch.Tensor) -> PackedBf16:
     return PackedBf16(data, n, k)
 
 
-def gemm(x: torch.Tensor, weight: PackedBf16, emulate: bool = False,
+@dataclass(frozen=True)
+class ATiles:
+    """Activations [rows, cols] as the GEMM's bf16 A tiles (csrc/a_tiles.h), written by a
+    producer (`layer_ops.rms_norm_tiles`, `gemm_silu(..., tiles=True)`) for one GEMM to read:
+    the bits of float32 rows the GEMM would convert, without the float32 rows."""
+
+    data: torch.Tensor  # int16, kvpark_amx_a_tiles_elems(rows, cols) values
+    rows: int
+    cols: int
+
+    @staticmethod
+    def empty(rows: int, cols: int) -> ATiles:
+        """Room for the tiles; columns past `cols` in the last block are zero (producers write
+        whole rows, or, for SwiGLU, only the 16-column halves that hold values)."""
+        elems = _library().kvpark_amx_a_tiles_elems(rows, cols)
+        make = torch.empty if cols % TILE_K == 0 else torch.zeros
+        return ATiles(make(elems, dtype=torch.int16), rows, cols)
+
+
+Rows = torch.Tensor | ATiles
+
+
+def gemm(x: Rows, weight: PackedBf16, emulate: bool = False,
          num_threads: int | None = None) -> torch.Tensor:
-    """x [rows, in] float32 (rounded to bf16) times W^T: [rows, out] float32."""
-    return _run(_library().kvpark_amx_gemm_bf16, x, weight, weight.out_features, emulate,
-                num_threads)
+    """x [rows, in] float32 (rounded to bf16) or its A tiles, times W^T: [rows, out] float32."""
+    y = torch.empty(x.shape[0] if isinstance(x, torch.Tensor) else x.rows, weight.out_features)
+    _run(x, weight, emulate, num_threads, y=y)
+    return y
 
 
-def gemm_add(x: torch.Tensor, weight: PackedBf16, residual: torch.Tensor,
-             emulate: bool = False, num_threads: int | None = None) -> torch.Tensor:
+def gemm_add(x: Rows, weight: PackedBf16, residual: torch.Tensor, emulate: bool = False,
+             num_threads: int | None = None) -> torch.Tensor:
     """residual + x W^T, [rows, out] float32: the bits of `residual + gemm(x, W)` without a
     pass of its own over the rows."""
     residual = residual.to(torch.float32).contiguous()
-    assert residual.shape == (x.shape[0], weight.out_features)
-
-    def add(x_ptr, m, k, w_ptr, n, y_ptr, threads, emulated):
-        return _library().kvpark_amx_gemm_bf16_add(x_ptr, m, k, w_ptr, n, residual.data_ptr(),
-                                                   y_ptr, threads, emulated)
-    return _run(add, x, weight, weight.out_features, emulate, num_threads)
+    y = torch.empty_like(residual)
+    _run(x, weight, emulate, num_threads, y=y, residual=residual)
+    return y
 
 
 def fuses_silu(weight: PackedBf16) -> bool:
@@ -109,25 +127,38 @@ def fuses_silu(weight: PackedBf16) -> bool:
     return weight.out_features % (2 * TILE_ROWS) == 0
 
 
-def gemm_silu(x: torch.Tensor, gate_up: PackedBf16, emulate: bool = False,
-              num_threads: int | None = None) -> torch.Tensor:
-    """silu(g) * u for [g, u] = x [gate; up]^T, [rows, out / 2] float32: the bits of `gemm`
-    then `layer_ops.silu_mul`, without writing the GEMM's [rows, out]."""
+def gemm_silu(x: Rows, gate_up: PackedBf16, emulate: bool = False,
+              num_threads: int | None = None, tiles: bool = False) -> torch.Tensor | ATiles:
+    """silu(g) * u for [g, u] = x [gate; up]^T, [rows, out / 2] float32 (or, with `tiles`, as
+    the next GEMM's A tiles): the bits of `gemm` then `layer_ops.silu_mul`, without writing
+    the GEMM's [rows, out]."""
     assert fuses_silu(gate_up), "the halves of the outputs must be whole blocks of 16"
-    return _run(_library().kvpark_amx_gemm_bf16_silu, x, gate_up, gate_up.out_features // 2,
-                emulate, num_threads)
+    rows, half = (x.shape[0] if isinstance(x, torch.Tensor) else x.rows), gate_up.out_features // 2
+    if tiles:
+        out = ATiles.empty(rows, half)
+        _run(x, gate_up, emulate, num_threads, y_tiles=out, silu=True)
+        return out
+    y = torch.empty(rows, half)
+    _run(x, gate_up, emulate, num_threads, y=y, silu=True)
+    return y
 
 
-def _run(fn, x: torch.Tensor, weight: PackedBf16, out_features: int, emulate: bool,
-         num_threads: int | None) -> torch.Tensor:
-    x = x.to(torch.float32).contiguous()
-    assert x.dim() == 2 and x.shape[1] == weight.in_features
+def _run(x: Rows, weight: PackedBf16, emulate: bool, num_threads: int | None, *,
+         y: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+         y_tiles: ATiles | None = None, silu: bool = False) -> None:
+    if isinstance(x, ATiles):
+        rows, a_tiles, x_ptr = x.rows, x.data.data_ptr(), None
+        assert x.cols == weight.in_features
+    else:
+        x = x.to(torch.float32).contiguous()
+        assert x.dim() == 2 and x.shape[1] == weight.in_features
+        rows, a_tiles, x_ptr = x.shape[0], None, x.data_ptr()
     if not emulate and not usable():  # the cap (KVPARK_MAX_CPU_ISA) too, not only the CPU
         raise KernelUnavailable("AMX is not usable here")
-    y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
     threads = worker_pool.get_num_threads() if num_threads is None else num_threads
-    done = fn(x.data_ptr(), x.shape[0], x.shape[1], weight.data.data_ptr(),
-              weight.out_features, y.data_ptr(), threads, int(emulate))
+    done = _library().kvpark_amx_gemm(
+        x_ptr, a_tiles, rows, weight.in_features, weight.data.data_ptr(), weight.out_features,
+        None if residual is None else residual.data_ptr(), None if y is None else y.data_ptr(),
+        None if y_tiles is None else y_tiles.data.data_ptr(), int(silu), threads, int(emulate))
     if done != 0:
         raise KernelUnavailable("AMX is not usable here" if done == -1 else "out of memory")
-    return y

@@ -17,7 +17,7 @@ import threading
 
 import torch
 
-from . import worker_pool
+from . import amx_gemm, worker_pool
 from .cbuild import KernelUnavailable, load_library
 from .cpu_features import Isa
 from .quant_linear import QuantizedWeight
@@ -43,6 +43,8 @@ def load_kernels(isa: Isa | None = None) -> ctypes.CDLL:
     """The library built for `isa` (default: the best this CPU has), its layer ops typed."""
     lib = load_library(isa)
     lib.kvpark_rms_norm.argtypes = [ptr, i64, i32, i32, ptr, ctypes.c_float, ptr, i64, i32]
+    lib.kvpark_rms_norm_tiles.argtypes = [ptr, i64, i32, i32, ptr, ctypes.c_float, ptr, i32,
+                                          i32]
     lib.kvpark_rope.argtypes = [ptr, i64, i32, i32, i32, ptr, ptr, i64, i32]
     lib.kvpark_silu_mul.argtypes = [ptr, i64, i32, i32, ptr, i64, i32]
     for fn in (lib.kvpark_rms_norm, lib.kvpark_rope, lib.kvpark_silu_mul):
@@ -86,6 +88,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, isa: Isa | None 
     load_kernels(isa).kvpark_rms_norm(x.data_ptr(), x.stride(0), rows, n, weight.data_ptr(),
                                       eps, y.data_ptr(), y.stride(0), _threads(num_threads))
     return y
+
+
+def rms_norm_tiles(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                   num_threads: int | None = None) -> amx_gemm.ATiles:
+    """`rms_norm`'s rows (the same bits) as the A tiles of an AMX GEMM that reads them next:
+    no float32 rows written for the GEMM to read and convert."""
+    _check_rows(x)
+    rows, n = x.shape
+    tiles = amx_gemm.ATiles.empty(rows, n)
+    done = load_kernels().kvpark_rms_norm_tiles(
+        x.data_ptr(), x.stride(0), rows, n, weight.data_ptr(), eps, tiles.data.data_ptr(),
+        int(amx_gemm.usable()), _threads(num_threads))
+    if done != 0:
+        raise MemoryError("rms_norm_tiles: out of memory")
+    return tiles
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,

@@ -6,15 +6,13 @@
  * row and column alone. So a row's bits do not depend on how many rows came with it, nor where
  * it sat in its tile. Threads split the outputs (groups of 32 columns), never a sum.
  *
- * `kvpark_amx_gemm_bf16_silu` is the same GEMM over an MLP's gate and up projections stacked
- * as one weight ([gate; up], 2 I outputs) with SwiGLU as its epilogue: a part pairs gate block
- * j with up block j (instead of two neighbouring blocks), and y[:, 16 j ..] = silu(g) u (the
- * row op of layer_ops.c, so the same bits as the GEMM then kvpark_silu_mul) is all it writes,
- * half the outputs, from a part buffer that stays in cache.
- *
- * `kvpark_amx_gemm_bf16_add` adds the GEMM to a residual, y = r + x W^T, as the part's last
- * pass over its columns (the bits of the GEMM then torch's r + y, without another pass over
- * memory).
+ * Epilogues (`kvpark_amx_gemm`), each the bits of the GEMM then the separate op:
+ * - SwiGLU over an MLP's gate and up projections stacked as one weight ([gate; up], 2 I
+ *   outputs): a part pairs gate block j with up block j (instead of two neighbouring blocks)
+ *   and writes y[:, 16 j ..] = silu(g) u (layer_ops.c's row op) from a part buffer that stays
+ *   in cache, as float32 rows or straight into the next GEMM's A tiles (a_tiles.h);
+ * - a residual, y = r + x W^T, added in the part's last pass over its columns.
+ * x comes as float32 rows (converted into A tiles first) or as A tiles a producer wrote.
  *
  * W is packed once (`kvpark_amx_pack_bf16`) into the B tiles' layout: for each block of 16
  * outputs and each block of 32 inputs, 16 rows of input pairs x 16 outputs x 2 (VNNI), 1 KiB:
@@ -34,6 +32,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "a_tiles.h"
 #include "bf16.h"
 #include "layer_ops.h"
 #include "tile_config.h"
@@ -111,37 +110,28 @@ void kvpark_amx_pack_bf16(const float *w, int n, int k, uint16_t *packed) {
 
 /* ---- one call ---------------------------------------------------------------------------- */
 typedef struct {
-    const float *x;
-    uint16_t *a;  /* x as bf16 A tiles (see convert_part), zero-padded */
+    const float *x;  /* or NULL: the caller's A tiles */
+    const uint16_t *a;  /* x as bf16 A tiles (a_tiles.h), zero-padded */
     const uint16_t *packed;
     float *y;
     int m, n, k, kbs, row_tiles, emulate;
     int silu;  /* n = 2 I outputs [gate; up], y [m, I] = silu(gate) up (I a multiple of 16) */
     const float *residual;  /* [m, n], added to the product (y = residual + x W^T), or NULL */
+    uint16_t *y_tiles;  /* silu: the output as A tiles of I columns (instead of y), or NULL */
     volatile int failed;  /* a part could not get its buffer (set only to 1, by any thread) */
 } Call;
 
+long kvpark_amx_a_tiles_elems(int m, int k) {
+    return (long)ceil_div(m, TILE_ROWS) * TILE_ROWS * ceil_div(k, TILE_K) * TILE_K;
+}
 
-/* x as A tiles: row tile rt, k block kb at (rt * kbs + kb) * BLOCK_ELEMS, 16 rows of 32 bf16
- * (64 bytes) each, so a tile loads from one contiguous KiB */
+/* x as A tiles, one row tile a part */
 static void convert_part(void *arg, int part, int num_parts) {
     const Call *c = arg;
     (void)num_parts;
-    for (int r = part * TILE_ROWS; r < (part + 1) * TILE_ROWS; r++) {
-        uint16_t *tiles = c->a + (long)part * c->kbs * BLOCK_ELEMS + (r % TILE_ROWS) * TILE_K;
-        const float *x = c->x + (long)r * c->k;
-        for (int kb = 0; kb < c->kbs; kb++) {
-            uint16_t *row = tiles + (long)kb * BLOCK_ELEMS;
-            int i = 0, end = r < c->m ? c->k - kb * TILE_K : 0;  /* values left in this row */
-            if (end > TILE_K) end = TILE_K;
-#ifdef KVPARK_AMX_BUILD
-            if (!c->emulate)
-                for (; i + 16 <= end; i += 16) to_bf16_x16(x + kb * TILE_K + i, row + i);
-#endif
-            for (; i < end; i++) row[i] = to_bf16(x[kb * TILE_K + i]);
-            for (; i < TILE_K; i++) row[i] = 0;
-        }
-    }
+    for (int r = part * TILE_ROWS; r < (part + 1) * TILE_ROWS; r++)
+        a_tiles_put_row((uint16_t *)c->a, c->kbs, r, r < c->m ? c->x + (long)r * c->k : NULL,
+                        c->k, !c->emulate);
 }
 
 /* a 16 x 16 output tile: C += A[16 x 32] . B[32 x 16] for each k block, in order (scalar) */
@@ -319,7 +309,15 @@ static void gemm_part(Call *c, int part, float *silu_buffer) {
             }
         }
     }
-    if (c->silu)  /* gate in columns 0..15 of the buffer, up in 16..31 */
+    if (c->silu && c->y_tiles != NULL)  /* every row of the row tiles: zeros past m */
+        for (int r = 0; r < c->row_tiles * TILE_ROWS; r++) {
+            float values[TILE_ROWS];
+            kvpark_silu_mul_rows(out.base + (long)r * out.ld, out.ld, 1, TILE_ROWS, values,
+                                 TILE_ROWS);
+            a_tiles_put(c->y_tiles, ceil_div(c->n / 2, TILE_K), r, part * TILE_ROWS, values,
+                        TILE_ROWS, !c->emulate);
+        }
+    else if (c->silu)  /* gate in columns 0..15 of the buffer, up in 16..31 */
         kvpark_silu_mul_rows(out.base, out.ld, c->m, TILE_ROWS, c->y + part * TILE_ROWS, c->n / 2);
     else {
         copy_out(c, &out, part * GROUP * TILE_ROWS, cols);
@@ -351,38 +349,30 @@ static void gemm_run(void *arg, int run, int num_runs) {
     free(silu_buffer);
 }
 
-static int gemm_call(const float *x, int m, int k, const uint16_t *packed, int n, float *y,
-                     int num_threads, int emulate, int silu, const float *residual) {
+/* y[m, n] (float32) = x[m, k] (float32, rounded to bf16) . W^T (packed bf16), x given as
+ * float32 rows or as A tiles (`a_tiles`, x NULL); with `residual` [m, n]: y = residual + x W^T;
+ * with `silu` (n / 2 a multiple of 16, W packed from [gate; up]): y [m, n / 2] = silu(g) u, or
+ * those values as A tiles of n / 2 columns in `y_tiles` (its columns past n / 2 zeroed by the
+ * caller) for the next GEMM. Returns 0; -1 where AMX was asked for and this CPU or OS cannot
+ * run it, -2 out of memory, -3 a silu call whose halves are not whole blocks (nothing is
+ * written then). */
+int kvpark_amx_gemm(const float *x, const uint16_t *a_tiles, int m, int k,
+                    const uint16_t *packed, int n, const float *residual, float *y,
+                    uint16_t *y_tiles, int silu, int num_threads, int emulate) {
     if (!emulate && !kvpark_amx_usable()) return -1;
+    if (silu && n % (GROUP * TILE_ROWS) != 0) return -3;
     if (m <= 0) return 0;
-    Call c = {x, NULL, packed, y, m, n, k, ceil_div(k, TILE_K), ceil_div(m, TILE_ROWS), emulate,
-              silu, residual, 0};
-    c.a = malloc((size_t)c.row_tiles * TILE_ROWS * c.kbs * TILE_K * sizeof(uint16_t));
-    if (c.a == NULL) return -2;
-    kvpark_pool_run(convert_part, &c, c.row_tiles, num_threads);
+    Call c = {x, a_tiles, packed, y, m, n, k, ceil_div(k, TILE_K), ceil_div(m, TILE_ROWS),
+              emulate, silu, residual, y_tiles, 0};
+    uint16_t *owned = NULL;
+    if (a_tiles == NULL) {
+        owned = malloc((size_t)kvpark_amx_a_tiles_elems(m, k) * sizeof(uint16_t));
+        if (owned == NULL) return -2;
+        c.a = owned;
+        kvpark_pool_run(convert_part, &c, c.row_tiles, num_threads);
+    }
     int parts = ceil_div(ceil_div(n, TILE_ROWS), GROUP), runs = num_threads * TASKS_PER_THREAD;
     kvpark_pool_run(gemm_run, &c, parts < runs ? parts : runs, num_threads);
-    free(c.a);
+    free(owned);
     return c.failed ? -2 : 0;
-}
-
-/* y[m, n] (float32) = x[m, k] (float32, rounded to bf16) . W^T (packed bf16). Returns 0, or -1
- * where AMX was asked for and this CPU or OS cannot run it (nothing is written then). */
-int kvpark_amx_gemm_bf16(const float *x, int m, int k, const uint16_t *packed, int n, float *y,
-                         int num_threads, int emulate) {
-    return gemm_call(x, m, k, packed, n, y, num_threads, emulate, 0, NULL);
-}
-
-/* y[m, n] = residual[m, n] + x W^T; otherwise as kvpark_amx_gemm_bf16 (y may not be residual) */
-int kvpark_amx_gemm_bf16_add(const float *x, int m, int k, const uint16_t *packed, int n,
-                             const float *residual, float *y, int num_threads, int emulate) {
-    return gemm_call(x, m, k, packed, n, y, num_threads, emulate, 0, residual);
-}
-
-/* y[m, n / 2] = silu(g) u for [g, u] = x W^T, W packed from [gate; up] (n / 2 a multiple of 16,
- * else -3 and nothing written); otherwise as kvpark_amx_gemm_bf16. */
-int kvpark_amx_gemm_bf16_silu(const float *x, int m, int k, const uint16_t *packed, int n,
-                              float *y, int num_threads, int emulate) {
-    if (n % (GROUP * TILE_ROWS) != 0) return -3;
-    return gemm_call(x, m, k, packed, n, y, num_threads, emulate, 1, NULL);
 }

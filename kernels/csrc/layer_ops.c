@@ -12,9 +12,11 @@
  * outputs, never a sum). Float32 throughout.
  */
 #include <math.h>
+#include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
 
+#include "a_tiles.h"
 #include "layer_ops.h"
 #include "worker_pool.h"
 
@@ -186,8 +188,11 @@ struct RowsCall {
     void (*run)(const RowsCall *c, int first, int rows);
     const float *in, *w, *cos, *sin;
     float *out;
+    uint16_t *tiles;  /* rms_norm_tiles: the output as A tiles (a_tiles.h) */
+    int *failed;      /* rms_norm_tiles: set to 1 by a part whose buffer could not be had */
     int64_t in_stride, out_stride, cs_stride;
     int rows, n, heads;
+    int valid, vector; /* rms_norm_tiles: rows of x (the rest are zero rows); AVX-512 stores */
     float eps;
 };
 
@@ -217,6 +222,36 @@ void kvpark_rms_norm(const float *x, int64_t x_stride, int rows, int n, const fl
     const RowsCall c = {.run = rms_norm_part, .in = x, .w = w, .out = y, .in_stride = x_stride,
                         .out_stride = y_stride, .rows = rows, .n = n, .eps = eps};
     run_rows(&c, num_threads);
+}
+
+static void rms_norm_tiles_part(const RowsCall *c, int first, int rows) {
+    float *row = malloc(sizeof(float) * (size_t)c->n);  /* one row's float32 norm */
+    if (row == NULL) {
+        __atomic_store_n(c->failed, 1, __ATOMIC_RELAXED);
+        return;
+    }
+    const int kbs = (c->n + A_TILE_K - 1) / A_TILE_K;
+    for (int r = first; r < first + rows; r++) {
+        const int real = r < c->valid;
+        if (real) rms_norm_rows(c->in + r * c->in_stride, c->in_stride, 1, c->n, c->w, c->eps,
+                                row, c->n);
+        a_tiles_put_row(c->tiles, kbs, r, real ? row : NULL, c->n, c->vector);
+    }
+    free(row);
+}
+
+/* kvpark_rms_norm's rows (the same bits) rounded to bf16 straight into the A tiles of an AMX
+ * GEMM (a_tiles.h): whole row tiles of 16, zero rows past `rows`. Returns 0, or -2 when memory
+ * ran out. */
+int kvpark_rms_norm_tiles(const float *x, int64_t x_stride, int rows, int n, const float *w,
+                          float eps, uint16_t *tiles, int vector, int num_threads) {
+    int failed = 0;
+    const RowsCall c = {.run = rms_norm_tiles_part, .in = x, .w = w, .tiles = tiles,
+                        .failed = &failed, .in_stride = x_stride,
+                        .rows = (rows + A_TILE_ROWS - 1) / A_TILE_ROWS * A_TILE_ROWS, .n = n,
+                        .valid = rows, .vector = vector, .eps = eps};
+    run_rows(&c, num_threads);
+    return failed ? -2 : 0;
 }
 
 static void rope_part(const RowsCall *c, int first, int rows) {

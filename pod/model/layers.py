@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvpark.kernels import layer_ops
+from kvpark.kernels.amx_gemm import ATiles, Rows
 from kvpark.kernels.attention import AttentionBackend
 from kvpark.kernels.quant_linear import QuantizedWeight
 
@@ -53,12 +54,17 @@ def fused_blocks(quantized: dict[str, QuantizedWeight] | None,
     return QuantizedWeight.cat([quantized[name] for name in names])
 
 
-def plus_linear(x: torch.Tensor, a: torch.Tensor, layer: Linear,
-                rows: BlockRows | None) -> torch.Tensor:
+def all_dense(rows: BlockRows | None) -> bool:
+    """No row of the step reads quantised blocks (None: the model padded the rows for a dense
+    GEMM)."""
+    return rows is None or rows.num_blocks == 0
+
+
+def plus_linear(x: torch.Tensor, a: Rows, layer: Linear, rows: BlockRows | None) -> torch.Tensor:
     """x + a W^T (a residual connection): the sum in the AMX GEMM's last pass where every row
     is dense and float32, else the GEMM then torch's add; the same bits either way."""
-    if (layer.fuses_add and (rows is None or rows.num_blocks == 0)
-            and x.dtype == a.dtype == torch.float32 and x.is_cpu):
+    if (layer.fuses_add and all_dense(rows) and x.dtype == torch.float32 and x.is_cpu
+            and (isinstance(a, ATiles) or a.dtype == torch.float32)):
         return linear_add(a, layer, x)
     return x + linear(a, layer, rows)
 
@@ -137,7 +143,7 @@ class DecoderLayer(nn.Module):
         c = self.config
         num_rows = x.shape[0]
         c_ops = self.c_ops(x)
-        h = (layer_ops.rms_norm(x, self.input_norm, c.rms_norm_eps) if c_ops
+        h = (self.normed_for(self.qkv, x, self.input_norm, rows) if c_ops
              else rms_norm(x, self.input_norm, c.rms_norm_eps))
         qkv = linear(h, self.qkv, rows)
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
@@ -167,18 +173,28 @@ class DecoderLayer(nn.Module):
         attn [rows, q_size]."""
         x = plus_linear(x, attn, self.o, rows)
         if self.c_ops(x):
-            h = layer_ops.rms_norm(x, self.post_attn_norm, self.config.rms_norm_eps)
+            h = self.normed_for(self.gate_up, x, self.post_attn_norm, rows)
             return plus_linear(x, self.swiglu(h, rows), self.down, rows)
         h = rms_norm(x, self.post_attn_norm, self.config.rms_norm_eps)
         gate, up = linear(h, self.gate_up, rows).chunk(2, dim=-1)
         return plus_linear(x, F.silu(gate) * up, self.down, rows)
 
-    def swiglu(self, h: torch.Tensor, rows: BlockRows | None) -> torch.Tensor:
+    def normed_for(self, consumer: Linear, x: torch.Tensor, weight: torch.Tensor,
+                   rows: BlockRows | None) -> Rows:
+        """RMSNorm of x (C ops) for the one linear that reads it: straight into its A tiles
+        where it reads them and every row is dense, else float32 rows; the same bits."""
+        eps = self.config.rms_norm_eps
+        if consumer.reads_tiles and all_dense(rows):
+            return layer_ops.rms_norm_tiles(x, weight, eps)
+        return layer_ops.rms_norm(x, weight, eps)
+
+    def swiglu(self, h: Rows, rows: BlockRows | None) -> Rows:
         """silu(g) * u of h's gate and up projections (float32 rows, the C ops' path): in the
-        AMX GEMM's epilogue when every row is dense, else the GEMM then the C op; the same bits
-        either way, without writing and rereading the GEMM's twice-as-wide output."""
-        if self.gate_up.fuses_silu and (rows is None or rows.num_blocks == 0):
-            return linear_silu(h, self.gate_up)
+        AMX GEMM's epilogue when every row is dense (as the down GEMM's A tiles where it reads
+        them), else the GEMM then the C op; the same bits either way, without writing and
+        rereading the GEMM's twice-as-wide output."""
+        if self.gate_up.fuses_silu and all_dense(rows):
+            return linear_silu(h, self.gate_up, tiles=self.down.reads_tiles)
         return layer_ops.silu_mul(linear(h, self.gate_up, rows))
 
     def c_ops(self, x: torch.Tensor) -> bool:

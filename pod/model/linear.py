@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpark.kernels import amx_gemm, cpu_features
+from kvpark.kernels.amx_gemm import Rows
 from kvpark.kernels.quant_linear import QuantizedWeight, TilePath, quant_linear, tile_path_runs
 
 # A GEMM of very few rows takes a different kernel whose sums round differently: oneDNN (the CPU
@@ -134,9 +135,10 @@ class Linear:
         # one copy of the weights in RAM
         self.weight = None if self.packed is not None or self.amx is not None else weight
 
-    def __call__(self, x: torch.Tensor, rows: BlockRows | None = None) -> torch.Tensor:
-        """With `rows`, the rows it names read the quantised blocks (when there are any)."""
-        if rows is None:  # the model padded x for the dense GEMM
+    def __call__(self, x: Rows, rows: BlockRows | None = None) -> torch.Tensor:
+        """With `rows`, the rows it names read the quantised blocks (when there are any); x as
+        A tiles (`reads_tiles`) only where every row is dense."""
+        if rows is None or isinstance(x, amx_gemm.ATiles):  # padded for the dense GEMM
             return self.dense(x)
         # the model does not pad when it hands `rows` down: the dense GEMM keeps its row
         # invariance only from MIN_INVARIANT_ROWS rows on, the block kernel at any count
@@ -151,6 +153,11 @@ class Linear:
         return out
 
     @property
+    def reads_tiles(self) -> bool:
+        """Dense rows may come as the AMX GEMM's A tiles (`amx_gemm.ATiles`) a producer wrote."""
+        return self.amx is not None
+
+    @property
     def fuses_add(self) -> bool:
         """`dense_add` runs: float32 sums on AMX and no bias."""
         return self.amx is not None and self.bias is None and self.compute_dtype == torch.float32
@@ -160,22 +167,23 @@ class Linear:
         """`dense_silu` runs: as `fuses_add`, and halves of whole 16-output blocks."""
         return self.fuses_add and amx_gemm.fuses_silu(self.amx)
 
-    def dense_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    def dense_add(self, x: Rows, residual: torch.Tensor) -> torch.Tensor:
         """residual + x W^T for dense float32 rows, the sum in the AMX GEMM's last pass over its
         outputs (the bits of `residual + dense(x)`)."""
         return amx_gemm.gemm_add(x, self.amx, residual)
 
-    def dense_silu(self, x: torch.Tensor) -> torch.Tensor:
+    def dense_silu(self, x: Rows, tiles: bool = False) -> torch.Tensor | amx_gemm.ATiles:
         """silu(g) * u of this [gate; up] linear's outputs for dense rows, in the AMX GEMM's
-        epilogue (the bits of `dense` then `layer_ops.silu_mul`)."""
-        return amx_gemm.gemm_silu(x, self.amx)
+        epilogue (the bits of `dense` then `layer_ops.silu_mul`); with `tiles`, as the A tiles
+        of the GEMM that reads them next."""
+        return amx_gemm.gemm_silu(x, self.amx, tiles=tiles)
 
     def from_blocks(self, x: torch.Tensor) -> torch.Tensor:
         y = quant_linear(x, self.blocks)
         return y if self.bias is None else y + self.bias
 
-    def dense(self, x: torch.Tensor) -> torch.Tensor:
-        out_dtype = x.dtype
+    def dense(self, x: Rows) -> torch.Tensor:
+        out_dtype = torch.float32 if isinstance(x, amx_gemm.ATiles) else x.dtype
         if self.amx is not None:  # float32 sums of bf16 products
             y = amx_gemm.gemm(x, self.amx)
             y = y if self.bias is None else y + self.bias
@@ -194,20 +202,21 @@ class Linear:
         return y if y.dtype == out_dtype else y.to(out_dtype)
 
 
-def linear(x: torch.Tensor, layer: Linear, rows: BlockRows | None = None) -> torch.Tensor:
+def linear(x: Rows, layer: Linear, rows: BlockRows | None = None) -> torch.Tensor:
     """Every GEMM of the model goes through here, `linear_add` or `linear_silu`
     (benchmarks/profile_step.py times them)."""
     return layer(x, rows)
 
 
-def linear_add(x: torch.Tensor, layer: Linear, residual: torch.Tensor) -> torch.Tensor:
+def linear_add(x: Rows, layer: Linear, residual: torch.Tensor) -> torch.Tensor:
     """residual + x W^T for dense rows through a linear whose `fuses_add` holds."""
     return layer.dense_add(x, residual)
 
 
-def linear_silu(x: torch.Tensor, gate_up: Linear) -> torch.Tensor:
-    """silu(g) * u of dense rows x through a [gate; up] linear whose `fuses_silu` holds."""
-    return gate_up.dense_silu(x)
+def linear_silu(x: Rows, gate_up: Linear, tiles: bool = False) -> torch.Tensor | amx_gemm.ATiles:
+    """silu(g) * u of dense rows x through a [gate; up] linear whose `fuses_silu` holds (as A
+    tiles with `tiles`)."""
+    return gate_up.dense_silu(x, tiles)
 
 
 def get_gemm_rows(num_rows: int) -> int:

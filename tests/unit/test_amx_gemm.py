@@ -137,3 +137,46 @@ def test_the_residual_epilogue_gives_the_bits_of_the_gemm_then_the_add(emulate, 
         assert same_bits(got, want), m
         assert same_bits(residual[:m], torch.randn(600, n, generator=torch.Generator(
             ).manual_seed(1))[:m])  # the residual is read, not written
+
+
+# ---- activations a producer writes as A tiles (ATiles) --------------------------------------
+def reference_tiles(rows: torch.Tensor) -> torch.Tensor:
+    """rows [m, k] float32 as the A tiles' bf16 layout, in torch: row tiles of 16 and blocks of
+    32 columns, zero-padded, block by block."""
+    m, k = rows.shape
+    padded = torch.zeros(-(-m // 16) * 16, -(-k // 32) * 32, dtype=torch.bfloat16)
+    padded[:m, :k] = rows.bfloat16()
+    tiles = padded.view(-1, 16, padded.shape[1] // 32, 32).permute(0, 2, 1, 3)
+    return tiles.contiguous().view(-1).view(torch.int16)
+
+
+@pytest.mark.parametrize("k", [576, 40])  # whole blocks of 32, and a last block cut short
+def test_a_norm_writes_the_a_tiles_of_its_float32_rows(k):
+    g = torch.Generator().manual_seed(2)
+    x, weight = torch.randn(300, k, generator=g), torch.rand(k, generator=g) + 0.5
+    for m in ROWS[:-1]:  # up to 257 rows
+        tiles = layer_ops.rms_norm_tiles(x[:m], weight, 1e-5, num_threads=2)
+        assert (tiles.rows, tiles.cols) == (m, k)
+        want = reference_tiles(layer_ops.rms_norm(x[:m], weight, 1e-5))
+        assert torch.equal(tiles.data, want), m
+
+
+@pytest.mark.parametrize("emulate", MODES)
+@pytest.mark.parametrize("n", [128, 96])  # SwiGLU halves of 64 (whole blocks) and 48 (not)
+def test_a_gemm_reads_a_producers_tiles_as_it_would_read_the_rows(emulate, n):
+    g = torch.Generator().manual_seed(3)
+    x, weight = torch.randn(300, 72, generator=g), torch.rand(72, generator=g) + 0.5
+    gate_up, down = amx_gemm.pack(torch.randn(n, 72, generator=g)), amx_gemm.pack(
+        torch.randn(40, n // 2, generator=g))
+    residual = torch.randn(300, 40, generator=g)
+    for m in (1, 15, 16, 17, 100, 300):
+        h = layer_ops.rms_norm(x[:m], weight, 1e-5)
+        act = amx_gemm.gemm_silu(h, gate_up, emulate=emulate)
+        want = residual[:m] + amx_gemm.gemm(act, down, emulate=emulate)
+        h_tiles = layer_ops.rms_norm_tiles(x[:m], weight, 1e-5)
+        act_tiles = amx_gemm.gemm_silu(h_tiles, gate_up, emulate=emulate, tiles=True)
+        assert torch.equal(act_tiles.data, reference_tiles(act)), m
+        got = amx_gemm.gemm_add(act_tiles, down, residual[:m], emulate=emulate)
+        assert same_bits(got, want), m
+        assert same_bits(amx_gemm.gemm(h_tiles, gate_up, emulate=emulate),
+                         amx_gemm.gemm(h, gate_up, emulate=emulate)), m

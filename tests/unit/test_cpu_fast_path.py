@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvpark.kernels import cpu_features, onednn_isa
+from kvpark.kernels import cpu_features, layer_ops, onednn_isa
 from kvpark.kernels.attention import StepLayout
 from kvpark.kernels.torch_paged import TorchPagedAttention
 from kvpark.pod.memory.kv_pool import KVPool
@@ -237,22 +237,25 @@ def test_model_logits_are_independent_of_batch_neighbours(small_weights, fmt, th
 
 @requires_amx
 def test_the_amx_epilogues_change_no_logit(small_weights, monkeypatch):
-    """amx-bf16 dense rows take SwiGLU in the gate/up GEMM's epilogue and both residual adds
-    in the o and down GEMMs': the logits of the GEMMs then the C op and torch's adds, to the
-    bit, for a prefill and a decode step."""
+    """amx-bf16 dense rows: the norms write the next GEMM's A tiles, SwiGLU runs in the gate/up
+    GEMM's epilogue (into the down GEMM's A tiles), both residual adds in the o and down GEMMs':
+    the logits of float32 rows, the GEMMs, then the C ops and torch's adds, to the bit, for a
+    prefill and a decode step."""
     model = LlamaModel(SMALL, small_weights, batch_invariant=True,
                        weight_format=WeightFormat.AMX_BF16)
     steps = [[(0, list(range(3, 60)))], [(0, [7])]]
-    calls = {"linear_silu": [], "linear_add": []}
+    calls = {"linear_silu": [], "linear_add": [], "rms_norm_tiles": []}
     for name, seen in calls.items():
-        real = getattr(layers_module, name)
-        monkeypatch.setattr(layers_module, name,
-                            lambda *a, real=real, seen=seen: seen.append(a) or real(*a))
+        module = layer_ops if name == "rms_norm_tiles" else layers_module
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, real=real, seen=seen, **kw:
+                            seen.append(a) or real(*a, **kw))
     fused = run_steps(model, steps, 1)
     layer_steps = len(steps) * SMALL.num_layers
     assert len(calls["linear_silu"]) == layer_steps
     assert len(calls["linear_add"]) == 2 * layer_steps
-    for flag in ("fuses_add", "fuses_silu"):
+    assert len(calls["rms_norm_tiles"]) == 2 * layer_steps
+    for flag in ("fuses_add", "fuses_silu", "reads_tiles"):
         monkeypatch.setattr(Linear, flag, property(lambda self: False))
     for a, b in zip(fused, run_steps(model, steps, 1), strict=True):
         assert torch.equal(a[0], b[0])
