@@ -56,11 +56,15 @@ def test_the_packed_layout_is_the_b_tiles():
 def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(emulate, n, k, rows, offsets):
     w, x = operands(n, k, max(rows) + max(offsets))
     packed = amx_gemm.pack(w)
-    whole = amx_gemm.gemm(x, packed, emulate=emulate)
+    assert_rows_alone(lambda rows: amx_gemm.gemm(rows, packed, emulate=emulate), x, rows, offsets)
+
+
+def assert_rows_alone(gemm, x: torch.Tensor, rows, offsets) -> None:
+    """Each run of `m` rows from `offset` on gives the bits those rows got with all of x."""
+    whole = gemm(x)
     for m in rows:
         for offset in offsets:
-            part = amx_gemm.gemm(x[offset:offset + m], packed, emulate=emulate)
-            assert same_bits(part, whole[offset:offset + m]), (m, offset)
+            assert same_bits(gemm(x[offset:offset + m]), whole[offset:offset + m]), (m, offset)
 
 
 @pytest.mark.parametrize("emulate", MODES)
@@ -111,11 +115,8 @@ def test_the_silu_epilogue_gives_the_bits_of_the_gemm_then_silu_mul(emulate, n, 
 def test_a_rows_swiglu_bits_do_not_depend_on_the_rows_beside_it(emulate):
     w, x = operands(64, 200, max(ROWS) + max(OFFSETS))
     packed = amx_gemm.pack(w)
-    whole = amx_gemm.gemm_silu(x, packed, emulate=emulate)
-    for m in ROWS:
-        for offset in OFFSETS:
-            part = amx_gemm.gemm_silu(x[offset:offset + m], packed, emulate=emulate)
-            assert same_bits(part, whole[offset:offset + m]), (m, offset)
+    assert_rows_alone(lambda rows: amx_gemm.gemm_silu(rows, packed, emulate=emulate), x, ROWS,
+                      OFFSETS)
 
 
 def test_the_silu_epilogue_takes_only_halves_of_whole_blocks():
