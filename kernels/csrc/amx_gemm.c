@@ -125,7 +125,7 @@ long kvpark_amx_a_tiles_elems(int m, int k) {
     return (long)ceil_div(m, TILE_ROWS) * TILE_ROWS * ceil_div(k, TILE_K) * TILE_K;
 }
 
-/* x as A tiles, one row tile a part */
+/* x as A tiles, one row tile a part (into the call's own buffer: `a` is const for the GEMM) */
 static void convert_part(void *arg, int part, int num_parts) {
     const Call *c = arg;
     (void)num_parts;

@@ -138,7 +138,10 @@ class Linear:
     def __call__(self, x: Rows, rows: BlockRows | None = None) -> torch.Tensor:
         """With `rows`, the rows it names read the quantised blocks (when there are any); x as
         A tiles (`reads_tiles`) only where every row is dense."""
-        if rows is None or isinstance(x, amx_gemm.ATiles):  # padded for the dense GEMM
+        if isinstance(x, amx_gemm.ATiles):
+            assert rows is None or rows.num_blocks == 0, "A tiles are for dense rows only"
+            return self.dense(x)
+        if rows is None:  # the model padded x for the dense GEMM
             return self.dense(x)
         # the model does not pad when it hands `rows` down: the dense GEMM keeps its row
         # invariance only from MIN_INVARIANT_ROWS rows on, the block kernel at any count
