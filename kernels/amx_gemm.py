@@ -1,8 +1,11 @@
-"""bf16 GEMMs on AMX tiles for prompt rows (issue 41, first step: the kernel, not yet wired in).
+"""bf16 GEMMs on AMX tiles for prompt rows (`--amx`, the `amx-bf16` linears).
 
 `csrc/amx_gemm.c` cuts the rows into fixed tiles of 16 (the last one padded) and runs every tile
 through the same tile instructions in the same order, so a row's bits never depend on the rows
 beside it; threads split the outputs. `pack` puts a weight into the B tiles' layout once.
+`gemm_add` and `gemm_silu` carry the residual add and SwiGLU in the GEMM's last pass, and the
+rows may come as `ATiles` a producer wrote (the GEMM's own bf16 input layout): each the bits
+of float32 rows, the GEMM, then the separate op.
 
 `usable()` says whether this CPU and OS run AMX (CPUID, then the kernel's permission for tile
 data, asked once). Elsewhere `gemm(..., emulate=True)` runs the same packing, tiling and order
