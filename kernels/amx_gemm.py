@@ -163,5 +163,7 @@ def _run(x: Rows, weight: PackedBf16, emulate: bool, num_threads: int | None, *,
         x_ptr, a_tiles, rows, weight.in_features, weight.data.data_ptr(), weight.out_features,
         None if residual is None else residual.data_ptr(), None if y is None else y.data_ptr(),
         None if y_tiles is None else y_tiles.data.data_ptr(), int(silu), threads, int(emulate))
+    if done == -3:
+        raise ValueError("SwiGLU: the gate and up halves are not whole blocks of 16 outputs")
     if done != 0:
         raise KernelUnavailable("AMX is not usable here" if done == -1 else "out of memory")

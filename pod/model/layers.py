@@ -63,7 +63,7 @@ def all_dense(rows: BlockRows | None) -> bool:
 def plus_linear(x: torch.Tensor, a: Rows, layer: Linear, rows: BlockRows | None) -> torch.Tensor:
     """x + a W^T (a residual connection): the sum in the AMX GEMM's last pass where every row
     is dense and float32, else the GEMM then torch's add; the same bits either way."""
-    if (layer.fuses_add and all_dense(rows) and x.dtype == torch.float32 and x.is_cpu
+    if (layer.fuses_add and all_dense(rows) and x.dtype == torch.float32  # AMX: on the CPU
             and (isinstance(a, ATiles) or a.dtype == torch.float32)):
         return linear_add(a, layer, x)
     return x + linear(a, layer, rows)
