@@ -1,7 +1,9 @@
 """The CPU kernels against each other, in alternating rounds in one process (ratios hold on a
 shared machine): decode rows from GGUF blocks vs float32 oneDNN, per ISA build and thread count;
-paged attention per ISA and thread count; a prompt's attention in float32 and on AMX tiles
-(where AMX runs); prompt rows (512) through oneDNN at 1 and 2 torch threads vs the block kernel.
+paged attention per ISA and thread count; decode rows' attention over a float32 and a bf16
+pool, a pool per layer as a decode step reads them (`--cache-type-k/v`); a prompt's attention in
+float32 and on AMX tiles (where AMX runs); prompt rows (512) through oneDNN at 1 and 2 torch
+threads vs the block kernel.
 
     python benchmarks/kernel_bench.py                  # every runnable ISA, 1 and 2 threads
     python benchmarks/kernel_bench.py --only decode    # one group
@@ -81,6 +83,35 @@ def every_layer(model: LlamaModel, backend: CpuPagedAttention, layout: StepLayou
     return run
 
 
+def kv_dtype_cases(model: LlamaModel, batch: int, context: int,
+                   threads: list[int]) -> list[Case]:
+    """Decode rows of `batch` sequences of `context` tokens through every layer's attention,
+    each layer its own pool (scattered pages: what a step streams from memory), float32 and
+    bf16 K/V holding the same values."""
+    c = model.config
+    page = 16
+    pages = -(-context // page)
+    order = torch.randperm(batch * pages).tolist()
+    layout = StepLayout([order[i * pages:(i + 1) * pages] for i in range(batch)],
+                        [context] * batch, [1] * batch, page)
+    q = torch.randn(batch, c.num_heads, c.head_dim)
+    pools = {torch.float32: [torch.randn(batch * pages, 2, page, c.num_kv_heads, c.head_dim)
+                             for _ in range(c.num_layers)]}
+    pools[torch.bfloat16] = [pool.bfloat16() for pool in pools[torch.float32]]
+
+    def step(backend: CpuPagedAttention, caches: list[torch.Tensor]) -> Callable[[], None]:
+        backend.plan(layout)
+
+        def run():
+            for cache in caches:
+                backend.attend(q, cache)
+        return run
+
+    return [(f"decode b{batch} ctx{context} {str(dtype)[6:]} k{n}",
+             step(CpuPagedAttention(num_threads=n), caches), 1, n)
+            for n in threads for dtype, caches in pools.items()]
+
+
 def prompt_attention_cases(model: LlamaModel, length: int, threads: list[int]) -> list[Case]:
     """One prompt of `length` tokens through every layer's attention: the float32 kernel, and
     the prompt rows' AMX tile kernel where AMX runs (`--amx`)."""
@@ -116,8 +147,8 @@ def measure(cases: list[Case], rounds: int) -> dict[str, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="builtin://smollm2-135m")
-    p.add_argument("--only", choices=["decode", "attention", "prompt-attention", "prefill"],
-                   nargs="+", default=["decode", "attention", "prompt-attention", "prefill"])
+    groups = ["decode", "attention", "kv-dtype", "prompt-attention", "prefill"]
+    p.add_argument("--only", choices=groups, nargs="+", default=groups)
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--out", default="benchmarks/results/kernel_bench.json")
@@ -125,19 +156,22 @@ def main() -> None:
     loaded = load_model_files(args.model)
     model = LlamaModel(loaded.config, loaded.weights, quantized=loaded.quantized)
     isas = detect().isas[:2]
-    groups: dict[str, list[Case]] = {
-        "decode": mlp_cases(model, 1, isas, args.threads) + mlp_cases(model, 4, isas,
-                                                                       args.threads),
-        "attention": attention_cases(model, 1, 1000, isas, args.threads)
+    # built when measured: the kv-dtype pools alone take ~2 GB
+    groups: dict[str, Callable[[], list[Case]]] = {
+        "decode": lambda: mlp_cases(model, 1, isas, args.threads)
+        + mlp_cases(model, 4, isas, args.threads),
+        "attention": lambda: attention_cases(model, 1, 1000, isas, args.threads)
         + attention_cases(model, 4, 1000, isas, args.threads),
-        "prompt-attention": prompt_attention_cases(model, 330, args.threads)
+        "kv-dtype": lambda: kv_dtype_cases(model, 32, 400, args.threads)
+        + kv_dtype_cases(model, 8, 2000, args.threads),
+        "prompt-attention": lambda: prompt_attention_cases(model, 330, args.threads)
         + prompt_attention_cases(model, 1024, args.threads),
-        "prefill": mlp_cases(model, 512, isas[:1], args.threads),
+        "prefill": lambda: mlp_cases(model, 512, isas[:1], args.threads),
     }
     results = {}
     with torch.inference_mode():
         for group in args.only:
-            times = measure(groups[group], args.rounds)
+            times = measure(groups[group](), args.rounds)
             first = next(iter(times.values()))
             print(f"\n{group} (best of {args.rounds}; ratio to the first row)")
             for name, seconds in times.items():

@@ -10,7 +10,9 @@ headers, no build step at install time. Where no compiler works, `load_kernel` r
 
 Every query row is computed by the same arithmetic whatever else the step holds (see the C
 file), so greedy output stays independent of batch neighbours and of prompt chunking, and a
-recompute replay reproduces the decode rows' bits. Float32 only.
+recompute replay reproduces the decode rows' bits. Float32 rows; the pool float32 or bf16
+(`--cache-type-k/v bf16`: half the bytes a decode step streams; each value read exactly as the
+float32 it is the top half of, so the arithmetic is the float32 pool's on rounded values).
 
 Where the prompt rows' linears run on AMX, the rows a step's layout marks as prompt rows take
 `csrc/amx_attention.c` instead (bf16 tile products, float32 sums; the same per-row guarantee),
@@ -36,6 +38,7 @@ from .torch_paged import TorchPagedAttention
 log = logging.getLogger(__name__)
 
 SOURCE = CSRC / "paged_attention.c"
+KV_DTYPES = (torch.float32, torch.bfloat16)  # the caches the C kernels read
 
 
 @functools.cache
@@ -44,15 +47,15 @@ def load_kernel(isa: Isa | None = None) -> ctypes.CDLL:
     lib = load_library(isa)
     fn = lib.kvpark_paged_attention
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, i64, ptr, ptr, i32, ptr, ptr, ptr, ptr, i32, i32, i32, i32,
+    fn.argtypes = [ptr, i64, i64, ptr, i32, ptr, i32, ptr, ptr, ptr, ptr, i32, i32, i32, i32,
                    ctypes.c_float, i32]
     fn.restype = i32
     prompt = lib.kvpark_amx_prompt_attention
-    prompt.argtypes = [ptr, i64, i64, ptr, ptr, i32, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32,
-                       ctypes.c_float, i32]
+    prompt.argtypes = [ptr, i64, i64, ptr, i32, ptr, i32, ptr, ptr, ptr, ptr, ptr, i32, i32, i32,
+                       i32, ctypes.c_float, i32]
     prompt.restype = i32
     append = lib.kvpark_append_kv
-    append.argtypes = [ptr, ptr, i64, ptr, i64, ptr, ptr, i32, i32]
+    append.argtypes = [ptr, i32, ptr, i64, ptr, i64, ptr, ptr, i32, i32]
     append.restype = None
     return lib
 
@@ -169,29 +172,32 @@ class CpuPagedAttention(TorchPagedAttention):
             self._prompt_rows = torch.tensor(layout.prompt_rows, dtype=torch.int32)
             self._generated = GeneratedRows.of(layout)
 
-    def c_plan(self, head_dim: int) -> AttentionPlan:
+    def c_plan(self, head_dim: int, kv_dtype: torch.dtype = torch.float32) -> AttentionPlan:
         """This step's plan as `layer_ops.FusedStack` hands it to C: what `append_kv` and
-        `attend` pass their kernels, scaled for `head_dim` as `attend` scales. It points into
-        this plan's tensors: valid until the next `plan`."""
+        `attend` pass their kernels, scaled for `head_dim` as `attend` scales, for caches of
+        `kv_dtype`. It points into this plan's tensors: valid until the next `plan`."""
+        assert kv_dtype in KV_DTYPES, f"the C kernels read float32 or bf16 caches, not {kv_dtype}"
         a = self._arrays
         return AttentionPlan(
             len(self._kv_lens), self._page_size, head_dim ** -0.5, a.qo_indptr.data_ptr(),
             self._kv_lens.data_ptr(), a.kv_indptr.data_ptr(), a.kv_indices.data_ptr(),
-            self._append_rows.data_ptr(), self._append_rows_v.data_ptr())
+            self._append_rows.data_ptr(), self._append_rows_v.data_ptr(),
+            kv_dtype == torch.bfloat16)
 
     def append_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """One C call (a memcpy a row) where k and v are float32 rows of whole heads."""
+        """One C call (a copy or a rounding a row) where k and v are float32 rows of whole
+        heads."""
         num_tokens, num_kv_heads, head_dim = k.shape
-        if not (kv_cache.dtype == k.dtype == v.dtype == torch.float32
+        if not (k.dtype == v.dtype == torch.float32 and kv_cache.dtype in KV_DTYPES
                 and kv_cache.is_contiguous() and self._append_rows.shape[0] == num_tokens
                 and k.stride()[1:] == v.stride()[1:] == (head_dim, 1)):
             return super().append_kv(kv_cache, k, v)
-        self._append(kv_cache.data_ptr(), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
-                     self._append_rows.data_ptr(), self._append_rows_v.data_ptr(), num_tokens,
-                     num_kv_heads * head_dim)
+        self._append(kv_cache.data_ptr(), kv_cache.dtype == torch.bfloat16, k.data_ptr(),
+                     k.stride(0), v.data_ptr(), v.stride(0), self._append_rows.data_ptr(),
+                     self._append_rows_v.data_ptr(), num_tokens, num_kv_heads * head_dim)
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
-        if q.dtype != torch.float32 or kv_cache.dtype != torch.float32:
+        if q.dtype != torch.float32 or kv_cache.dtype not in KV_DTYPES:
             if self._views is None:
                 self._plan_views(self._layout)
             return super().attend(q, kv_cache)
@@ -216,10 +222,11 @@ class CpuPagedAttention(TorchPagedAttention):
         num_tokens, num_heads, head_dim = q.shape
         out = torch.empty(num_tokens, num_heads, head_dim)
         status = self._kernel(
-            q.data_ptr(), q.stride(0), q.stride(1), kv_cache.data_ptr(), out.data_ptr(),
-            len(kv_lens), qo_indptr.data_ptr(), kv_lens.data_ptr(), kv_indptr.data_ptr(),
-            kv_indices.data_ptr(), num_heads, kv_cache.shape[-2], head_dim, self._page_size,
-            head_dim ** -0.5, self.num_threads or worker_pool.get_num_threads())
+            q.data_ptr(), q.stride(0), q.stride(1), kv_cache.data_ptr(),
+            kv_cache.dtype == torch.bfloat16, out.data_ptr(), len(kv_lens), qo_indptr.data_ptr(),
+            kv_lens.data_ptr(), kv_indptr.data_ptr(), kv_indices.data_ptr(), num_heads,
+            kv_cache.shape[-2], head_dim, self._page_size, head_dim ** -0.5,
+            self.num_threads or worker_pool.get_num_threads())
         if status != 0:
             raise RuntimeError(f"paged attention kernel failed (status {status})")
         return out
@@ -231,8 +238,9 @@ class CpuPagedAttention(TorchPagedAttention):
         out = torch.empty(num_tokens, num_heads, head_dim)
         a = self._arrays
         status = self._prompt_kernel(
-            q.data_ptr(), q.stride(0), q.stride(1), kv_cache.data_ptr(), out.data_ptr(),
-            len(self._kv_lens), a.qo_indptr.data_ptr(), self._prompt_rows.data_ptr(),
+            q.data_ptr(), q.stride(0), q.stride(1), kv_cache.data_ptr(),
+            kv_cache.dtype == torch.bfloat16, out.data_ptr(), len(self._kv_lens),
+            a.qo_indptr.data_ptr(), self._prompt_rows.data_ptr(),
             self._kv_lens.data_ptr(), a.kv_indptr.data_ptr(), a.kv_indices.data_ptr(),
             num_heads, kv_cache.shape[-2], head_dim, self._page_size, head_dim ** -0.5,
             self.num_threads or worker_pool.get_num_threads())

@@ -216,7 +216,8 @@ class AttentionPlan(ctypes.Structure):  # AttentionPlan in csrc/layer_ops.c
 
     _fields_ = [("num_seqs", ctypes.c_int32), ("page_size", ctypes.c_int32),
                 ("scale", ctypes.c_float), ("qo_indptr", ptr), ("kv_lens", ptr),
-                ("kv_indptr", ptr), ("kv_indices", ptr), ("rows_k", ptr), ("rows_v", ptr)]
+                ("kv_indptr", ptr), ("kv_indices", ptr), ("rows_k", ptr), ("rows_v", ptr),
+                ("kv_bf16", ctypes.c_int32)]
 
 
 class FusedStack:
@@ -239,7 +240,7 @@ class FusedStack:
                caches: list[torch.Tensor], plan: AttentionPlan,
                num_threads: int | None = None) -> torch.Tensor:
         """x [rows, hidden] through every layer, in place (returned); `caches` one per layer
-        (float32, contiguous), appended to as the loop appends."""
+        (float32 or bf16 as `plan` says, contiguous), appended to as the loop appends."""
         rows = x.shape[0]
         assert x.dtype == torch.float32 and x.stride(-1) == 1, "float32 rows"
         assert cos.stride(-1) == 1 and cos.stride() == signed_sin.stride(), "dense cos/sin rows"

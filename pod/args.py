@@ -17,6 +17,10 @@ from typing import NoReturn
 
 from kvpark.kernels.worker_pool import MAX_THREADS as MAX_KERNEL_THREADS
 
+# the KV pool's types by llama-server's names (-ctk/-ctv) and by vLLM's (--kv-cache-dtype)
+CACHE_TYPES = {"auto": "auto", "f32": "float32", "bf16": "bfloat16", "f16": "float16"}
+CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
 ALIASES = {
     "preempt_ram": ("LLAMA_ARG_PREEMPT_RAM",),
     "cache_ram": ("LLAMA_ARG_CACHE_RAM",),
@@ -24,6 +28,8 @@ ALIASES = {
     "preempt": ("LLAMA_ARG_PREEMPT",),
     "preempt_every": ("LLAMA_SERVER_PREEMPT_EVERY",),
     "spec_type": ("LLAMA_ARG_SPEC_TYPE",),
+    "cache_type_k": ("LLAMA_ARG_CACHE_TYPE_K",),
+    "cache_type_v": ("LLAMA_ARG_CACHE_TYPE_V",),
     "model_draft": ("LLAMA_ARG_MODEL_DRAFT",),
     "spec_draft_n_max": ("LLAMA_ARG_SPEC_DRAFT_N_MAX",),
     "spec_draft_n_min": ("LLAMA_ARG_SPEC_DRAFT_N_MIN",),
@@ -76,6 +82,10 @@ class ServerArgs:
     max_connections: int = 4096  # open HTTP connections; idle ones are shed first
     attention_backend: str = "auto"
     dtype: str = "auto"
+    # the KV pool's type: llama-server's -ctk/-ctv names, or vLLM's --kv-cache-dtype (both)
+    cache_type_k: str = "auto"
+    cache_type_v: str = "auto"
+    kv_cache_dtype: str = "auto"
     weights: str = "auto"  # CPU linears: auto / gguf (decode rows from blocks), fp32, bf16
     amx: str = "auto"  # prompt rows on AMX tiles (bf16 products) where they run: auto, on, off
     device: str = "auto"
@@ -462,6 +472,15 @@ def add_pool_flags(g: argparse._ArgumentGroup) -> None:
     _add(g, "--ctx-size", "-c", dest="ctx_size", type=_positive, metavar="N",
          text="KV pool size in tokens, shared by all slots",
          default="8192 on the CPU, free GPU memory x --gpu-memory-fraction on CUDA")
+    for flag, short, part in (("--cache-type-k", "-ctk", "K"), ("--cache-type-v", "-ctv", "V")):
+        _add(g, flag, short, dest=f"cache_type_{part.lower()}", choices=list(CACHE_TYPES),
+             text=f"the KV pool's type for {part} (K and V share one type): f32 or bf16 for a "
+             "float32 model on the CPU (bf16: half the memory and half the bytes a decode step "
+             "reads; float32 products of the rounded values), else the compute type. auto: bf16 "
+             "where prompt rows' attention runs on AMX tiles (--amx; it rounds K and V to bf16 "
+             "already), else the compute type (--dtype)")
+    _add(g, "--kv-cache-dtype", dest="kv_cache_dtype", choices=list(CACHE_DTYPES),
+         text="vLLM's name for --cache-type-k and --cache-type-v together")
     _add(g, "--page-size", dest="page_size", type=_positive, metavar="N",
          text="tokens per KV page")
     _add(g, "--batch-size", "-b", dest="batch_size", type=_positive, metavar="N",
@@ -631,12 +650,25 @@ def check(args: ServerArgs) -> str | None:
     if args.preempt_low > args.preempt_high:
         return (f"--preempt-low {args.preempt_low} must not exceed --preempt-high "
                 f"{args.preempt_high}")
+    if kv_cache_type(args) is None:
+        return (f"K and V share one pool type: --cache-type-k {args.cache_type_k}, --cache-type-v "
+                f"{args.cache_type_v} and --kv-cache-dtype {args.kv_cache_dtype} disagree")
     if args.spec_type == "draft-simple" and args.model_draft is None:
         return "--spec-type draft-simple needs a draft model (--model-draft PATH)"
     if args.model_draft is not None and args.spec_type not in ("none", "draft-simple"):
         return (f"--model-draft drafts with --spec-type draft-simple, not {args.spec_type} "
                 "(leave --spec-type out, or drop --model-draft)")
     return None
+
+
+def kv_cache_type(args: ServerArgs) -> str | None:
+    """The pool's type the flags name ("auto", "float32", "bfloat16", "float16"), or None where
+    they name two (K and V share one pool)."""
+    named = {CACHE_TYPES[args.cache_type_k], CACHE_TYPES[args.cache_type_v],
+             args.kv_cache_dtype} - {"auto"}
+    if len(named) > 1:
+        return None
+    return named.pop() if named else "auto"
 
 
 def with_draft_default(args: ServerArgs) -> ServerArgs:

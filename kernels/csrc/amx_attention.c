@@ -1,10 +1,10 @@
 /* Paged causal attention of prompt rows on AMX bf16 tiles (issue 41: prompt throughput).
  *
- * Same inputs as paged_attention.c (cache [pages, 2, page_size, Hkv, D] float32, q [T, Hq, D]
- * with any row and head stride, out [T, Hq, D]), plus prompt_rows[b]: this kernel computes the
- * first prompt_rows[b] query rows of sequence b and nothing else (the runner's prompt-position
- * rows; the rows after them, generated tokens, keep paged_attention.c, so a recompute replay
- * gives every row the kernel its first pass gave it).
+ * Same inputs as paged_attention.c (cache [pages, 2, page_size, Hkv, D] float32 or bf16,
+ * q [T, Hq, D] with any row and head stride, out [T, Hq, D]), plus prompt_rows[b]: this kernel
+ * computes the first prompt_rows[b] query rows of sequence b and nothing else (the runner's
+ * prompt-position rows; the rows after them, generated tokens, keep paged_attention.c, so a
+ * recompute replay gives every row the kernel its first pass gave it).
  *
  * Per work item (sequence, up to 64 of its prompt rows in tiles of 16, KV head): the rows' q
  * of the KV head's query heads become bf16 A tiles once; then, chunk by chunk of CHUNK
@@ -149,6 +149,14 @@ static void stage_q(const Job *job, const Item *it, int group, Scratch *s) {
         }
 }
 
+/* d values of a K or V row from value `off` as bf16: a bf16 cache's as they are, a float32
+ * cache's rounded (the same bits: rounding a bf16 value changes nothing) */
+static void kv_as_bf16(const PagedPlan *p, const void *row, int64_t off, int d, uint16_t *out) {
+    if (p->kv_bf16) memcpy(out, (const uint16_t *)row + off, sizeof(uint16_t) * d);
+    else
+        for (int i = 0; i < d; i += 16) to_bf16_x16((const float *)row + off + i, out + i);
+}
+
 /* tokens start .. start + n - 1 of the item's KV head as B tiles (kb for the scores, vb for
  * P V); the tokens after them up to a whole block of 32 as zeros (never read from a page) */
 static void stage_kv(const Job *job, const Item *it, int start, int n, Scratch *s) {
@@ -158,19 +166,16 @@ static void stage_kv(const Job *job, const Item *it, int start, int n, Scratch *
     uint16_t row[2][MAX_HEAD_DIM];
     for (int t = 0; t < ceil_to(n, PAIR_K); t += 2) { /* token pairs */
         for (int u = 0; u < 2; u++) { /* the pair's K (scores' tiles), then its V, as bf16 */
-            const float *k =
-                t + u < n ? paged_k_row(&job->in, it->seq, start + t + u) + head : NULL;
+            const void *k = t + u < n ? paged_k_row(&job->in, it->seq, start + t + u) : NULL;
             if (k == NULL) memset(row[u], 0, sizeof(uint16_t) * d);
-            else
-                for (int i = 0; i < d; i += 16) to_bf16_x16(k + i, row[u] + i);
+            else kv_as_bf16(&job->in, k, head, d, row[u]);
             /* K tile [token / 16][dims / 32]: row p holds dims (2p, 2p + 1) for 16 tokens */
             const uint32_t *pairs = (const uint32_t *)row[u];
             for (int i = 0; i < d / 2; i++)
                 ((uint32_t *)s->kb)[(((int64_t)(t + u) / TILE * kbs + i / TILE) * TILE_ELEMS
                                      + (i % TILE) * 32 + ((t + u) % TILE) * 2) / 2] = pairs[i];
             if (k == NULL) memset(row[u], 0, sizeof(uint16_t) * d);
-            else
-                for (int i = 0; i < d; i += 16) to_bf16_x16(k + v_off + i, row[u] + i);
+            else kv_as_bf16(&job->in, k, v_off + head, d, row[u]);
         }
         /* V tile [t / 32][dims / 16]: row p holds tokens (2p, 2p + 1) for 16 dims */
         for (int i = 0; i < d; i += TILE) {
@@ -292,7 +297,7 @@ static void run_part(void *arg, int part, int num_parts) {
 /* Returns 0 on success, 1 on bad arguments (or no AMX in this build), 2 when memory ran out.
  * The caller checks that AMX runs here (amx_gemm.c's kvpark_amx_usable). */
 int kvpark_amx_prompt_attention(const float *q, int64_t q_row_stride, int64_t q_head_stride,
-                                const float *cache, float *out, int num_seqs,
+                                const void *cache, int kv_bf16, float *out, int num_seqs,
                                 const int32_t *qo_indptr, const int32_t *prompt_rows,
                                 const int32_t *kv_lens, const int32_t *kv_indptr,
                                 const int32_t *kv_indices, int num_heads, int num_kv_heads,
@@ -321,15 +326,16 @@ int kvpark_amx_prompt_attention(const float *q, int64_t q_row_stride, int64_t q_
                 items[n++] = (Item){b, first, rows, g};
             }
     Job job = {{q, cache, out, q_row_stride, q_head_stride, qo_indptr, kv_lens, kv_indptr,
-                kv_indices, num_heads, num_kv_heads, head_dim, page_size, scale}, items,
-               num_items, 0, 0};
+                kv_indices, num_heads, num_kv_heads, head_dim, page_size, scale, kv_bf16 != 0},
+               items, num_items, 0, 0};
     if (num_threads > num_items) num_threads = num_items;
     if (num_threads < 1) num_threads = 1;
     kvpark_pool_run(run_part, &job, num_threads, num_threads);
     free(items);
     return job.failed ? 2 : 0;
 #else
-    (void)q, (void)q_row_stride, (void)q_head_stride, (void)cache, (void)out, (void)num_seqs;
+    (void)q, (void)q_row_stride, (void)q_head_stride, (void)cache, (void)kv_bf16, (void)out;
+    (void)num_seqs;
     (void)qo_indptr, (void)prompt_rows, (void)kv_lens, (void)kv_indptr, (void)kv_indices;
     (void)num_heads, (void)num_kv_heads, (void)head_dim, (void)page_size, (void)scale;
     (void)num_threads;

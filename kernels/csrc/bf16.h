@@ -1,11 +1,20 @@
-/* float32 -> bf16, rounded to nearest even as torch's .to(torch.bfloat16) (NaN stays a quiet
- * NaN): the scalar form, and 16 at once with the same bits where the compiler knows AVX-512F
- * (every AMX CPU has it; the callers run it only there). */
+/* bf16 -> float32 (exact); float32 -> bf16, rounded to nearest even as torch's
+ * .to(torch.bfloat16) (NaN stays a quiet NaN): the scalar form, and 16 at once with the same
+ * bits where the compiler knows AVX-512F (every AMX CPU has it; the callers run it only there).
+ */
 #ifndef KVPARK_BF16_H
 #define KVPARK_BF16_H
 
 #include <stdint.h>
 #include <string.h>
+
+/* a bf16 value as the float32 it is the top half of (exact) */
+static inline float bf16_to_float(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
 
 static inline uint16_t to_bf16(float f) {
     uint32_t u;

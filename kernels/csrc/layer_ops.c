@@ -354,13 +354,14 @@ int kvpark_layer_post(const Layer *L, float *x, int64_t x_stride, int rows, cons
 }
 
 int kvpark_paged_attention(const float *q, int64_t q_row_stride, int64_t q_head_stride,
-                           const float *cache, float *out, int num_seqs, const int32_t *qo_indptr,
-                           const int32_t *kv_lens, const int32_t *kv_indptr,
-                           const int32_t *kv_indices, int num_heads, int num_kv_heads,
-                           int head_dim, int page_size, float scale, int num_threads);
-void kvpark_append_kv(float *cache, const float *k, int64_t k_row_stride, const float *v,
-                      int64_t v_row_stride, const int64_t *rows_k, const int64_t *rows_v,
-                      int num_tokens, int row_floats);
+                           const void *cache, int kv_bf16, float *out, int num_seqs,
+                           const int32_t *qo_indptr, const int32_t *kv_lens,
+                           const int32_t *kv_indptr, const int32_t *kv_indices, int num_heads,
+                           int num_kv_heads, int head_dim, int page_size, float scale,
+                           int num_threads);
+void kvpark_append_kv(void *cache, int kv_bf16, const float *k, int64_t k_row_stride,
+                      const float *v, int64_t v_row_stride, const int64_t *rows_k,
+                      const int64_t *rows_v, int num_tokens, int row_values);
 
 /* The step's attention as the C backend (kernels/cpu_paged.py) planned it; mirrored there */
 typedef struct {
@@ -368,13 +369,14 @@ typedef struct {
     float scale;
     const int32_t *qo_indptr, *kv_lens, *kv_indptr, *kv_indices;
     const int64_t *rows_k, *rows_v; /* each new token's K and V row in a layer's cache */
+    int32_t kv_bf16;                 /* the caches hold bf16 (else float32) */
 } AttentionPlan;
 
 /* Every layer of a step whose rows all read blocks, in one call: per layer exactly the calls
  * the Python layer loop makes (pre, append, attention, post), in the same order on the same
  * buffers, so the bits are the loop's; only the Python between them is gone. qkv [rows,
  * (heads + 2 kv heads) * head_dim] and attn [rows, heads * head_dim] are scratch rows. */
-int kvpark_decode_layers(const Layer *const *layers, float *const *caches, int num_layers,
+int kvpark_decode_layers(const Layer *const *layers, void *const *caches, int num_layers,
                          float *x, int64_t x_stride, int rows, const float *cos,
                          const float *sin_signed, int64_t cs_stride, float *qkv, float *attn,
                          float *scratch, int64_t scratch_floats, const AttentionPlan *plan,
@@ -386,12 +388,12 @@ int kvpark_decode_layers(const Layer *const *layers, float *const *caches, int n
         int status = kvpark_layer_pre(L, x, x_stride, rows, cos, sin_signed, cs_stride, qkv,
                                       qkv_stride, scratch, scratch_floats, num_threads);
         if (status) return status;
-        kvpark_append_kv(caches[l], qkv + (int64_t)heads * dim, qkv_stride,
+        kvpark_append_kv(caches[l], plan->kv_bf16, qkv + (int64_t)heads * dim, qkv_stride,
                          qkv + (int64_t)(heads + kv_heads) * dim, qkv_stride, plan->rows_k,
                          plan->rows_v, rows, kv_heads * dim);
-        status = kvpark_paged_attention(qkv, qkv_stride, dim, caches[l], attn, plan->num_seqs,
-                                        plan->qo_indptr, plan->kv_lens, plan->kv_indptr,
-                                        plan->kv_indices, heads, kv_heads, dim,
+        status = kvpark_paged_attention(qkv, qkv_stride, dim, caches[l], plan->kv_bf16, attn,
+                                        plan->num_seqs, plan->qo_indptr, plan->kv_lens,
+                                        plan->kv_indptr, plan->kv_indices, heads, kv_heads, dim,
                                         plan->page_size, plan->scale, num_threads);
         if (status) return 10 + status;
         status = kvpark_layer_post(L, x, x_stride, rows, attn, (int64_t)heads * dim, scratch,

@@ -1,10 +1,11 @@
 /* Paged causal attention on the CPU, reading K and V in place from the pool.
  *
  * Layout as kernels/attention.py: the cache of one layer is [pages, 2, page_size, Hkv, D]
- * (float32, contiguous), q is [T, Hq, D] with any row and head stride (D contiguous), out is
- * [T, Hq, D] contiguous. Sequence b owns query rows qo_indptr[b] .. qo_indptr[b + 1], whose
- * positions are the last q_len of its kv_len tokens; its pages are
- * kv_indices[kv_indptr[b] .. kv_indptr[b + 1]].
+ * (float32, or bf16 where kv_bf16: each value read exactly as the float32 it is the top half of,
+ * its products float32 as a float32 cache's; contiguous), q is [T, Hq, D] with any row and
+ * head stride (D contiguous), out is [T, Hq, D] contiguous. Sequence b owns query rows
+ * qo_indptr[b] .. qo_indptr[b + 1], whose positions are the last q_len of its kv_len tokens; its
+ * pages are kv_indices[kv_indptr[b] .. kv_indptr[b + 1]].
  *
  * A row's prefix is cut into chunks of CHUNK tokens counted from position 0 (flash-decoding):
  * per chunk its max score, the sum of e^(s - max) and the sum of V weighted by them; then the
@@ -30,6 +31,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "paged_plan.h"
 #include "softmax_chunks.h"
 #include "worker_pool.h"
@@ -41,6 +43,48 @@
 #define V_BLOCK 32             /* tokens of V read for all the tile's heads in turn */
 #define V_STEP 8               /* tokens of V between two steps of the prefetches */
 #define SPLIT_BELOW 4          /* tiles a thread: with fewer, tiles are split by chunk */
+
+/* How a call reads the cache: float32 rows; bf16 rows by pairs (the vector path, head_dim a
+ * multiple of PAIR); bf16 rows widened a row at a time (the scalar loops, other head sizes). */
+enum { KV_FLOAT32, KV_BF16_PAIRS, KV_BF16_WIDEN };
+
+/* The bf16 vector path: a load of LANES 32-bit words brings PAIR bf16 values; a shift gives the
+ * even ones as float32, a mask the odd ones (exact; a zero-extension in order would cost a
+ * shuffle a vector, on the port the lane sums' shuffles already keep busy). So a block of PAIR
+ * values comes as (even, odd) vectors, and q, and a row's V sums, are kept in that order
+ * ("split": even values of the block, then odd) until `finish` puts the output back in order.
+ * A V sum is the float32 path's sum, term by term; a dot adds the same products in other
+ * lanes (lane l: the block's elements 2l and 2l + 1, not l and l + LANES), so its bits are its
+ * own but, like the float32 path's, fixed by the row alone. */
+#define PAIR (2 * LANES)
+typedef uint32_t vu __attribute__((vector_size(LANES * 4)));
+
+static inline void load_pairs(const uint16_t *p, vf *even, vf *odd) {
+    vu w;
+    memcpy(&w, p, sizeof w);
+    const vu e = w << 16, o = w & 0xffff0000u;
+    memcpy(even, &e, sizeof e);
+    memcpy(odd, &o, sizeof o);
+}
+
+/* d values in order -> split order (each block of PAIR: its even values, then its odd) */
+static void split_pairs(const float *x, float *out, int d) {
+    for (int b = 0; b < d; b += PAIR)
+        for (int e = 0; e < LANES; e++)
+            out[b + e] = x[b + 2 * e], out[b + LANES + e] = x[b + 2 * e + 1];
+}
+
+static void join_pairs(const float *x, float *out, int d) {
+    for (int b = 0; b < d; b += PAIR)
+        for (int e = 0; e < LANES; e++)
+            out[b + 2 * e] = x[b + e], out[b + 2 * e + 1] = x[b + LANES + e];
+}
+
+/* n values of a bf16 row from value `off`, widened into `buf` (the scalar loops) */
+static const float *widen_row(const void *row, int64_t off, int n, float *buf) {
+    for (int i = 0; i < n; i++) buf[i] = bf16_to_float(((const uint16_t *)row)[off + i]);
+    return buf;
+}
 
 static inline float dot_scalar(const float *a, const float *b, int n) {
     float acc = 0.0f;
@@ -68,6 +112,7 @@ typedef struct {
     int next;     /* atomic: the next unclaimed item */
     float *parts; /* split tiles' partials */
     int failed;
+    int kind; /* KV_FLOAT32, KV_BF16_PAIRS or KV_BF16_WIDEN */
 } Job;
 
 /* a thread's buffers for one call */
@@ -76,8 +121,8 @@ typedef struct {
     float *scores; /* [ROW_TILE * num_heads, CHUNK] */
     float *part;   /* [ROW_TILE * num_heads, PART_HEADER + head_dim]: one chunk's partials */
     float *folded; /* [ROW_TILE * num_heads, PART_HEADER + head_dim]: the chunks so far */
-    const float *k[CHUNK], *v[CHUNK]; /* the chunk's token rows (all KV heads) */
-    const float *ahead[2 * CHUNK + PREFETCH]; /* the rows to prefetch (Ahead) */
+    const void *k[CHUNK], *v[CHUNK]; /* the chunk's token rows (all KV heads) */
+    const void *ahead[2 * CHUNK + PREFETCH]; /* the rows to prefetch (Ahead) */
 } Scratch;
 
 /* LANES vectors of partial sums -> one vector of their LANES totals, in order. Each total
@@ -117,24 +162,57 @@ static inline vf reduce_lanes(vf *a) {
  * past the tile with rows whose dots are not used), `nc` vectors of head_dim each: a
  * compile-time constant where it can be, so the vectors stay in registers */
 static inline __attribute__((always_inline)) vf block_dots(const float *qv,
-                                                           const float *const *k, int64_t off,
+                                                           const void *const *k, int64_t off,
                                                            const int nc) {
     vf acc[LANES];
     for (int j = 0; j < LANES; j++) {
-        vf sum = load(qv) * load(k[j] + off);
-        for (int c = 1; c < nc; c++) sum += load(qv + c * LANES) * load(k[j] + off + c * LANES);
+        const float *row = (const float *)k[j] + off;
+        vf sum = load(qv) * load(row);
+        for (int c = 1; c < nc; c++) sum += load(qv + c * LANES) * load(row + c * LANES);
         acc[j] = sum;
     }
     return reduce_lanes(acc);
 }
 
-static vf dots(const float *qv, const float *const *k, int64_t off, int d) {
+/* the same for a bf16 cache's rows, `nb` blocks of PAIR values, q split */
+static inline __attribute__((always_inline)) vf block_dots_pairs(const float *qv,
+                                                                 const void *const *k,
+                                                                 int64_t off, const int nb) {
+    vf acc[LANES];
+    for (int j = 0; j < LANES; j++) {
+        const uint16_t *row = (const uint16_t *)k[j] + off;
+        vf even, odd;
+        load_pairs(row, &even, &odd);
+        vf sum = load(qv) * even;
+        sum += load(qv + LANES) * odd;
+        for (int b = 1; b < nb; b++) {
+            load_pairs(row + b * PAIR, &even, &odd);
+            sum += load(qv + b * PAIR) * even;
+            sum += load(qv + b * PAIR + LANES) * odd;
+        }
+        acc[j] = sum;
+    }
+    return reduce_lanes(acc);
+}
+
+static vf dots(const float *qv, const void *const *k, int64_t off, int d, int kind) {
     const int nc = d / LANES;
+    if (kind == KV_BF16_PAIRS) {
+        if (nc == 4) return block_dots_pairs(qv, k, off, 2);
+        if (nc == 8) return block_dots_pairs(qv, k, off, 4);
+        return block_dots_pairs(qv, k, off, nc / 2);
+    }
+    if (kind == KV_BF16_WIDEN) { /* the float32 path on the rows widened */
+        float buf[LANES][d];
+        const void *rows[LANES];
+        for (int j = 0; j < LANES; j++) rows[j] = widen_row(k[j], off, d, buf[j]);
+        return dots(qv, rows, 0, d, KV_FLOAT32);
+    }
     if (d % LANES == 0 && nc == 4) return block_dots(qv, k, off, 4);
     if (d % LANES == 0 && nc == 8) return block_dots(qv, k, off, 8);
     if (d % LANES == 0 && nc <= MAX_VECS) return block_dots(qv, k, off, nc);
     float lanes[LANES];
-    for (int j = 0; j < LANES; j++) lanes[j] = dot_scalar(qv, k[j] + off, d);
+    for (int j = 0; j < LANES; j++) lanes[j] = dot_scalar(qv, (const float *)k[j] + off, d);
     return load(lanes);
 }
 
@@ -143,9 +221,9 @@ static vf dots(const float *qv, const float *const *k, int64_t off, int d) {
  * block's lines at once fills the core's miss buffers and stalls it while memory streams them,
  * then the memory idles while the core computes (a long row's K and V come from DRAM). */
 typedef struct {
-    const float *const *rows;
+    const void *const *rows;
     int num_rows, next; /* rows[next] is the first not prefetched */
-    int64_t len;        /* floats a row */
+    int64_t len;        /* bytes a row */
     int due, credit;    /* rows to prefetch over the current block's `parts` calls */
 } Ahead;
 
@@ -157,40 +235,76 @@ static inline void ahead_block(Ahead *a, int until) {
 
 static inline void ahead_step(Ahead *a, int parts) {
     for (a->credit += a->due; a->credit >= parts; a->credit -= parts) {
-        const float *row = a->rows[a->next++];
-        for (int64_t i = 0; i < a->len; i += 16) __builtin_prefetch(row + i, 0, 2); /* 64 B */
+        const char *row = a->rows[a->next++];
+        for (int64_t i = 0; i < a->len; i += 64) __builtin_prefetch(row + i, 0, 2); /* a line */
     }
 }
 
 /* o += sum of p[t] v[t][off ..] over t in order; an ahead_step every V_STEP tokens */
 static inline __attribute__((always_inline)) void block_weighted_v(
-    float *o, const float *p, const float *const *v, int64_t off, int begin, int end,
+    float *o, const float *p, const void *const *v, int64_t off, int begin, int end,
     const int nc, Ahead *ahead, int parts) {
     vf acc[MAX_VECS];
     for (int c = 0; c < nc; c++) acc[c] = load(o + c * LANES);
     for (int t = begin; t < end;) {
         for (const int stop = min_int(t + V_STEP, end); t < stop; t++) {
             const vf w = splat(p[t]);
-            for (int c = 0; c < nc; c++) acc[c] += w * load(v[t] + off + c * LANES);
+            const float *row = (const float *)v[t] + off;
+            for (int c = 0; c < nc; c++) acc[c] += w * load(row + c * LANES);
         }
         ahead_step(ahead, parts);
     }
     for (int c = 0; c < nc; c++) store(o + c * LANES, acc[c]);
 }
 
-static void weighted_v(float *o, const float *p, const float *const *v, int64_t off, int begin,
-                       int end, int d, Ahead *ahead, int parts) {
+/* the same for a bf16 cache's rows, `nb` blocks of PAIR values, o split */
+static inline __attribute__((always_inline)) void block_weighted_v_pairs(
+    float *o, const float *p, const void *const *v, int64_t off, int begin, int end,
+    const int nb, Ahead *ahead, int parts) {
+    vf acc[MAX_VECS];
+    for (int c = 0; c < 2 * nb; c++) acc[c] = load(o + c * LANES);
+    for (int t = begin; t < end;) {
+        for (const int stop = min_int(t + V_STEP, end); t < stop; t++) {
+            const vf w = splat(p[t]);
+            const uint16_t *row = (const uint16_t *)v[t] + off;
+            for (int b = 0; b < nb; b++) {
+                vf even, odd;
+                load_pairs(row + b * PAIR, &even, &odd);
+                acc[2 * b] += w * even;
+                acc[2 * b + 1] += w * odd;
+            }
+        }
+        ahead_step(ahead, parts);
+    }
+    for (int c = 0; c < 2 * nb; c++) store(o + c * LANES, acc[c]);
+}
+
+static void weighted_v(float *o, const float *p, const void *const *v, int64_t off, int begin,
+                       int end, int d, int kind, Ahead *ahead, int parts) {
     const int nc = d / LANES;
-    if (d % LANES == 0 && nc == 4) block_weighted_v(o, p, v, off, begin, end, 4, ahead, parts);
-    else if (d % LANES == 0 && nc == 8)
-        block_weighted_v(o, p, v, off, begin, end, 8, ahead, parts);
-    else if (d % LANES == 0 && nc <= MAX_VECS)
-        block_weighted_v(o, p, v, off, begin, end, nc, ahead, parts);
-    else
+    if (kind == KV_BF16_PAIRS) {
+        if (nc == 4) block_weighted_v_pairs(o, p, v, off, begin, end, 2, ahead, parts);
+        else if (nc == 8) block_weighted_v_pairs(o, p, v, off, begin, end, 4, ahead, parts);
+        else block_weighted_v_pairs(o, p, v, off, begin, end, nc / 2, ahead, parts);
+    } else if (kind == KV_BF16_WIDEN) { /* the float32 path a widened row at a time */
+        float buf[d];
         for (int t = begin; t < end; t++) {
-            for (int i = 0; i < d; i++) o[i] += p[t] * v[t][off + i];
+            const void *row = widen_row(v[t], off, d, buf);
+            weighted_v(o, p + t, &row, 0, 0, 1, d, KV_FLOAT32, ahead, parts);
+        }
+    } else if (d % LANES == 0 && nc == 4) {
+        block_weighted_v(o, p, v, off, begin, end, 4, ahead, parts);
+    } else if (d % LANES == 0 && nc == 8) {
+        block_weighted_v(o, p, v, off, begin, end, 8, ahead, parts);
+    } else if (d % LANES == 0 && nc <= MAX_VECS) {
+        block_weighted_v(o, p, v, off, begin, end, nc, ahead, parts);
+    } else {
+        for (int t = begin; t < end; t++) {
+            const float *row = (const float *)v[t] + off;
+            for (int i = 0; i < d; i++) o[i] += p[t] * row[i];
             if ((t - begin) % V_STEP == V_STEP - 1 || t == end - 1) ahead_step(ahead, parts);
         }
+    }
 }
 
 static inline int prefix_len(const Job *job, const Tile *tile) { /* of the tile's first row */
@@ -198,7 +312,7 @@ static inline int prefix_len(const Job *job, const Tile *tile) { /* of the tile'
 }
 
 /* the first K rows (PREFETCH at most) of chunk c of a tile, into rows; returns how many */
-static int first_k_rows(const Job *job, const Tile *tile, int c, const float **rows) {
+static int first_k_rows(const Job *job, const Tile *tile, int c, const void **rows) {
     const int start = c * CHUNK;
     const int stop = min_int(start + PREFETCH, prefix_len(job, tile) + tile->rows - 1);
     for (int t = start; t < stop; t++) rows[t - start] = paged_k_row(&job->in, tile->seq, t);
@@ -212,11 +326,13 @@ static void run_chunk(const Job *job, const Tile *tile, int c, Scratch *s, float
     const int ps = job->in.page_size, first_len = prefix_len(job, tile), start = c * CHUNK;
     const int n = min_int(CHUNK, first_len + tile->rows - 1 - start); /* tokens any row needs */
     const int padded = (n + LANES - 1) / LANES * LANES;
-    const int64_t token_stride = (int64_t)job->in.num_kv_heads * d;
+    const int kind = job->kind;
+    const int64_t token_bytes = (int64_t)job->in.num_kv_heads * d * paged_elem_bytes(&job->in);
     const int32_t *pages = job->in.kv_indices + job->in.kv_indptr[tile->seq];
+    const char *cache = job->in.cache;
     for (int t = 0, page = start / ps, slot = start % ps; t < n; t++) {
-        s->k[t] = job->in.cache + ((int64_t)pages[page] * 2 * ps + slot) * token_stride;
-        s->v[t] = s->k[t] + (int64_t)ps * token_stride;
+        s->k[t] = cache + ((int64_t)pages[page] * 2 * ps + slot) * token_bytes;
+        s->v[t] = (const char *)s->k[t] + (int64_t)ps * token_bytes;
         if (++slot == ps) slot = 0, page++;
     }
     for (int t = n; t < padded; t++) s->k[t] = s->k[0]; /* dots past the tile are not used */
@@ -226,7 +342,7 @@ static void run_chunk(const Job *job, const Tile *tile, int c, Scratch *s, float
     for (int t = 0; t < n; t++) s->ahead[num_ahead++] = s->v[t];
     if (!tile->split && c + 1 < tile->num_chunks)
         num_ahead += first_k_rows(job, tile, c + 1, s->ahead + num_ahead);
-    Ahead ahead = {s->ahead, num_ahead, 0, token_stride, 0, 0};
+    Ahead ahead = {s->ahead, num_ahead, 0, token_bytes, 0, 0};
     /* i = r * hq + head: every head of the rows from the first whose prefix reaches the chunk */
     const int begin = (start < first_len ? 0 : start - first_len + 1) * hq;
     const int end = tile->rows * hq;
@@ -236,7 +352,7 @@ static void run_chunk(const Job *job, const Tile *tile, int c, Scratch *s, float
             ahead_step(&ahead, end - begin);
             if (first_len + i / hq > start + t) /* the row needs this block */
                 store(s->scores + i * CHUNK + t,
-                      dots(s->q + i * d, s->k + t, (int64_t)(i % hq / group) * d, d)
+                      dots(s->q + i * d, s->k + t, (int64_t)(i % hq / group) * d, d, kind)
                       * job->in.scale);
         }
     }
@@ -253,7 +369,7 @@ static void run_chunk(const Job *job, const Tile *tile, int c, Scratch *s, float
             if (len > t)
                 weighted_v(part + i * (PART_HEADER + d) + PART_HEADER, s->scores + i * CHUNK,
                            s->v, (int64_t)(i % hq / group) * d, t, min_int(t + V_BLOCK, len), d,
-                           &ahead, (end - begin) * steps);
+                           kind, &ahead, (end - begin) * steps);
         }
     }
 }
@@ -263,10 +379,11 @@ static void run_item(Job *job, const Item *item, Scratch *s) {
     const int hq = job->in.num_heads, d = job->in.head_dim, stride = PART_HEADER + d;
     const int64_t row0 = job->in.qo_indptr[tile->seq] + tile->first;
     for (int r = 0; r < tile->rows; r++)
-        for (int h = 0; h < hq; h++)
-            memcpy(s->q + (r * hq + h) * d,
-                   job->in.q + (row0 + r) * job->in.q_row + h * job->in.q_head,
-                   sizeof(float) * d);
+        for (int h = 0; h < hq; h++) {
+            const float *q = job->in.q + (row0 + r) * job->in.q_row + h * job->in.q_head;
+            if (job->kind == KV_BF16_PAIRS) split_pairs(q, s->q + (r * hq + h) * d, d);
+            else memcpy(s->q + (r * hq + h) * d, q, sizeof(float) * d);
+        }
     const int first_len = prefix_len(job, tile);
     const int64_t chunk_floats = (int64_t)tile->rows * hq * stride;
     if (tile->split) {
@@ -293,9 +410,15 @@ static void run_item(Job *job, const Item *item, Scratch *s) {
         }
     }
     for (int r = 0; r < tile->rows; r++)
-        for (int h = 0; h < hq; h++)
-            finish(s->folded + (r * hq + h) * stride, d,
-                   job->in.out + ((row0 + r) * hq + h) * d);
+        for (int h = 0; h < hq; h++) {
+            float *out = job->in.out + ((row0 + r) * hq + h) * d;
+            if (job->kind != KV_BF16_PAIRS) {
+                finish(s->folded + (r * hq + h) * stride, d, out);
+            } else { /* the V sums in split order: back in order */
+                finish(s->folded + (r * hq + h) * stride, d, s->scores);
+                join_pairs(s->scores, out, d);
+            }
+        }
 }
 
 /* one thread's share: work items claimed one at a time (an item's arithmetic is the same
@@ -327,10 +450,11 @@ static void run_part(void *arg, int part, int num_parts) {
 
 /* Returns 0 on success, 1 on bad arguments, 2 when memory ran out. */
 int kvpark_paged_attention(const float *q, int64_t q_row_stride, int64_t q_head_stride,
-                           const float *cache, float *out, int num_seqs, const int32_t *qo_indptr,
-                           const int32_t *kv_lens, const int32_t *kv_indptr,
-                           const int32_t *kv_indices, int num_heads, int num_kv_heads,
-                           int head_dim, int page_size, float scale, int num_threads) {
+                           const void *cache, int kv_bf16, float *out, int num_seqs,
+                           const int32_t *qo_indptr, const int32_t *kv_lens,
+                           const int32_t *kv_indptr, const int32_t *kv_indices, int num_heads,
+                           int num_kv_heads, int head_dim, int page_size, float scale,
+                           int num_threads) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > MAX_GROUP)
         return 1;
     int num_tiles = 0;
@@ -372,8 +496,11 @@ int kvpark_paged_attention(const float *q, int64_t q_row_stride, int64_t q_head_
             for (int c = 0; c < tiles[t].num_chunks; c++) items[i++] = (Item){t, c, c + 1};
     }
     Job job = {{q, cache, out, q_row_stride, q_head_stride, qo_indptr, kv_lens, kv_indptr,
-                kv_indices, num_heads, num_kv_heads, head_dim, page_size, scale}, tiles, items,
-               num_items, 0, parts, 0};
+                kv_indices, num_heads, num_kv_heads, head_dim, page_size, scale, kv_bf16 != 0},
+               tiles, items, num_items, 0, parts, 0,
+               !kv_bf16 ? KV_FLOAT32
+               : head_dim % PAIR == 0 && head_dim / LANES <= MAX_VECS ? KV_BF16_PAIRS
+                                                                      : KV_BF16_WIDEN};
     /* 2 items a thread at least: a short decode row is 1 or 2 items of a few us, less than
      * waking a worker and waiting for the slower half saves (the bits do not change) */
     if (num_threads > num_items / 2) num_threads = num_items / 2;
@@ -386,15 +513,31 @@ int kvpark_paged_attention(const float *q, int64_t q_row_stride, int64_t q_head_
     return job.failed ? 2 : 0;
 }
 
+/* row_values float32 values -> the cache's type (bf16 rounded to nearest even, as torch's
+ * .to(torch.bfloat16)) */
+static void put_row(void *dst, const float *src, int row_values, int bf16) {
+    if (!bf16) {
+        memcpy(dst, src, sizeof(float) * (size_t)row_values);
+        return;
+    }
+    uint16_t *out = dst;
+    int i = 0;
+#if defined(__AVX512F__) && defined(KVPARK_BF16_X16)
+    for (; i + 16 <= row_values; i += 16) to_bf16_x16(src + i, out + i);
+#endif
+    for (; i < row_values; i++) out[i] = to_bf16(src[i]);
+}
+
 /* The step's new K and V rows into the pool, one call a layer instead of five torch ops: row t
- * of k (and v), `row_floats` contiguous floats at k + t * k_row_stride, goes to row rows_k[t]
- * (rows_v[t]) of the cache viewed as [pages * 2 * page_size, row_floats]. */
-void kvpark_append_kv(float *cache, const float *k, int64_t k_row_stride, const float *v,
-                      int64_t v_row_stride, const int64_t *rows_k, const int64_t *rows_v,
-                      int num_tokens, int row_floats) {
-    const size_t bytes = sizeof(float) * (size_t)row_floats;
+ * of k (and v), `row_values` contiguous floats at k + t * k_row_stride, goes to row rows_k[t]
+ * (rows_v[t]) of the cache viewed as [pages * 2 * page_size, row_values] (float32, or bf16
+ * where kv_bf16). */
+void kvpark_append_kv(void *cache, int kv_bf16, const float *k, int64_t k_row_stride,
+                      const float *v, int64_t v_row_stride, const int64_t *rows_k,
+                      const int64_t *rows_v, int num_tokens, int row_values) {
+    const int64_t row_bytes = (int64_t)row_values * (kv_bf16 ? 2 : 4);
     for (int t = 0; t < num_tokens; t++) {
-        memcpy(cache + rows_k[t] * row_floats, k + t * k_row_stride, bytes);
-        memcpy(cache + rows_v[t] * row_floats, v + t * v_row_stride, bytes);
+        put_row((char *)cache + rows_k[t] * row_bytes, k + t * k_row_stride, row_values, kv_bf16);
+        put_row((char *)cache + rows_v[t] * row_bytes, v + t * v_row_stride, row_values, kv_bf16);
     }
 }

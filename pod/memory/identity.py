@@ -17,8 +17,8 @@ import torch
 @dataclass(frozen=True)
 class ModelIdentity:
     """The weights (name, file size, a digest of sampled embedding rows and the final norm), how
-    they are computed (dtype, linears, blocks) and the pool's layout (pages, and a hybrid
-    model's state slots)."""
+    they are computed (dtype, linears, blocks) and the pool's layout (pages, their type, and a
+    hybrid model's state slots)."""
 
     model: str
     source_bytes: int  # the weight file's size (a directory's files together; 0: synthetic)
@@ -32,6 +32,7 @@ class ModelIdentity:
     page_size: int
     draft: str = ""  # the draft model's `weights_key` (--model-draft), "" without one
     state_layout: str = ""  # a hybrid model's state slot (`DeltaNetConfig.state_layout`)
+    kv_dtype: str = ""  # the pool's type where it is not `dtype` (--cache-type-k/v bf16)
 
     @property
     def weights_key(self) -> str:

@@ -17,6 +17,7 @@ import torch
 
 from kvpark.kernels import layer_ops
 from kvpark.kernels.attention import AttentionBackend
+from kvpark.kernels.cpu_paged import KV_DTYPES
 from kvpark.kernels.quant_linear import QuantizedWeight
 
 from .config import ModelConfig
@@ -78,7 +79,7 @@ class LlamaModel(DecoderBase):
         cos, sin = rope_cos_sin(pad_rows(positions[:, None], min_rows)[:, 0],
                                 self.config.head_dim, self.config.rope_theta, x.dtype)
         if self.can_stack(rows, backend, kv_caches):
-            plan = backend.c_plan(self.config.head_dim)
+            plan = backend.c_plan(self.config.head_dim, kv_caches[0].dtype)
             x = self.stack.decode(x, cos, sin, kv_caches, plan)
         else:
             for layer, kv_cache in zip(self.layers, kv_caches):
@@ -88,7 +89,7 @@ class LlamaModel(DecoderBase):
     def can_stack(self, rows: BlockRows | None, backend: AttentionBackend,
                   kv_caches: list[torch.Tensor]) -> bool:
         """All rows read blocks and the C attention runs: `FusedStack` takes the step."""
+        caches = kv_caches[:len(self.layers)]
         return (self.stack is not None and rows is not None and rows.num_dense == 0
-                and hasattr(backend, "c_plan")
-                and all(c.dtype == torch.float32 and c.is_contiguous()
-                        for c in kv_caches[:len(self.layers)]))
+                and hasattr(backend, "c_plan") and caches[0].dtype in KV_DTYPES
+                and all(c.dtype == caches[0].dtype and c.is_contiguous() for c in caches))

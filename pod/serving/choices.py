@@ -16,7 +16,7 @@ from kvpark.kernels.cpu_features import CpuFeatures
 from kvpark.kernels.quant_linear import QuantizedWeight
 from kvpark.kernels.torch_paged import TorchPagedAttention
 
-from ..args import ServerArgs
+from ..args import ServerArgs, kv_cache_type
 from ..memory.budget import MIB
 from ..model.blocks_at_load import blocks_nbytes, make_missing_blocks
 from ..model.config import ModelConfig
@@ -39,6 +39,29 @@ def pick_dtype(args: ServerArgs, device: torch.device) -> torch.dtype:
     if args.dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, args.dtype)
+
+
+def pick_kv_dtype(args: ServerArgs, device: torch.device, dtype: torch.dtype,
+                  amx_prompt_rows: bool = False) -> torch.dtype:
+    """The KV pool's type (-ctk/-ctv, --kv-cache-dtype; `args.check` refused two). A float32
+    model on the CPU may keep bf16 K/V (its C kernels read them), and does by default where its
+    prompt rows' attention runs on AMX (`amx_prompt_rows`: it rounds K and V to bf16 for its
+    tiles already; a decode step then reads half the bytes). Anything else keeps the compute
+    type (FlashInfer and the torch backend attend in it): a ValueError (one log line, exit
+    code 2) for a type the pool cannot take here."""
+    named = kv_cache_type(args)
+    if named in (None, "auto"):
+        return torch.bfloat16 if amx_prompt_rows and dtype == torch.float32 else dtype
+    kv = getattr(torch, named)
+    if kv == dtype or (device.type == "cpu" and dtype == torch.float32 and kv == torch.bfloat16):
+        return kv
+    where = "a float32 model on the CPU takes f32 or bf16" if dtype == torch.float32 \
+        and device.type == "cpu" else f"here it holds the compute type ({_name(dtype)})"
+    raise ValueError(f"the KV pool cannot hold {named}: {where}")
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def pick_weight_format(args: ServerArgs, device: torch.device, dtype: torch.dtype,

@@ -62,6 +62,7 @@ from .choices import (
     pick_blocks,
     pick_device,
     pick_dtype,
+    pick_kv_dtype,
     pick_num_pages,
 )
 from .disk_cache import make_disk_tier, write_out
@@ -139,15 +140,21 @@ def build_draft(args: ServerArgs, target: LoadedModel, device: torch.device,
 
 
 def identity_of(loaded: LoadedModel, model: LlamaModel, weights_digest: str, dtype: torch.dtype,
-                num_layers: int, page_size: int, draft_key: str = "") -> ModelIdentity:
+                num_layers: int, page_size: int, draft_key: str = "",
+                kv_dtype: torch.dtype | None = None) -> ModelIdentity:
     """The one identity of what computed the pool's K/V (the target's, with a draft model's
-    or the MTP head's weights when there is one: `draft_key`)."""
+    or the MTP head's weights when there is one: `draft_key`) and the type they are kept in
+    (`kv_dtype`; None: the compute type)."""
+    def name(t: torch.dtype) -> str:
+        return str(t).removeprefix("torch.")
+
     return ModelIdentity(loaded.name, get_source_bytes(loaded.source), weights_digest,
-                         str(dtype).removeprefix("torch."), model.weight_format.value,
+                         name(dtype), model.weight_format.value,
                          model.has_blocks, num_layers, loaded.config.num_kv_heads,
                          loaded.config.head_dim, page_size,
                          draft=draft_key,
-                         state_layout=state_layout_of(loaded.config))
+                         state_layout=state_layout_of(loaded.config),
+                         kv_dtype="" if kv_dtype in (None, dtype) else name(kv_dtype))
 
 
 def state_layout_of(config: ModelConfig) -> str:
@@ -222,6 +229,7 @@ def build_stack(args: ServerArgs) -> ServingStack:
     device = pick_device(args)
     prepare_machine(args, device)
     dtype = pick_dtype(args, device)
+    pick_kv_dtype(args, device, dtype)  # a type the pool cannot take fails before the load
     target = load_target(args, device, dtype, stages)
     draft = build_draft(args, target.loaded, device, dtype)
     if draft is not None:
@@ -240,7 +248,7 @@ def build_stack(args: ServerArgs) -> ServingStack:
                         engine.scheduler.config.max_context, engine.scheduler, engine, metrics,
                         budget, model_path=target.loaded.source, defaults=defaults,
                         numerics=memory.identity.fingerprint(kernels), identity=memory.identity,
-                        kv_dtype=dtype,
+                        kv_dtype=memory.pool.dtype,
                         state_layout=memory.pool.states.layout if memory.pool.states else ())
 
 
@@ -299,21 +307,24 @@ def build_memory(args: ServerArgs, target: Target, draft: DraftStack | None,
     num_attention = len(config.attention_layers)  # a hybrid's DeltaNet layers have no pages
     num_drafting = (draft.loaded.config.num_layers if draft else 0) + (1 if target.mtp else 0)
     num_layers = num_attention + num_drafting  # a draft model's or the MTP head's after them
-    identity = identity_of(target.loaded, target.model, target.weights_digest, dtype,
-                           num_layers, args.page_size,
-                           draft.weights_key if draft else target.mtp_key)
-    states = make_state_pool(args, config, dtype, device)
-    state_bytes = states.total_bytes + checkpoint_pool_slots(args) * states.slot_bytes \
-        if states else 0
-    pool = KVPool(num_layers, pick_num_pages(args, config, num_layers, dtype, device,
-                                             state_bytes),
-                  args.page_size, config.num_kv_heads, config.head_dim, dtype=dtype,
-                  device=device, cache=make_prefix_cache(args, target.model, identity))
-    pool.states = states
+
     def prompt_rows_on_amx(model: LlamaModel) -> bool:
         return gemm_engine(model.weight_format, device) == "amx"
 
     backend = pick_backend(args, device, config, dtype, prompt_rows_on_amx(target.model))
+    # the C backend's prompt rows on AMX read K and V as bf16: the pool keeps them so by default
+    kv_dtype = pick_kv_dtype(args, device, dtype, getattr(backend, "amx_prompt_rows", False))
+    identity = identity_of(target.loaded, target.model, target.weights_digest, dtype,
+                           num_layers, args.page_size,
+                           draft.weights_key if draft else target.mtp_key, kv_dtype)
+    states = make_state_pool(args, config, dtype, device)
+    state_bytes = states.total_bytes + checkpoint_pool_slots(args) * states.slot_bytes \
+        if states else 0
+    pool = KVPool(num_layers, pick_num_pages(args, config, num_layers, kv_dtype, device,
+                                             state_bytes),
+                  args.page_size, config.num_kv_heads, config.head_dim, dtype=kv_dtype,
+                  device=device, cache=make_prefix_cache(args, target.model, identity))
+    pool.states = states
     drafter: Drafter | MTPDrafter | None = None
     if draft is not None:
         drafter = Drafter(draft.model, pick_backend(args, device, draft.loaded.config, dtype,
@@ -424,11 +435,12 @@ def log_summary(args: ServerArgs, target: Target, memory: Memory, draft: DraftSt
     loaded, model, pool = target.loaded, target.model, memory.pool
     c = loaded.config
     log.info("model %s (%s): %d layers, %d/%d heads, %s on %s, linears %s%s", loaded.name,
-             loaded.source, c.num_layers, c.num_heads, c.num_kv_heads, pool.dtype, pool.device,
-             model.weight_format.value, ", decode rows from blocks" if model.has_blocks else "")
-    log.info("KV pool: %d pages x %d tokens = %d tokens, %.1f MiB; %d slots", pool.num_pages,
-             pool.page_size, pool.capacity_tokens, pool.page_bytes * pool.num_pages / 2**20,
-             args.parallel)
+             loaded.source, c.num_layers, c.num_heads, c.num_kv_heads, memory.identity.dtype,
+             pool.device, model.weight_format.value,
+             ", decode rows from blocks" if model.has_blocks else "")
+    log.info("KV pool: %d pages x %d tokens = %d tokens, %s, %.1f MiB; %d slots", pool.num_pages,
+             pool.page_size, pool.capacity_tokens, str(pool.dtype).removeprefix("torch."),
+             pool.page_bytes * pool.num_pages / 2**20, args.parallel)
     log.info("attention backend %s%s", memory.backend.name,
              f", CUDA graphs for batch buckets {memory.graphs.buckets}" if memory.graphs else "")
     log.info("preemption %s; preempt-ram budget %s; preempt-every %d; watermarks %g%%/%g%%; "

@@ -249,3 +249,48 @@ def test_a_draft_model_turns_on_drafting_by_it_and_refuses_other_drafting(capsys
     missing = tmp_path / "draft.gguf"
     assert f"--model-draft {missing}: no such file or directory" in refused(
         capsys, ["--model-draft", str(missing)], {})
+
+
+def test_the_pools_type_by_llama_cpp_and_vllm_names(capsys):
+    """-ctk/-ctv (and llama-server's LLAMA_ARG_CACHE_TYPE_K/V) or --kv-cache-dtype name the one
+    type K and V share; two names that disagree are refused before start."""
+    from kvpark.pod.args import kv_cache_type
+
+    assert kv_cache_type(parse_args([], env={})) == "auto"
+    assert kv_cache_type(parse_args(["-ctk", "bf16", "-ctv", "bf16"], env={})) == "bfloat16"
+    assert kv_cache_type(parse_args(["-ctk", "bf16"], env={})) == "bfloat16"
+    env = {"LLAMA_ARG_CACHE_TYPE_K": "f32", "LLAMA_ARG_CACHE_TYPE_V": "f32"}
+    assert kv_cache_type(parse_args([], env=env)) == "float32"
+    assert kv_cache_type(parse_args(["--kv-cache-dtype", "bfloat16"], env={})) == "bfloat16"
+    with pytest.raises(SystemExit):
+        parse_args(["-ctk", "bf16", "-ctv", "f32"], env={})
+    assert "K and V share one pool type" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["-ctk", "q8_0"], env={})
+
+
+@pytest.mark.parametrize("flags,device,dtype,amx,want", [
+    ([], "cpu", "float32", False, "float32"),
+    ([], "cpu", "float32", True, "bfloat16"),  # AMX prompt rows read K/V as bf16 already
+    (["-ctk", "f32", "-ctv", "f32"], "cpu", "float32", True, "float32"),
+    (["--kv-cache-dtype", "bfloat16"], "cpu", "float32", False, "bfloat16"),
+    (["-ctk", "bf16", "-ctv", "bf16"], "cpu", "bfloat16", False, "bfloat16"),
+    ([], "cpu", "bfloat16", True, "bfloat16"),
+    ([], "cuda", "bfloat16", False, "bfloat16"),
+    (["-ctk", "f16", "-ctv", "f16"], "cpu", "float32", False, "the KV pool cannot hold float16"),
+    (["-ctk", "f32", "-ctv", "f32"], "cuda", "bfloat16", False,
+     "the KV pool cannot hold float32: here it holds the compute type (bfloat16)"),
+    (["-ctk", "f32", "-ctv", "f32"], "cpu", "bfloat16", False, "the KV pool cannot hold"),
+])
+def test_the_pools_type_on_each_device(flags, device, dtype, amx, want):
+    import torch
+
+    from kvpark.pod.serving.choices import pick_kv_dtype
+
+    args = parse_args(flags, env={})
+    if want.startswith("the KV pool"):
+        with pytest.raises(ValueError, match=want.replace("(", r"\(").replace(")", r"\)")):
+            pick_kv_dtype(args, torch.device(device), getattr(torch, dtype), amx)
+    else:
+        assert pick_kv_dtype(args, torch.device(device), getattr(torch, dtype), amx) == \
+            getattr(torch, want)

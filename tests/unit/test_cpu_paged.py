@@ -48,11 +48,14 @@ def same_bytes(a, b):
 
 
 @pytest.mark.parametrize("hq,hkv,d,page_size", [(9, 3, 64, 16), (4, 2, 24, 4)])
-def test_rows_past_a_chunk_have_the_same_bits_whoever_computes_them(isa, hq, hkv, d, page_size):
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_rows_past_a_chunk_have_the_same_bits_whoever_computes_them(isa, hq, hkv, d, page_size,
+                                                                   kv_dtype):
     """A row's prefix is cut into chunks of 256 positions; a step of few rows hands its chunks to
     different threads. Rows at the chunk edges (255..257, 511..513) and at 700 give the same
     bytes as decode rows alone on 1, 2 or 3 threads, beside a neighbour, and inside prefill chunks
-    that straddle an edge (split by chunk or not) - and match plain attention."""
+    that straddle an edge (split by chunk or not) - and match plain attention. A float32 or a
+    bf16 pool (head dim 64 read by pairs, 24 widened a row at a time)."""
     gen = torch.Generator().manual_seed(13)
     kv_len, other_pages = 701, 8
     pages = -(-kv_len // page_size)
@@ -62,6 +65,8 @@ def test_rows_past_a_chunk_have_the_same_bits_whoever_computes_them(isa, hq, hkv
     padding = torch.zeros(pages * page_size - kv_len, hkv, d)
     cache[table, 0] = torch.cat([k, padding]).view(pages, page_size, hkv, d)
     cache[table, 1] = torch.cat([v, padding]).view(pages, page_size, hkv, d)
+    cache = cache.to(kv_dtype)
+    k, v = k.to(kv_dtype).float(), v.to(kv_dtype).float()  # the values the pool holds
     q = torch.randn(kv_len, hq, d, generator=gen)  # the query of every position
     other_q = torch.randn(5, hq, d, generator=gen)
 

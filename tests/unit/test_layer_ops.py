@@ -20,7 +20,7 @@ ROWS = 7  # across the linears' row tiles of 4
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.int32)
+    return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -238,7 +238,8 @@ def test_a_wrong_scratch_or_shape_is_refused(layer):
     assert status == 3  # scratch too small: refused before anything is written
 
 
-def decode_step(model: LlamaModel, contexts: list[int], use_stack: bool):
+def decode_step(model: LlamaModel, contexts: list[int], use_stack: bool,
+                kv_dtype: torch.dtype = torch.float32):
     """One decode row per context over a pool of random K/V (scattered pages): the hidden
     states and the caches after the step, through `FusedStack` or the Python layer loop."""
     from kvpark.kernels.attention import StepLayout
@@ -247,7 +248,7 @@ def decode_step(model: LlamaModel, contexts: list[int], use_stack: bool):
     from kvpark.pod.model.linear import BlockRows
 
     c, ps = model.config, 16
-    pool = KVPool(c.num_layers, 64, ps, c.num_kv_heads, c.head_dim)
+    pool = KVPool(c.num_layers, 64, ps, c.num_kv_heads, c.head_dim, dtype=kv_dtype)
     generator = torch.Generator().manual_seed(7)
     for cache in pool.caches:
         cache.normal_(generator=generator)
@@ -257,24 +258,27 @@ def decode_step(model: LlamaModel, contexts: list[int], use_stack: bool):
     backend.plan(StepLayout(tables, [n + 1 for n in contexts], [1] * len(contexts), ps))
     ids = torch.randint(0, c.vocab_size, (len(contexts),), generator=generator)
     stack, model.stack = model.stack, (model.stack if use_stack else None)
+    rows = BlockRows.from_mask([True] * len(contexts))
     try:
-        hidden = model(ids, torch.tensor(contexts), backend, pool.caches,
-                       BlockRows.from_mask([True] * len(contexts)))
+        assert model.can_stack(rows, backend, pool.caches) == use_stack
+        hidden = model(ids, torch.tensor(contexts), backend, pool.caches, rows)
     finally:
         model.stack = stack
     return hidden, pool.caches
 
 
-def test_all_layers_in_one_call_give_the_layer_loops_bits(smollm2):
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_all_layers_in_one_call_give_the_layer_loops_bits(smollm2, kv_dtype):
     """`FusedStack` makes the loop's C calls in its order: the same hidden states and K/V, bit
-    for bit, one row or several, short and long contexts."""
+    for bit, one row or several, short and long contexts, a float32 or a bf16 pool."""
     model = LlamaModel(smollm2.config, smollm2.weights, quantized=smollm2.quantized)
     assert model.stack is not None
     for contexts in ([40], [5, 77, 130], [300, 0]):
-        stacked, stacked_kv = decode_step(model, contexts, use_stack=True)
-        looped, looped_kv = decode_step(model, contexts, use_stack=False)
+        stacked, stacked_kv = decode_step(model, contexts, True, kv_dtype)
+        looped, looped_kv = decode_step(model, contexts, False, kv_dtype)
         assert same_bits(stacked, looped)
-        assert all(same_bits(a, b) for a, b in zip(stacked_kv, looped_kv, strict=True))
+        assert all(same_bits(a, b) and a.dtype == kv_dtype
+                   for a, b in zip(stacked_kv, looped_kv, strict=True))
     assert LlamaModel(smollm2.config, smollm2.weights).stack is None  # no blocks, no stack
     model.drop_blocks()
     assert model.stack is None
