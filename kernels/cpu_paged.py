@@ -12,7 +12,8 @@ Every query row is computed by the same arithmetic whatever else the step holds 
 file), so greedy output stays independent of batch neighbours and of prompt chunking, and a
 recompute replay reproduces the decode rows' bits. Float32 rows; the pool float32 or bf16
 (`--cache-type-k/v bf16`: half the bytes a decode step streams; each value read exactly as the
-float32 it is the top half of, so the arithmetic is the float32 pool's on rounded values).
+float32 it is the top half of, float32 products; the dots add them in lanes of their own, see
+the C file).
 
 Where the prompt rows' linears run on AMX, the rows a step's layout marks as prompt rows take
 `csrc/amx_attention.c` instead (bf16 tile products, float32 sums; the same per-row guarantee),
