@@ -216,20 +216,16 @@ class DecoderLayer(nn.Module):
         if rows.num_dense == 0:
             q, k, v = fused.attention_inputs(x, cos, sin).split(heads, dim=1)
         else:
-            blocks, dense = rows.blocks, rows.dense
             parts = [
-                (blocks, fused.attention_inputs(x.index_select(0, blocks),
-                                                cos.index_select(0, blocks),
-                                                sin.index_select(0, blocks)).split(heads, 1)),
-                (dense, self.attention_inputs(x.index_select(0, dense),
-                                              cos.index_select(0, dense),
-                                              sin.index_select(0, dense),
-                                              BlockRows.all_dense(rows.num_dense))),
+                (False, fused.attention_inputs(*(rows.take(t, False) for t in (x, cos, sin)))
+                 .split(heads, 1)),
+                (True, self.attention_inputs(*(rows.take(t, True) for t in (x, cos, sin)),
+                                             BlockRows.all_dense(rows.num_dense))),
             ]
             q, k, v = (torch.empty(num_rows, n, c.head_dim) for n in heads)
-            for index, part in parts:
+            for dense, part in parts:
                 for full, rows_part in zip((q, k, v), part):
-                    full.index_copy_(0, index, rows_part)
+                    rows.put(full, dense, rows_part)
         backend.append_kv(kv_cache, k, v)
         attn = backend.attend(q, kv_cache)  # [rows, heads, D]
         if not attn.is_contiguous():  # the torch reference's is a transposed view
@@ -237,10 +233,8 @@ class DecoderLayer(nn.Module):
         if rows.num_dense == 0:
             return fused.mlp_residual(x, attn)
         out = torch.empty_like(x)
-        out.index_copy_(0, rows.blocks, fused.mlp_residual(x.index_select(0, rows.blocks),
-                                                           attn.index_select(0, rows.blocks)))
-        dense_attn = attn.index_select(0, rows.dense).reshape(rows.num_dense, -1)
-        out.index_copy_(0, rows.dense,
-                        self.mlp_residual(x.index_select(0, rows.dense), dense_attn,
-                                          BlockRows.all_dense(rows.num_dense)))
+        rows.put(out, False, fused.mlp_residual(rows.take(x, False), rows.take(attn, False)))
+        dense_attn = rows.take(attn, True).reshape(rows.num_dense, -1)
+        rows.put(out, True, self.mlp_residual(rows.take(x, True), dense_attn,
+                                              BlockRows.all_dense(rows.num_dense)))
         return out

@@ -88,11 +88,31 @@ class BlockRows:
 
     blocks: torch.Tensor  # row indices, int64
     dense: torch.Tensor
+    # (first, stop) where the rows of a kind are one run, as a step's usually are (its decode
+    # rows come first): they are taken as views and put back as one copy, not gathered
+    blocks_run: tuple[int, int] | None = None
+    dense_run: tuple[int, int] | None = None
 
     @classmethod
     def from_mask(cls, from_blocks: list[bool]) -> BlockRows:
         mask = torch.tensor(from_blocks, dtype=torch.bool)
-        return cls(mask.nonzero()[:, 0], (~mask).nonzero()[:, 0])
+        return cls(mask.nonzero()[:, 0], (~mask).nonzero()[:, 0],
+                   one_run(from_blocks, True), one_run(from_blocks, False))
+
+    def take(self, t: torch.Tensor, dense: bool) -> torch.Tensor:
+        """The rows of `t` of one kind (a view where they are one run)."""
+        run = self.dense_run if dense else self.blocks_run
+        if run is not None:
+            return t[run[0]:run[1]]
+        return t.index_select(0, self.dense if dense else self.blocks)
+
+    def put(self, out: torch.Tensor, dense: bool, rows: torch.Tensor) -> None:
+        """out's rows of one kind = `rows`."""
+        run = self.dense_run if dense else self.blocks_run
+        if run is not None:
+            out[run[0]:run[1]].copy_(rows)
+        else:
+            out.index_copy_(0, self.dense if dense else self.blocks, rows)
 
     @property
     def num_blocks(self) -> int:
@@ -104,7 +124,17 @@ class BlockRows:
 
     @classmethod
     def all_dense(cls, num_rows: int) -> BlockRows:
-        return cls(torch.empty(0, dtype=torch.long), torch.arange(num_rows))
+        return cls(torch.empty(0, dtype=torch.long), torch.arange(num_rows), (0, 0),
+                   (0, num_rows))
+
+
+def one_run(mask: list[bool], kind: bool) -> tuple[int, int] | None:
+    """(first, stop) of the entries equal to `kind` where they are one run (or none), else
+    None."""
+    at = [i for i, m in enumerate(mask) if m == kind]
+    if not at:
+        return (0, 0)
+    return (at[0], at[-1] + 1) if at[-1] + 1 - at[0] == len(at) else None
 
 
 class Linear:
@@ -150,9 +180,9 @@ class Linear:
         if rows.num_dense == 0:
             return self.from_blocks(x)
         out = torch.empty(x.shape[0], self.blocks.out_features, dtype=x.dtype)
-        dense_x = pad_rows(x.index_select(0, rows.dense), MIN_INVARIANT_ROWS)
-        out.index_copy_(0, rows.dense, self.dense(dense_x)[: rows.num_dense])
-        out.index_copy_(0, rows.blocks, self.from_blocks(x.index_select(0, rows.blocks)))
+        dense_x = pad_rows(rows.take(x, dense=True), MIN_INVARIANT_ROWS)
+        rows.put(out, True, self.dense(dense_x)[: rows.num_dense])
+        rows.put(out, False, self.from_blocks(rows.take(x, dense=False)))
         return out
 
     @property

@@ -282,3 +282,45 @@ def test_all_layers_in_one_call_give_the_layer_loops_bits(smollm2, kv_dtype):
     assert LlamaModel(smollm2.config, smollm2.weights).stack is None  # no blocks, no stack
     model.drop_blocks()
     assert model.stack is None
+
+
+def test_rows_of_one_kind_in_one_run_are_views_with_the_gathers_bits(smollm2):
+    """A step's decode rows come first, so each kind of row is usually one run: taken as a view
+    and put back as one copy, with the bits of gathering them (rows of a recompute replay, where
+    the kinds interleave, still gather)."""
+    from kvpark.kernels.attention import StepLayout
+    from kvpark.kernels.cpu_paged import CpuPagedAttention
+    from kvpark.pod.memory.kv_pool import KVPool
+
+    x = torch.arange(12.0).view(6, 2)
+    runs = BlockRows.from_mask([True, True, False, False, False, False])
+    assert (runs.blocks_run, runs.dense_run) == ((0, 2), (2, 6))
+    assert runs.take(x, True).data_ptr() == x[2].data_ptr()  # a view, no gather
+    mixed = BlockRows.from_mask([False, True, False, True, True, False])
+    assert (mixed.blocks_run, mixed.dense_run) == (None, None)
+    assert torch.equal(mixed.take(x, False), x[[1, 3, 4]])
+    out = torch.zeros(6, 2)
+    for rows in (runs, mixed):
+        rows.put(out, True, rows.take(x, True) + 1)
+        rows.put(out, False, rows.take(x, False) - 1)
+        assert torch.equal(out[rows.dense], x[rows.dense] + 1)
+        assert torch.equal(out[rows.blocks], x[rows.blocks] - 1)
+
+    model = LlamaModel(smollm2.config, smollm2.weights, quantized=smollm2.quantized)
+    c, ps = model.config, 16
+    kv_lens, q_lens = [41, 78, 20], [1, 1, 20]  # two decode rows, then a prompt chunk
+
+    def step(rows: BlockRows) -> torch.Tensor:
+        pool = KVPool(c.num_layers, 16, ps, c.num_kv_heads, c.head_dim)
+        for cache in pool.caches:
+            cache.normal_(generator=torch.Generator().manual_seed(3))
+        backend = CpuPagedAttention()
+        backend.plan(StepLayout([[0, 1, 2], [3, 4, 5, 6, 7], [8, 9]], kv_lens, q_lens, ps))
+        ids = torch.arange(22) * 7
+        positions = torch.tensor([40, 77, *range(20)])
+        return model(ids, positions, backend, pool.caches, rows)
+
+    viewed = BlockRows.from_mask([True, True] + [False] * 20)
+    assert viewed.blocks_run == (0, 2)
+    gathered = dataclasses.replace(viewed, blocks_run=None, dense_run=None)
+    assert same_bits(step(viewed), step(gathered))
