@@ -98,6 +98,8 @@ class AttentionBackend(ABC):
     # a backend that declares it offers `prepare_graph(batch_size, max_pages)` and
     # `plan_graph(layout)`, which CUDA graphs of decode steps need (pod/cuda_graphs.py)
     can_capture_graphs: bool = False
+    # prompt rows' attention on AMX tiles, K and V rounded to bf16 (kernels/cpu_paged.py)
+    amx_prompt_rows: bool = False
 
     @abstractmethod
     def plan(self, layout: StepLayout) -> None: ...

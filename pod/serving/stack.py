@@ -313,7 +313,7 @@ def build_memory(args: ServerArgs, target: Target, draft: DraftStack | None,
 
     backend = pick_backend(args, device, config, dtype, prompt_rows_on_amx(target.model))
     # the C backend's prompt rows on AMX read K and V as bf16: the pool keeps them so by default
-    kv_dtype = pick_kv_dtype(args, device, dtype, getattr(backend, "amx_prompt_rows", False))
+    kv_dtype = pick_kv_dtype(args, device, dtype, backend.amx_prompt_rows)
     identity = identity_of(target.loaded, target.model, target.weights_digest, dtype,
                            num_layers, args.page_size,
                            draft.weights_key if draft else target.mtp_key, kv_dtype)

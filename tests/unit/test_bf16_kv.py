@@ -36,7 +36,8 @@ def random_pool(num_pages: int, kv_heads: int, head_dim: int, seed: int) -> torc
 
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 8, 128), (4, 2, 24)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_a_bf16_pool_gives_float32_attention_over_its_values(isa, hq, hkv, d, threads):
+def test_a_bf16_pool_gives_float32_attention_over_its_values(isa, hq, hkv, d, threads,
+                                                              monkeypatch):
     """Decode rows and prompt rows (chunk edges at 256 and 512 inside them), several sequences
     in one step: float32 attention over the pool's values, products exact (64 and 128 read by
     pairs, whose lane sums are their own; 24 widened a row at a time: the float32 path's bytes).
@@ -46,7 +47,9 @@ def test_a_bf16_pool_gives_float32_attention_over_its_values(isa, hq, hkv, d, th
     q = torch.randn(sum(q_lens), hq, d, generator=torch.Generator().manual_seed(5))
     layout = StepLayout(tables(kv_lens, 80), kv_lens, q_lens, PS)
     backend = CpuPagedAttention(isa=isa, num_threads=threads)
-    from_bf16 = attend(backend, q, pool, layout)
+    with monkeypatch.context() as m:  # the C kernel, not the reference it falls back to
+        m.setattr(TorchPagedAttention, "attend", None)
+        from_bf16 = attend(backend, q, pool, layout)
     widened = attend(backend, q, pool.float(), layout)
     if d % 32:
         assert same_bits(from_bf16, widened)
