@@ -56,6 +56,7 @@ class ServerArgs:
     ctx_size: int | None = None  # None: 8192 on the CPU, sized from free memory on CUDA
     page_size: int = 16
     batch_size: int = 512
+    prefill_first: str = "auto"  # seconds a decode row may sit out steps for waiting prompts
     preempt: bool = True
     preempt_ram: str = "8192"
     preempt_every: int = 0
@@ -226,6 +227,12 @@ def _seconds_or_zero(value: str) -> float:
     if not 0 <= number < float("inf"):
         raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {value}")
     return number
+
+
+def _seconds_or_auto(value: str) -> str:
+    if value == "auto":
+        return value
+    return str(_seconds_or_zero(value))
 
 
 def _fraction(value: str) -> float:
@@ -485,6 +492,11 @@ def add_pool_flags(g: argparse._ArgumentGroup) -> None:
          text="tokens per KV page")
     _add(g, "--batch-size", "-b", dest="batch_size", type=_positive, metavar="N",
          text="tokens per step at most (prompts are prefilled in chunks of this size)")
+    _add(g, "--prefill-first", dest="prefill_first", type=_seconds_or_auto, metavar="SECONDS",
+         text="while more prompt tokens wait than one step takes, running sequences' decode "
+         "rows sit out steps until they have waited SECONDS since their last one (prompts' "
+         "first tokens sooner, a bounded stall between tokens); 0 = a decode row joins every "
+         "step (vLLM's order); auto = 1 on the CPU, 0 on CUDA")
     _add(g, "--prefix-cache", dest="prefix_cache", action=argparse.BooleanOptionalAction,
          text="keep full KV pages after a request and share them with any request whose "
          "prompt starts the same")

@@ -49,6 +49,8 @@ class Scheduler:
         self.high_pages = int(self.pool.num_pages * config.preempt_high)
         self.low_pages = int(self.pool.num_pages * config.preempt_low)
         self.speculator = Speculator(config.spec, config.max_context)  # drafts, after the grant
+        self.clock: Callable[[], float] = time.monotonic  # steps' times (tests set their own)
+        self.decode_rows_held = 0  # decode rows that sat a step out for prompts (prefill first)
 
     def notify(self, seq: Sequence, event: SeqEvent, text: str = "") -> None:
         if event is SeqEvent.FINISHED:
@@ -147,9 +149,11 @@ class Scheduler:
         if self.config.preempt:
             self._restore_parked()
             self._force_parks()
-        ps = self.pool.page_size
+        ps, now = self.pool.page_size, self.clock()
         while True:
-            plan, blocked = grant_pages(step_order(self.running), self.config.batch_size,
+            runnable, held = step_plan.hold_decode_rows(
+                step_order(self.running), self.config.batch_size, now, self.config.prefill_first)
+            plan, blocked = grant_pages(runnable, self.config.batch_size,
                                         self.pool.num_free_pages, ps,
                                         prompt_checkpoints=self.pool.checkpoints is not None)
             # would the step pass the high watermark (a granted step never passes the pool)?
@@ -174,8 +178,10 @@ class Scheduler:
         if self.config.spec.enabled:  # drafts take unused pages only: they evict nothing
             unused = self.pool.num_free_pages - self.pool.num_cached_pages
             plan = add_drafts(plan, self.speculator, self.config.batch_size, unused, ps)
+        self.decode_rows_held += held
         for item in plan:
             item.seq.page_table.extend(self.pool.allocate(item.new_pages(ps)))
+            item.seq.last_step_at = now
         return plan
 
     # ---- parking -----------------------------------------------------------------------------

@@ -11,6 +11,9 @@ from .speculation import SpecConfig
 class SchedulerConfig:
     num_slots: int
     batch_size: int = 512  # tokens per step, prefill chunks included
+    # seconds a decode row may sit out steps while more prompt tokens wait than a step takes
+    # (0: decode rows join every step)
+    prefill_first: float = 0.0
     preempt: bool = True
     preempt_every: int = 0  # force a park + resume every N generated tokens (0: off)
     max_context: int = 1 << 30  # tokens one sequence may reach (finish_reason "length")

@@ -155,6 +155,7 @@ class Sequence:
     slot_id: int | None = None
     phase: Phase = Phase.WAITING
     arrival: float = field(default_factory=time.monotonic)
+    last_step_at: float = 0.0  # when a step last gave it rows (monotonic; --prefill-first)
     parking: ParkState = field(default_factory=ParkState)
     spec: SpecState = field(default_factory=SpecState)  # drafts verified (--spec-type)
     constraint: TokenConstraint | None = None  # masks what may be sampled next (grammars)

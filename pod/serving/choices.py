@@ -60,6 +60,17 @@ def pick_kv_dtype(args: ServerArgs, device: torch.device, dtype: torch.dtype,
     raise ValueError(f"the KV pool cannot hold {named}: {where}")
 
 
+def pick_prefill_first(args: ServerArgs, device: torch.device) -> float:
+    """Seconds a decode row may sit out steps for waiting prompts (`--prefill-first`). Auto:
+    one second on the CPU, where a step's decode rows cost a pass over weights of their own
+    (benchmarks/README.md, "Prompts first"); 0 on CUDA, where a step's decode rows share the
+    prompt rows' weights: vLLM's order, every running sequence in every step (not measured
+    there)."""
+    if args.prefill_first == "auto":
+        return 1.0 if device.type == "cpu" else 0.0
+    return float(args.prefill_first)
+
+
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

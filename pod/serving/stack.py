@@ -64,6 +64,7 @@ from .choices import (
     pick_dtype,
     pick_kv_dtype,
     pick_num_pages,
+    pick_prefill_first,
 )
 from .disk_cache import make_disk_tier, write_out
 from .kv_event_publisher import KvEventOutlet, KvEventsConfig, ZmqEventPublisher
@@ -173,9 +174,11 @@ def make_prefix_cache(args: ServerArgs, model: LlamaModel, identity: ModelIdenti
     return PrefixCache(identity.text, args.page_size, split_kinds=model.has_blocks)
 
 
-def scheduler_config_of(args: ServerArgs, max_context: int) -> SchedulerConfig:
+def scheduler_config_of(args: ServerArgs, max_context: int, device: torch.device
+                        ) -> SchedulerConfig:
     """The scheduler's slice of the flags, in its own units (watermarks as shares)."""
     return SchedulerConfig(num_slots=args.parallel, batch_size=args.batch_size,
+                           prefill_first=pick_prefill_first(args, device),
                            preempt=args.preempt, preempt_every=args.preempt_every,
                            max_context=max_context, preempt_high=args.preempt_high / 100,
                            preempt_low=args.preempt_low / 100, resume_order=args.preempt_resume,
@@ -378,7 +381,12 @@ def build_engine(args: ServerArgs, target: Target, memory: Memory, budget: Budge
                      fail_allocations=args.preempt_fail_swap)
     # without max_tokens a sequence ends ("length") at the model's context or when it alone
     # fills the whole pool, whichever comes first
-    config = scheduler_config_of(args, min(loaded.config.max_position, pool.capacity_tokens))
+    config = scheduler_config_of(args, min(loaded.config.max_position, pool.capacity_tokens),
+                                 device)
+    log.info("scheduling: %s", "prompts first: decode rows sit out steps for up to "
+             f"{config.prefill_first:g} s while more prompt tokens wait than a step takes "
+             "(--prefill-first)" if config.prefill_first > 0
+             else "every running sequence's decode row in every step (--prefill-first 0)")
     copy = make_copy_engine(pool, args.preempt_async)
     pool.tier = make_host_tier(args, pool, host, copy)
     if pool.states is not None and pool.cache is not None:

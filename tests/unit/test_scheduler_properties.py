@@ -11,6 +11,7 @@ cached + parked bytes, each host page counted once however many parked sequences
 past the budget, and the cached part never past `--cache-ram`.
 """
 
+import itertools
 from collections import Counter
 
 import torch
@@ -63,8 +64,10 @@ def verified_sevens(draft: tuple[int, ...]) -> tuple[Sampled, ...]:
 
 def make_engine(budget_pages: int, preempt: bool, preempt_every: int,
                 batch_size: int = 8, prefix_cache: bool = False,
-                cache_pages: int | None = None, spec: SpecConfig | None = None) -> Engine:
-    """With `cache_pages` (-1: no cap of its own) the pool gets a host tier."""
+                cache_pages: int | None = None, spec: SpecConfig | None = None,
+                prefill_first: float = 0.0) -> Engine:
+    """With `cache_pages` (-1: no cap of its own) the pool gets a host tier; with
+    `prefill_first` the scheduler's clock ticks a tenth of a second a step."""
     cache = PrefixCache("test-model", PAGE_SIZE) if prefix_cache else None
     pool = KVPool(num_layers=1, num_pages=NUM_PAGES, page_size=PAGE_SIZE, num_kv_heads=1,
                   head_dim=2, cache=cache)
@@ -74,9 +77,11 @@ def make_engine(budget_pages: int, preempt: bool, preempt_every: int,
         cap = cache_pages if cache_pages < 0 else cache_pages * pool.page_bytes
         pool.tier = HostTier(host, SyncCopyEngine(pool), pool.host_page_shape, pool.dtype, cap)
     config = SchedulerConfig(num_slots=3, batch_size=batch_size, preempt=preempt,
-                             preempt_every=preempt_every, spec=spec or SpecConfig())
-    return Engine(Scheduler(config, pool, Swapper(pool, host), frozenset({EOS})),
-                  FakeRunner(pool if prefix_cache else None))
+                             preempt_every=preempt_every, spec=spec or SpecConfig(),
+                             prefill_first=prefill_first)
+    scheduler = Scheduler(config, pool, Swapper(pool, host), frozenset({EOS}))
+    scheduler.clock = map(lambda step: step / 10, itertools.count()).__next__
+    return Engine(scheduler, FakeRunner(pool if prefix_cache else None))
 
 
 def make_seq(prompt_len: int, max_tokens: int, finished: dict, token: int = 1) -> Sequence:
@@ -202,6 +207,20 @@ def test_invariants_hold_with_the_host_tier(events, budget_pages, preempt, preem
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(events=st.lists(prefix_event, max_size=60),
        budget_pages=st.sampled_from([-1, 0, 3, 50]), preempt=st.booleans(),
+       preempt_every=st.sampled_from([0, 3]), prefill_first=st.sampled_from([0.15, 0.5, 3.0]),
+       spec=st.booleans())
+def test_invariants_hold_with_prompts_first(events, budget_pages, preempt, preempt_every,
+                                            prefill_first, spec):
+    """The same events with decode rows sitting steps out while prompts wait
+    (`--prefill-first`), drafts or not: nothing waits forever, every page comes back."""
+    run_events(events, budget_pages, preempt, preempt_every, prefix_cache=True,
+               spec=SpecConfig("ngram-simple", draft_max=3) if spec else None,
+               prefill_first=prefill_first)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(events=st.lists(prefix_event, max_size=60),
+       budget_pages=st.sampled_from([-1, 0, 3, 50]), preempt=st.booleans(),
        preempt_every=st.sampled_from([0, 3]), draft_max=st.integers(1, 6))
 def test_invariants_hold_with_speculation(events, budget_pages, preempt, preempt_every,
                                           draft_max):
@@ -213,9 +232,9 @@ def test_invariants_hold_with_speculation(events, budget_pages, preempt, preempt
 
 
 def run_events(events, budget_pages, preempt, preempt_every, prefix_cache=False,
-               cache_pages=None, spec: SpecConfig | None = None):
+               cache_pages=None, spec: SpecConfig | None = None, prefill_first: float = 0.0):
     engine = make_engine(budget_pages, preempt, preempt_every, prefix_cache=prefix_cache,
-                         cache_pages=cache_pages, spec=spec)
+                         cache_pages=cache_pages, spec=spec, prefill_first=prefill_first)
     s = engine.scheduler
     seqs: list[Sequence] = []
     finished: dict[int, int] = {}
