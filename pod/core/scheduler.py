@@ -23,7 +23,7 @@ from .reporting import report
 from .scheduler_config import SchedulerConfig
 from .sequence import Phase, PreemptMode, Sequence
 from .speculation import Speculator, pages_past
-from .step_plan import ScheduledSeq, add_drafts, grant_pages, step_order, step_pages
+from .step_plan import ScheduledSeq, StepCandidates, add_drafts, grant_pages, step_pages
 from .stopping import stop_reason
 from .swap import Resumed, Swapper
 
@@ -49,8 +49,7 @@ class Scheduler:
         self.high_pages = int(self.pool.num_pages * config.preempt_high)
         self.low_pages = int(self.pool.num_pages * config.preempt_low)
         self.speculator = Speculator(config.spec, config.max_context)  # drafts, after the grant
-        self.clock: Callable[[], float] = time.monotonic  # steps' times (tests set their own)
-        self.decode_rows_held = 0  # decode rows that sat a step out for prompts (prefill first)
+        self.candidates = StepCandidates(config.prefill_first, config.batch_size)
 
     def notify(self, seq: Sequence, event: SeqEvent, text: str = "") -> None:
         if event is SeqEvent.FINISHED:
@@ -149,12 +148,10 @@ class Scheduler:
         if self.config.preempt:
             self._restore_parked()
             self._force_parks()
-        ps, now = self.pool.page_size, self.clock()
+        ps = self.pool.page_size
         while True:
-            runnable, held = step_plan.hold_decode_rows(
-                step_order(self.running), self.config.batch_size, now, self.config.prefill_first)
-            plan, blocked = grant_pages(runnable, self.config.batch_size,
-                                        self.pool.num_free_pages, ps,
+            plan, blocked = grant_pages(self.candidates.pick(self.running),
+                                        self.config.batch_size, self.pool.num_free_pages, ps,
                                         prompt_checkpoints=self.pool.checkpoints is not None)
             # would the step pass the high watermark (a granted step never passes the pool)?
             over_high = not blocked and self.config.preempt and policy.passes_high(
@@ -178,10 +175,9 @@ class Scheduler:
         if self.config.spec.enabled:  # drafts take unused pages only: they evict nothing
             unused = self.pool.num_free_pages - self.pool.num_cached_pages
             plan = add_drafts(plan, self.speculator, self.config.batch_size, unused, ps)
-        self.decode_rows_held += held
         for item in plan:
             item.seq.page_table.extend(self.pool.allocate(item.new_pages(ps)))
-            item.seq.last_step_at = now
+        self.candidates.stepped(plan)
         return plan
 
     # ---- parking -----------------------------------------------------------------------------
@@ -273,8 +269,7 @@ class Scheduler:
             self._mark_resumed(seq, resumed)
 
     def wait_for_copies(self) -> bool:
-        """Block until every copy in flight has landed, then settle them (idle or shutdown);
-        False when none was in flight."""
+        """Block until every copy in flight has landed, then settle them; False when none was."""
         waited = bool(self.swapper.num_in_flight)
         for seq, resumed in self.swapper.wait_all():
             self._mark_resumed(seq, resumed)
@@ -315,8 +310,7 @@ class Scheduler:
                 self._take_output(item, output, seconds)
 
     def _take_output(self, item: ScheduledSeq, output: ChunkOutput, seconds: float) -> None:
-        seq = item.seq
-        in_prompt = seq.in_prompt
+        seq, in_prompt = item.seq, item.seq.in_prompt
         if in_prompt:
             seq.output.prompt_seconds += seconds
         seq.output.prompt_logprobs.extend(output.prompt_logprobs)  # before any event: all there

@@ -4,6 +4,8 @@ budget and the pages the pool can give (the scheduler decides who is running at 
 from __future__ import annotations
 
 import dataclasses
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..memory.paging import pages_for
@@ -65,6 +67,31 @@ def hold_decode_rows(running: list[Sequence], batch_size: int, now: float, wait:
         return running, 0
     kept = [s for s in running if s.num_pending > 1 or now - s.last_step_at >= wait]
     return kept, len(running) - len(kept)
+
+
+@dataclass
+class StepCandidates:
+    """Who may feed rows in the next step, in step order: every running sequence but the decode
+    rows that sit it out for waiting prompts (`hold_decode_rows`); the scheduler stamps those
+    that stepped. `held` counts the rows that sat a step out (a metric)."""
+
+    prefill_first: float  # seconds a decode row may sit out (0: never)
+    batch_size: int
+    clock: Callable[[], float] = time.monotonic  # tests set their own
+    held: int = 0
+    _now: float = 0.0
+    _held_now: int = 0
+
+    def pick(self, running: list[Sequence]) -> list[Sequence]:
+        self._now = self.clock()
+        kept, self._held_now = hold_decode_rows(step_order(running), self.batch_size, self._now,
+                                                self.prefill_first)
+        return kept
+
+    def stepped(self, plan: list[ScheduledSeq]) -> None:
+        self.held += self._held_now
+        for item in plan:
+            item.seq.last_step_at = self._now
 
 
 def grant_pages(running: list[Sequence], batch_size: int, free_pages: int,

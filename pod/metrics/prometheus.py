@@ -139,7 +139,7 @@ class SchedulerCollector(Collector):
         yield from _spec_decode_families(s.speculator.stats, self.model_name)
         yield _spec_type_family(s.speculator.config.kind)
         yield _counter("decode_rows_held", "Decode rows that sat a step out while prompts "
-                       "waited (--prefill-first)", s.decode_rows_held)
+                       "waited (--prefill-first)", s.candidates.held)
         yield _counter("n_preempt", "Parks, swap and recompute", stats.n_preempt)
         yield _counter("n_resume", "Resumes of parked sequences", stats.n_resume)
         yield _counter("n_preempt_swap", "Parks by copying pages to host RAM",

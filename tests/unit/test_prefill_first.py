@@ -61,7 +61,7 @@ def make_engine(wait: float) -> Engine:
     pool = KVPool(num_layers=1, num_pages=64, page_size=4, num_kv_heads=1, head_dim=2)
     config = SchedulerConfig(num_slots=3, batch_size=BATCH, prefill_first=wait)
     scheduler = Scheduler(config, pool, Swapper(pool, HostStore(-1)))
-    scheduler.clock = map(lambda i: i * STEP_SECONDS, itertools.count()).__next__
+    scheduler.candidates.clock = map(lambda i: i * STEP_SECONDS, itertools.count()).__next__
     return Engine(scheduler, FakeRunner())
 
 
@@ -94,7 +94,7 @@ def test_a_stream_stalls_at_most_the_limit_and_everything_finishes(wait):
     assert max(gaps) == longest
     assert gaps[-1] == 1  # once the prompt is in, every step again
     assert stream.num_generated == 40 and len(finished) == 2
-    held = engine.scheduler.decode_rows_held
+    held = engine.scheduler.candidates.held
     assert (held > 0) == (wait > 0)
 
 

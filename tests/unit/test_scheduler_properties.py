@@ -80,7 +80,7 @@ def make_engine(budget_pages: int, preempt: bool, preempt_every: int,
                              preempt_every=preempt_every, spec=spec or SpecConfig(),
                              prefill_first=prefill_first)
     scheduler = Scheduler(config, pool, Swapper(pool, host), frozenset({EOS}))
-    scheduler.clock = map(lambda step: step / 10, itertools.count()).__next__
+    scheduler.candidates.clock = map(lambda step: step / 10, itertools.count()).__next__
     return Engine(scheduler, FakeRunner(pool if prefix_cache else None))
 
 
