@@ -11,9 +11,10 @@
  * positions counted from 0 (as paged_attention.c), the chunk's K and V rows become bf16 B tiles
  * that the item's tiles share (a thread's buffers stay a few hundred KiB at any context), scores
  * S = Q K^T come from tile dot products (each score from its own q row and k row, over head_dim
- * in blocks of 32 in order), each row's softmax numerators over its own prefix in the chunk
- * (softmax_chunks.h: a fixed order for its length), and O = P V from tile dot products over the
- * chunk's tokens in blocks of 32 in order. Chunks fold in order.
+ * in blocks of 32 in order), each row's softmax numerators over its own prefix in the chunk,
+ * written as bf16 P tiles in the same pass (`p_row`: a fixed order for its length), and
+ * O = P V from tile dot products over the chunk's tokens in blocks of 32 in order. Chunks fold
+ * in order.
  *
  * A row's bits do not depend on the rows beside it: its scores are its own dot products; its
  * softmax reads its own scores; in P V a token block past its prefix (there because a later
@@ -188,6 +189,36 @@ static void stage_kv(const Job *job, const Item *it, int start, int n, Scratch *
     }
 }
 
+/* One row of a score tile, its `len` scores (0 <= len <= n32) unscaled, as P: e^((s - max)
+ * scale) rounded to bf16 into its row of the P A tiles (pa at the row's first value), zeros up
+ * to n32; with len > 0 the partial's max (in scaled units: rounding keeps the order, so it is
+ * the largest rounded s scale) and sum into part. The last vector of a row whose length is not
+ * a multiple of 16 is masked, so every value takes one vector path and the sum one order (its
+ * lanes, then one tree) fixed by the row's length. */
+static void p_row(const float *row, int len, int n32, float scale, uint16_t *pa, float *part) {
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int t = 0; t < len; t += 16) {
+        const __mmask16 k = len - t >= 16 ? 0xffff : (__mmask16)((1u << (len - t)) - 1);
+        top = _mm512_mask_max_ps(top, k, top, _mm512_maskz_loadu_ps(k, row + t));
+    }
+    const float m = len > 0 ? _mm512_reduce_max_ps(top) : 0.0f;
+    const __m512 ms = _mm512_set1_ps(m), sc = _mm512_set1_ps(scale);
+    __m512 sum = _mm512_setzero_ps();
+    for (int t = 0; t < n32; t += 16) {
+        const __mmask16 k = len - t >= 16 ? 0xffff
+                            : len > t ? (__mmask16)((1u << (len - t)) - 1) : 0;
+        const __m512 x = _mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, row + t), ms), sc);
+        const __m512 e = _mm512_maskz_mov_ps(k, (__m512)exp_nonpositive_v((vf)x));
+        sum = _mm512_add_ps(sum, e);
+        _mm256_storeu_si256((__m256i *)(pa + (long)(t / PAIR_K) * TILE_ELEMS + t % PAIR_K),
+                            bf16_of_x16(_mm512_castps_si512(e)));
+    }
+    if (len > 0) {
+        part[0] = m * scale;
+        part[1] = hsum((vf)sum);
+    }
+}
+
 /* A tile of rows (the first's prefix first_len) in the staged chunk from `start`, of which the
  * tile's rows need n tokens, for one query head (its q tiles qa): the partials of the rows
  * that reach the chunk into part (the others are left alone) */
@@ -200,20 +231,10 @@ static void run_head_chunk(const Job *job, const uint16_t *qa, int rows, int fir
         tile_products(qa, kbs, s->kb + (long)tb * kbs * TILE_ELEMS, TILE_ELEMS,
                       (long)kbs * TILE_ELEMS, count, s->scores + tb * TILE, TILE, CHUNK * 4);
     }
-    for (int r = 0; r < TILE; r++) {
-        float *row = s->scores + (long)r * CHUNK;
+    for (int r = 0; r < TILE; r++) { /* P as A tiles: pa[t / 32] row r, 0 past its prefix */
         const int len = r < rows ? first_len + r - start : 0; /* tokens it attends here */
-        int from = 0;
-        if (len > 0) {
-            const int m = len < CHUNK ? len : CHUNK;
-            for (int t = 0; t < m; t++) row[t] *= job->in.scale;
-            softmax_numerators(row, m, part + (long)r * stride);
-            from = m;
-        }
-        for (int t = from; t < n32; t++) row[t] = 0.0f; /* P = 0 past the row's prefix */
-        for (int t = 0; t < n32; t += 16) /* P as A tiles: pa[t / 32] row r */
-            to_bf16_x16(row + t, s->pa + (long)(t / PAIR_K) * TILE_ELEMS + r * PAIR_K
-                                     + t % PAIR_K);
+        p_row(s->scores + (long)r * CHUNK, len <= 0 ? 0 : len < CHUNK ? len : CHUNK, n32,
+              job->in.scale, s->pa + r * PAIR_K, part + (long)r * stride);
     }
     for (int dt = 0; dt < dts; dt += 4) { /* O[r][dims], four dim tiles at a time */
         const int count = dts - dt < 4 ? dts - dt : 4;

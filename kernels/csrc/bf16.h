@@ -28,9 +28,8 @@ static inline uint16_t to_bf16(float f) {
                             (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
 #include <immintrin.h>
 #define KVPARK_BF16_X16 1
-__attribute__((target("avx512f"))) static inline void to_bf16_x16(const float *x,
-                                                                   uint16_t *out) {
-    __m512i u = _mm512_loadu_si512(x);
+/* 16 floats (as their bits) rounded to bf16 */
+__attribute__((target("avx512f"))) static inline __m256i bf16_of_x16(__m512i u) {
     __m512i abs = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
     __mmask16 nan = _mm512_cmpgt_epu32_mask(abs, _mm512_set1_epi32(0x7f800000));
     __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
@@ -38,7 +37,12 @@ __attribute__((target("avx512f"))) static inline void to_bf16_x16(const float *x
     __m512i r = _mm512_srli_epi32(up, 16);
     __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
     r = _mm512_mask_blend_epi32(nan, r, quiet);
-    _mm256_storeu_si256((__m256i *)out, _mm512_cvtepi32_epi16(r));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+__attribute__((target("avx512f"))) static inline void to_bf16_x16(const float *x,
+                                                                   uint16_t *out) {
+    _mm256_storeu_si256((__m256i *)out, bf16_of_x16(_mm512_loadu_si512(x)));
 }
 #endif
 
