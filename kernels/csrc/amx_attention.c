@@ -62,7 +62,7 @@ int kvpark_amx_attention_built(void) {
 }
 
 #ifdef AMX_ATTENTION_BUILD
-#define BLOCK_TILES 4 /* row tiles an item: they share each chunk's staged K and V */
+#define BLOCK_TILES 8 /* row tiles an item: they share each chunk's staged K and V */
 
 typedef struct {
     int32_t seq, first, rows, kv_head; /* rows first .. first + rows - 1 of the prompt rows */
