@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..memory.paging import pages_for
 from .sequence import Sequence
@@ -79,8 +79,8 @@ class StepCandidates:
     batch_size: int
     clock: Callable[[], float] = time.monotonic  # tests set their own
     held: int = 0
-    _now: float = 0.0
-    _held_now: int = 0
+    _now: float = field(default=0.0, init=False)  # the latest pick's time and count
+    _held_now: int = field(default=0, init=False)
 
     def pick(self, running: list[Sequence]) -> list[Sequence]:
         self._now = self.clock()
