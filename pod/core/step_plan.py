@@ -46,9 +46,15 @@ class ScheduledSeq:
             self.seq.page_table)
 
 
+def prefilling(seq: Sequence) -> bool:
+    """A prompt or a replay: more than one token to feed before the next sample (else a decode
+    row)."""
+    return seq.num_pending > 1
+
+
 def step_order(running: list[Sequence]) -> list[Sequence]:
     """Decode rows first (cheap, latency-bound), then prefill and replay by arrival."""
-    return sorted(running, key=lambda s: (s.num_pending > 1, s.arrival, s.seq_id))
+    return sorted(running, key=lambda s: (prefilling(s), s.arrival, s.seq_id))
 
 
 def hold_decode_rows(running: list[Sequence], batch_size: int, now: float, wait: float
@@ -63,9 +69,9 @@ def hold_decode_rows(running: list[Sequence], batch_size: int, now: float, wait:
     and more tokens a second, for a stall of at most `wait` and a step between two tokens."""
     if wait <= 0:
         return running, 0
-    if sum(s.num_pending for s in running if s.num_pending > 1) < batch_size:
+    if sum(s.num_pending for s in running if prefilling(s)) < batch_size:
         return running, 0
-    kept = [s for s in running if s.num_pending > 1 or now - s.last_step_at >= wait]
+    kept = [s for s in running if prefilling(s) or now - s.last_step_at >= wait]
     return kept, len(running) - len(kept)
 
 
