@@ -9,8 +9,8 @@
  * Epilogues (`kvpark_amx_gemm`), each the bits of the GEMM then the separate op:
  * - SwiGLU over an MLP's gate and up projections stacked as one weight ([gate; up], 2 I
  *   outputs): a part pairs gate block j with up block j (instead of two neighbouring blocks)
- *   and writes y[:, 16 j ..] = silu(g) u (layer_ops.c's row op) from a part buffer that stays
- *   in cache, as float32 rows or straight into the next GEMM's A tiles (a_tiles.h);
+ *   and writes y[:, 16 j ..] = silu(g) u (silu.h's row op, inlined) from a part buffer that
+ *   stays in cache, as float32 rows or straight into the next GEMM's A tiles (a_tiles.h);
  * - a residual, y = r + x W^T, added in the part's last pass over its columns.
  * x comes as float32 rows (converted into A tiles first) or as A tiles a producer wrote.
  *
@@ -34,7 +34,7 @@
 
 #include "a_tiles.h"
 #include "bf16.h"
-#include "layer_ops.h"
+#include "silu.h"
 #include "tile_config.h"
 #include "worker_pool.h"
 
@@ -186,19 +186,24 @@ AMX_TARGET static void amx_tiles(const uint16_t *a0, const uint16_t *a1,
         if (rows2) _tile_loadd(2, c[2], ldc);
         if (rows2 && two) _tile_loadd(3, c[3], ldc);
     }
+    /* Each tile is loaded again as soon as the last product reading it is issued (tiles are
+     * not renamed: a load waits for the products before it that read the tile), so the next k
+     * block's loads overlap this block's products. */
+    _tile_loadd(4, a0 + (long)kb0 * BLOCK_ELEMS, 64);
+    _tile_loadd(6, b0 + (long)kb0 * BLOCK_ELEMS, 64);
+    if (two) _tile_loadd(7, b1 + (long)kb0 * BLOCK_ELEMS, 64);
+    if (rows2) _tile_loadd(5, a1 + (long)kb0 * BLOCK_ELEMS, 64);
     for (int kb = kb0; kb < kb1; kb++) {
-        _tile_loadd(4, a0 + (long)kb * BLOCK_ELEMS, 64);
-        _tile_loadd(6, b0 + (long)kb * BLOCK_ELEMS, 64);
+        const long next = (long)(kb + 1) * BLOCK_ELEMS;  /* loaded only while kb + 1 < kb1 */
+        const int more = kb + 1 < kb1;
         _tile_dpbf16ps(0, 4, 6);
-        if (rows2) {
-            _tile_loadd(5, a1 + (long)kb * BLOCK_ELEMS, 64);
-            _tile_dpbf16ps(2, 5, 6);
-        }
-        if (two) {
-            _tile_loadd(7, b1 + (long)kb * BLOCK_ELEMS, 64);
-            _tile_dpbf16ps(1, 4, 7);
-            if (rows2) _tile_dpbf16ps(3, 5, 7);
-        }
+        if (two) _tile_dpbf16ps(1, 4, 7);
+        if (more) _tile_loadd(4, a0 + next, 64);
+        if (rows2) _tile_dpbf16ps(2, 5, 6);
+        if (more) _tile_loadd(6, b0 + next, 64);
+        if (rows2 && two) _tile_dpbf16ps(3, 5, 7);
+        if (more && rows2) _tile_loadd(5, a1 + next, 64);
+        if (more && two) _tile_loadd(7, b1 + next, 64);
     }
     _tile_stored(0, c[0], ldc);
     if (two) _tile_stored(1, c[1], ldc);
@@ -312,13 +317,12 @@ static void gemm_part(Call *c, int part, float *silu_buffer) {
     if (c->silu && c->y_tiles != NULL)  /* every row of the row tiles: zeros past m */
         for (int r = 0; r < c->row_tiles * TILE_ROWS; r++) {
             float values[TILE_ROWS];
-            kvpark_silu_mul_rows(out.base + (long)r * out.ld, out.ld, 1, TILE_ROWS, values,
-                                 TILE_ROWS);
+            silu_mul_rows(out.base + (long)r * out.ld, out.ld, 1, TILE_ROWS, values, TILE_ROWS);
             a_tiles_put(c->y_tiles, ceil_div(c->n / 2, TILE_K), r, part * TILE_ROWS, values,
                         TILE_ROWS, !c->emulate);
         }
     else if (c->silu)  /* gate in columns 0..15 of the buffer, up in 16..31 */
-        kvpark_silu_mul_rows(out.base, out.ld, c->m, TILE_ROWS, c->y + part * TILE_ROWS, c->n / 2);
+        silu_mul_rows(out.base, out.ld, c->m, TILE_ROWS, c->y + part * TILE_ROWS, c->n / 2);
     else {
         copy_out(c, &out, part * GROUP * TILE_ROWS, cols);
         if (c->residual != NULL) add_residual(c, part * GROUP * TILE_ROWS, cols);
