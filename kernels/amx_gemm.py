@@ -103,6 +103,10 @@ class ATiles:
         make = torch.empty if cols % TILE_K == 0 else torch.zeros
         return ATiles(make(elems, dtype=torch.int16), rows, cols)
 
+    def row_tile_start(self, tile: int) -> int:
+        """Where row tile `tile` begins in `data` (a row tile's blocks lie together)."""
+        return tile * TILE_ROWS * -(-self.cols // TILE_K) * TILE_K
+
 
 Rows = torch.Tensor | ATiles
 

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .amx_gemm import ATiles
 
 
 @dataclass(frozen=True)
@@ -111,3 +115,10 @@ class AttentionBackend(ABC):
     @abstractmethod
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         """Causal attention of `q` `[T, Hq, D]` over each sequence's paged KV -> `[T, Hq, D]`."""
+
+    def attend_tiles(self, q: torch.Tensor, kv_cache: torch.Tensor,
+                     rows: int) -> ATiles | None:
+        """`attend`'s result as `[rows, Hq D]` A tiles of an AMX GEMM (rows past T zero; the
+        bits of `attend`'s values rounded to bf16) where this backend writes them this step,
+        else None: then the caller takes `attend`'s float32 rows."""
+        return None

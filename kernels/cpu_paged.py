@@ -55,6 +55,9 @@ def load_kernel(isa: Isa | None = None) -> ctypes.CDLL:
     prompt.argtypes = [ptr, i64, i64, ptr, i32, ptr, i32, ptr, ptr, ptr, ptr, ptr, i32, i32, i32,
                        i32, ctypes.c_float, i32]
     prompt.restype = i32
+    tiles = lib.kvpark_amx_prompt_attention_tiles  # the same with the output as A tiles
+    tiles.argtypes = prompt.argtypes
+    tiles.restype = i32
     append = lib.kvpark_append_kv
     append.argtypes = [ptr, i32, ptr, i64, ptr, i64, ptr, ptr, i32, i32]
     append.restype = None
@@ -150,6 +153,7 @@ class CpuPagedAttention(TorchPagedAttention):
                 raise KernelUnavailable(f"AMX prompt-row attention: {why_not}")
             self.name = "cpu+amx"  # in the numerics fingerprint: prompt rows' bits differ
         self._prompt_kernel = load_kernel(isa).kvpark_amx_prompt_attention
+        self._prompt_tiles_kernel = load_kernel(isa).kvpark_amx_prompt_attention_tiles
         self._prompt_rows: torch.Tensor | None = None  # this step's, where AMX takes them
         self._generated: GeneratedRows | None = None
         # the worker pool's threads (kernels/worker_pool.py) split the (sequence, row tile)
@@ -232,13 +236,31 @@ class CpuPagedAttention(TorchPagedAttention):
             raise RuntimeError(f"paged attention kernel failed (status {status})")
         return out
 
+    def attend_tiles(self, q: torch.Tensor, kv_cache: torch.Tensor,
+                     rows: int) -> amx_gemm.ATiles | None:
+        """amx_attention.c straight into the o projection's A tiles, where it computes every
+        row of the step (a step of prompt rows only) from float32 q."""
+        if (self._prompt_rows is None or self._generated is not None
+                or q.dtype != torch.float32 or kv_cache.dtype not in KV_DTYPES):
+            return None
+        num_tokens, num_heads, head_dim = q.shape
+        out = amx_gemm.ATiles.empty(rows, num_heads * head_dim)
+        out.data[out.row_tile_start(num_tokens // amx_gemm.TILE_ROWS):].zero_()  # past T
+        self._prompt_call(self._prompt_tiles_kernel, q, kv_cache, out.data)
+        return out
+
     def prompt_rows_amx(self, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         """amx_attention.c over this step's prompt rows; the other rows of the result are not
         written."""
-        num_tokens, num_heads, head_dim = q.shape
-        out = torch.empty(num_tokens, num_heads, head_dim)
+        out = torch.empty(q.shape)
+        self._prompt_call(self._prompt_kernel, q, kv_cache, out)
+        return out
+
+    def _prompt_call(self, kernel, q: torch.Tensor, kv_cache: torch.Tensor,
+                     out: torch.Tensor) -> None:
+        num_heads, head_dim = q.shape[1:]
         a = self._arrays
-        status = self._prompt_kernel(
+        status = kernel(
             q.data_ptr(), q.stride(0), q.stride(1), kv_cache.data_ptr(),
             kv_cache.dtype == torch.bfloat16, out.data_ptr(), len(self._kv_lens),
             a.qo_indptr.data_ptr(), self._prompt_rows.data_ptr(),
@@ -247,4 +269,3 @@ class CpuPagedAttention(TorchPagedAttention):
             self.num_threads or worker_pool.get_num_threads())
         if status != 0:
             raise RuntimeError(f"AMX prompt-row attention failed (status {status})")
-        return out

@@ -30,6 +30,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "a_tiles.h"
 #include "bf16.h"
 #include "paged_plan.h"
 #include "softmax_chunks.h"
@@ -70,6 +71,7 @@ typedef struct {
 
 typedef struct {
     PagedPlan in;
+    uint16_t *out_tiles; /* or NULL: the output as the o projection's A tiles (a_tiles.h) */
     const Item *items;
     int num_items;
     int next; /* atomic: the next unclaimed item */
@@ -278,9 +280,14 @@ static void run_item(const Job *job, const Item *it, Scratch *s) {
         for (int h = 0; h < group; h++) {
             const float *acc = s->folded + (((long)(r / TILE) * group + h) * TILE + r % TILE)
                                                * stride;
-            float *o = job->in.out + ((row0 + r) * hq + it->kv_head * group + h) * d;
+            const int head = it->kv_head * group + h;
+            float row[MAX_HEAD_DIM];
+            float *o = job->out_tiles != NULL ? row : job->in.out + ((row0 + r) * hq + head) * d;
             const float inv_sum = 1.0f / acc[1];
             for (int i = 0; i < d; i++) o[i] = acc[PART_HEADER + i] * inv_sum + 0.0f; /* -0: +0 */
+            for (int i = 0; job->out_tiles != NULL && i < d; i += PAIR_K) /* whole blocks */
+                a_tiles_put(job->out_tiles, hq * d / PAIR_K, (int)(row0 + r), head * d + i,
+                            row + i, PAIR_K, 1);
         }
 }
 
@@ -315,14 +322,15 @@ static void run_part(void *arg, int part, int num_parts) {
 }
 #endif
 
-/* Returns 0 on success, 1 on bad arguments (or no AMX in this build), 2 when memory ran out.
- * The caller checks that AMX runs here (amx_gemm.c's kvpark_amx_usable). */
-int kvpark_amx_prompt_attention(const float *q, int64_t q_row_stride, int64_t q_head_stride,
-                                const void *cache, int kv_bf16, float *out, int num_seqs,
-                                const int32_t *qo_indptr, const int32_t *prompt_rows,
-                                const int32_t *kv_lens, const int32_t *kv_indptr,
-                                const int32_t *kv_indices, int num_heads, int num_kv_heads,
-                                int head_dim, int page_size, float scale, int num_threads) {
+/* The prompt rows' attention into `out` [T, Hq, D], or (`out_tiles`, out NULL) as the A tiles
+ * of T rows by Hq D columns that an AMX GEMM reads (a_tiles.h; the values `out` would hold,
+ * rounded to bf16: the o projection's input without a pass of its own). */
+static int prompt_attention(const float *q, int64_t q_row_stride, int64_t q_head_stride,
+                            const void *cache, int kv_bf16, float *out, uint16_t *out_tiles,
+                            int num_seqs, const int32_t *qo_indptr, const int32_t *prompt_rows,
+                            const int32_t *kv_lens, const int32_t *kv_indptr,
+                            const int32_t *kv_indices, int num_heads, int num_kv_heads,
+                            int head_dim, int page_size, float scale, int num_threads) {
 #ifdef AMX_ATTENTION_BUILD
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0
         || num_heads / num_kv_heads > MAX_GROUP || head_dim % PAIR_K != 0
@@ -348,7 +356,7 @@ int kvpark_amx_prompt_attention(const float *q, int64_t q_row_stride, int64_t q_
             }
     Job job = {{q, cache, out, q_row_stride, q_head_stride, qo_indptr, kv_lens, kv_indptr,
                 kv_indices, num_heads, num_kv_heads, head_dim, page_size, scale, kv_bf16 != 0},
-               items, num_items, 0, 0};
+               out_tiles, items, num_items, 0, 0};
     if (num_threads > num_items) num_threads = num_items;
     if (num_threads < 1) num_threads = 1;
     kvpark_pool_run(run_part, &job, num_threads, num_threads);
@@ -356,10 +364,42 @@ int kvpark_amx_prompt_attention(const float *q, int64_t q_row_stride, int64_t q_
     return job.failed ? 2 : 0;
 #else
     (void)q, (void)q_row_stride, (void)q_head_stride, (void)cache, (void)kv_bf16, (void)out;
+    (void)out_tiles;
     (void)num_seqs;
     (void)qo_indptr, (void)prompt_rows, (void)kv_lens, (void)kv_indptr, (void)kv_indices;
     (void)num_heads, (void)num_kv_heads, (void)head_dim, (void)page_size, (void)scale;
     (void)num_threads;
     return 1;
 #endif
+}
+
+/* Returns 0 on success, 1 on bad arguments (or no AMX in this build), 2 when memory ran out.
+ * The caller checks that AMX runs here (amx_gemm.c's kvpark_amx_usable). */
+int kvpark_amx_prompt_attention(const float *q, int64_t q_row_stride, int64_t q_head_stride,
+                                const void *cache, int kv_bf16, float *out, int num_seqs,
+                                const int32_t *qo_indptr, const int32_t *prompt_rows,
+                                const int32_t *kv_lens, const int32_t *kv_indptr,
+                                const int32_t *kv_indices, int num_heads, int num_kv_heads,
+                                int head_dim, int page_size, float scale, int num_threads) {
+    return prompt_attention(q, q_row_stride, q_head_stride, cache, kv_bf16, out, NULL, num_seqs,
+                            qo_indptr, prompt_rows, kv_lens, kv_indptr, kv_indices, num_heads,
+                            num_kv_heads, head_dim, page_size, scale, num_threads);
+}
+
+/* The same into `out_tiles`: the A tiles of T rows (whole tiles of 16: the caller zeroes the
+ * rows past T) by Hq D columns; every row must be a prompt row (prompt_rows[b] the sequence's
+ * rows this step), since no other row is written. */
+int kvpark_amx_prompt_attention_tiles(const float *q, int64_t q_row_stride,
+                                      int64_t q_head_stride, const void *cache, int kv_bf16,
+                                      uint16_t *out_tiles, int num_seqs,
+                                      const int32_t *qo_indptr, const int32_t *prompt_rows,
+                                      const int32_t *kv_lens, const int32_t *kv_indptr,
+                                      const int32_t *kv_indices, int num_heads, int num_kv_heads,
+                                      int head_dim, int page_size, float scale,
+                                      int num_threads) {
+    for (int b = 0; b < num_seqs; b++)
+        if (prompt_rows[b] != qo_indptr[b + 1] - qo_indptr[b]) return 1;
+    return prompt_attention(q, q_row_stride, q_head_stride, cache, kv_bf16, NULL, out_tiles,
+                            num_seqs, qo_indptr, prompt_rows, kv_lens, kv_indptr, kv_indices,
+                            num_heads, num_kv_heads, head_dim, page_size, scale, num_threads);
 }

@@ -127,14 +127,24 @@ class DecoderLayer(nn.Module):
         if rows is not None and rows.num_blocks > 0 and self.fused is not None:
             assert num_tokens == x.shape[0], "no padding rows with `rows`"
             return self.forward_fused(x, cos, sin, backend, kv_cache, rows)
-        c = self.config
         num_rows = x.shape[0]
         q, k, v = self.attention_inputs(x, cos, sin, rows)
         if num_tokens < num_rows:
             q, k, v = q[:num_tokens], k[:num_tokens], v[:num_tokens]
         backend.append_kv(kv_cache, k, v)
-        attn = backend.attend(q, kv_cache).reshape(num_tokens, c.num_heads * c.head_dim)
-        return self.mlp_residual(x, pad_rows(attn, num_rows), rows)
+        return self.mlp_residual(x, self.attention(q, backend, kv_cache, num_rows, rows), rows)
+
+    def attention(self, q: torch.Tensor, backend: AttentionBackend, kv_cache: torch.Tensor,
+                  num_rows: int, rows: BlockRows | None) -> Rows:
+        """q's attention as the o projection takes it: the A tiles the AMX attention writes
+        where the o GEMM reads tiles and every row is dense, else float32 rows padded to
+        `num_rows` (zeros); the same bits either way."""
+        if self.o.reads_tiles and all_dense(rows):
+            tiles = backend.attend_tiles(q, kv_cache, num_rows)
+            if tiles is not None:
+                return tiles
+        attn = backend.attend(q, kv_cache).reshape(q.shape[0], q.shape[1] * q.shape[2])
+        return pad_rows(attn, num_rows)
 
     def attention_inputs(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          rows: BlockRows | None) -> tuple[torch.Tensor, ...]:

@@ -165,6 +165,46 @@ def test_a_step_without_prompt_rows_is_the_float32_kernels(amx, fp32):
         assert same_bits(attend(amx, q, cache, layout), attend(fp32, q, cache, layout))
 
 
+def as_a_tiles(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x [T, cols] float32 as csrc/a_tiles.h lays out `rows` rows (zeros past T): row tile,
+    then block of 32 columns, then the tile's 16 rows of 32 bf16 (torch's rounding)."""
+    t, cols = x.shape
+    padded = torch.zeros(-(-rows // 16) * 16, -(-cols // 32) * 32)
+    padded[:t, :cols] = x
+    halves = padded.bfloat16().view(torch.int16)
+    return halves.view(-1, 16, padded.shape[1] // 32, 32).permute(0, 2, 1, 3).reshape(-1)
+
+
+@needs_amx
+@pytest.mark.parametrize("lens,q_lens,pad", [
+    ([600], [600], 0), ([600], [600], 40), ([583, 461, 97, 5], [183, 461, 40, 5], 0),
+    ([30], [7], 3)])
+def test_the_output_as_a_tiles_is_the_float_output_rounded(amx, lens, q_lens, pad):
+    """`attend_tiles` (the o projection's input straight from the kernel): the A tiles of
+    `attend`'s float32 rows, each value rounded as torch rounds, zero rows past the step's."""
+    cache = make_cache(120)
+    layout = StepLayout(tables(lens, 120), lens, q_lens, PS, q_lens)
+    q = torch.randn(sum(q_lens), HQ, 64, generator=torch.Generator().manual_seed(7))
+    want = attend(amx, q, cache, layout).reshape(len(q), -1)
+    tiles = amx.attend_tiles(q, cache, len(q) + pad)
+    assert (tiles.rows, tiles.cols) == (len(q) + pad, HQ * 64)
+    assert torch.equal(tiles.data, as_a_tiles(want, len(q) + pad))
+
+
+@needs_amx
+def test_no_a_tiles_where_the_step_has_rows_past_a_prompt(amx, fp32):
+    """A step with a generated row (or no prompt rows, or the float32 kernel) leaves the
+    attention's rows to `attend`: its A tiles would miss them."""
+    lens = [300, 40]
+    cache = make_cache(40)
+    q = torch.randn(41, HQ, 64, generator=torch.Generator().manual_seed(8))
+    for backend, layout in ((amx, StepLayout(tables(lens, 40), lens, [40, 1], PS, [40, 0])),
+                            (amx, StepLayout(tables(lens, 40), lens, [40, 1], PS)),
+                            (fp32, StepLayout(tables(lens, 40), lens, [40, 1], PS, [40, 1]))):
+        backend.plan(layout)
+        assert backend.attend_tiles(q, cache, 41) is None
+
+
 def test_head_sizes_the_tiles_take():
     assert amx_prompt_rows_fit(64) and amx_prompt_rows_fit(128) and amx_prompt_rows_fit(256, 16)
     assert not amx_prompt_rows_fit(80) and not amx_prompt_rows_fit(512)

@@ -261,6 +261,41 @@ def test_the_amx_epilogues_change_no_logit(small_weights, monkeypatch):
         assert torch.equal(a[0], b[0])
 
 
+@requires_amx
+def test_the_attention_into_the_o_projections_tiles_changes_no_bit(small_weights, monkeypatch):
+    """A step of prompt rows only, AMX attention and amx-bf16 linears: the attention writes
+    the o GEMM's A tiles itself (`attend_tiles`, every layer), and the hidden states are those
+    of its float32 rows converted by the GEMM, to the bit; a step with a generated row takes
+    the float32 rows."""
+    from kvpark.kernels.cpu_paged import CpuPagedAttention
+
+    model = LlamaModel(SMALL, small_weights, batch_invariant=True,
+                       weight_format=WeightFormat.AMX_BF16)
+    pool = KVPool(SMALL.num_layers, 16, PAGE, SMALL.num_kv_heads, SMALL.head_dim)
+    tables = [pool.allocate(5), pool.allocate(3)]
+    backend = CpuPagedAttention(amx_prompt_rows=True)
+    ids = torch.arange(3, 3 + 70 + 37) % SMALL.vocab_size
+    positions = torch.cat([torch.arange(70), torch.arange(37)])
+    real = CpuPagedAttention.attend_tiles
+    written: list[object] = []
+    monkeypatch.setattr(CpuPagedAttention, "attend_tiles", lambda *a: written.append(
+        real(*a)) or written[-1])
+
+    def hidden(prompt_rows: list[int]) -> torch.Tensor:
+        backend.plan(StepLayout(tables, [70, 37], [70, 37], PAGE, prompt_rows))
+        return model(ids, positions, backend, pool.caches)
+
+    tiled = hidden([70, 37])
+    assert len(written) == SMALL.num_layers and all(t is not None for t in written)
+    monkeypatch.setattr(CpuPagedAttention, "attend_tiles", lambda *a: None)
+    assert torch.equal(tiled.view(torch.int32), hidden([70, 37]).view(torch.int32))
+    written.clear()
+    monkeypatch.setattr(CpuPagedAttention, "attend_tiles", lambda *a: written.append(
+        real(*a)) or written[-1])
+    hidden([70, 36])  # the second sequence's last row is a generated token's
+    assert written == [None] * SMALL.num_layers
+
+
 def test_model_matches_the_reference_oracle(small_weights):
     loaded = LoadedModel(SMALL, small_weights, tokenizer=None, name="small", source="small")
     ids = [7, 300, 12, 5, 99, 250, 3, 41, 8, 17, 2, 64]
