@@ -229,10 +229,9 @@ AMX_TARGET static void release_tiles(void) { _tile_release(); }
 
 /* A part's B tiles are 2 KiB a k block: up to 20 blocks (640 inputs) they fit in L1 (48 KiB on
  * Sapphire Rapids) beside the tiles in flight, so the row tiles' A loads skip L1 and B stays
- * there for the part's whole sweep over the rows, instead of each row pair's A evicting it
- * (benchmarks/README.md: the gate and up projections of a 576-wide model ~10% faster). Past
- * that B cannot stay, and A is better kept (the down projection's 1536 inputs: 1.2-1.5x slower
- * with A skipping L1). */
+ * there for the part's whole sweep over the rows, instead of each row pair's A evicting it.
+ * Past that B cannot stay, and A is better kept in L1 (both measured in benchmarks/README.md,
+ * "Measurements behind code comments"). */
 #define STREAM_A_MAX_KBS 20
 
 /* A part's output: straight into y where its tiles lie inside, else a padded buffer copied

@@ -49,8 +49,11 @@ def test_the_packed_layout_is_the_b_tiles():
 @pytest.mark.parametrize("n,k,rows,offsets", [
     # three output blocks (an odd group), three input blocks, the last partial
     (40, 80, ROWS, OFFSETS),
-    # whole output blocks: row counts of whole tiles write y in place, others a buffer
+    # whole output blocks: row counts of whole tiles write y in place, others a buffer; 19
+    # input blocks: B fits in L1, A loaded past it
     (48, 600, ROWS, OFFSETS),
+    # 32 input blocks: one pass, A loaded into L1 (B does not fit there)
+    (48, 1000, (1, 16, 17, 33, 64), (0, 7)),
     # 66 input blocks: two passes over the row tiles (K_CHUNK), the C tiles kept between
     (48, 2100, (1, 16, 17, 33, 64), (0, 7))])
 def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(emulate, n, k, rows, offsets):
