@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -256,8 +257,10 @@ class CpuPagedAttention(TorchPagedAttention):
         self._prompt_call(self._prompt_kernel, q, kv_cache, out)
         return out
 
-    def _prompt_call(self, kernel, q: torch.Tensor, kv_cache: torch.Tensor,
-                     out: torch.Tensor) -> None:
+    def _prompt_call(self, kernel: Callable[..., int], q: torch.Tensor,
+                     kv_cache: torch.Tensor, out: torch.Tensor) -> None:
+        """One of amx_attention.c's entries (float32 rows or A tiles into `out`) on this
+        step's plan."""
         num_heads, head_dim = q.shape[1:]
         a = self._arrays
         status = kernel(
