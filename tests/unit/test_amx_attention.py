@@ -5,12 +5,19 @@ prompt keep the float32 kernel's bits; the result is attention over bf16-rounded
 to bf16 accuracy; what lies in a page past a sequence's tokens is never read. Runs where the
 CPU and OS run AMX tiles (the only place the server uses it)."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from kvpark.kernels import amx_gemm
 from kvpark.kernels.attention import StepLayout
 from kvpark.kernels.cpu_paged import CpuPagedAttention, amx_prompt_rows_fit
+from kvpark.pod.model.linear import pad_rows
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from a_tiles_reference import reference_tiles  # noqa: E402
 
 needs_amx = pytest.mark.skipif(not amx_gemm.usable(),
                                reason="this CPU or OS does not run AMX tiles")
@@ -165,16 +172,6 @@ def test_a_step_without_prompt_rows_is_the_float32_kernels(amx, fp32):
         assert same_bits(attend(amx, q, cache, layout), attend(fp32, q, cache, layout))
 
 
-def as_a_tiles(x: torch.Tensor, rows: int) -> torch.Tensor:
-    """x [T, cols] float32 as csrc/a_tiles.h lays out `rows` rows (zeros past T): row tile,
-    then block of 32 columns, then the tile's 16 rows of 32 bf16 (torch's rounding)."""
-    t, cols = x.shape
-    padded = torch.zeros(-(-rows // 16) * 16, -(-cols // 32) * 32)
-    padded[:t, :cols] = x
-    halves = padded.bfloat16().view(torch.int16)
-    return halves.view(-1, 16, padded.shape[1] // 32, 32).permute(0, 2, 1, 3).reshape(-1)
-
-
 @needs_amx
 @pytest.mark.parametrize("lens,q_lens,pad", [
     ([600], [600], 0), ([600], [600], 40), ([583, 461, 97, 5], [183, 461, 40, 5], 0),
@@ -188,7 +185,7 @@ def test_the_output_as_a_tiles_is_the_float_output_rounded(amx, lens, q_lens, pa
     want = attend(amx, q, cache, layout).reshape(len(q), -1)
     tiles = amx.attend_tiles(q, cache, len(q) + pad)
     assert (tiles.rows, tiles.cols) == (len(q) + pad, HQ * 64)
-    assert torch.equal(tiles.data, as_a_tiles(want, len(q) + pad))
+    assert torch.equal(tiles.data, reference_tiles(pad_rows(want, len(q) + pad)))
 
 
 @needs_amx

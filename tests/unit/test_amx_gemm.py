@@ -4,11 +4,17 @@ rows and several offsets; the result is the bf16-rounded product to float32 accu
 scalar emulation (same layout, tiling and order) runs everywhere; the AMX tiles where the CPU
 and OS run them."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from kvpark.kernels import amx_gemm, layer_ops
 from kvpark.kernels.cbuild import KernelUnavailable
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from a_tiles_reference import reference_tiles  # noqa: E402
 
 ROWS = (1, 2, 15, 16, 17, 31, 33, 64, 100, 255, 257, 600)
 OFFSETS = (0, 1, 7, 16, 23)
@@ -144,16 +150,6 @@ def test_the_residual_epilogue_gives_the_bits_of_the_gemm_then_the_add(emulate, 
 
 
 # ---- activations a producer writes as A tiles (ATiles) --------------------------------------
-def reference_tiles(rows: torch.Tensor) -> torch.Tensor:
-    """rows [m, k] float32 as the A tiles' bf16 layout, in torch: row tiles of 16 and blocks of
-    32 columns, zero-padded, block by block."""
-    m, k = rows.shape
-    padded = torch.zeros(-(-m // 16) * 16, -(-k // 32) * 32, dtype=torch.bfloat16)
-    padded[:m, :k] = rows.bfloat16()
-    tiles = padded.view(-1, 16, padded.shape[1] // 32, 32).permute(0, 2, 1, 3)
-    return tiles.contiguous().view(-1).view(torch.int16)
-
-
 @pytest.mark.parametrize("k", [576, 40])  # whole blocks of 32, and a last block cut short
 def test_a_norm_writes_the_a_tiles_of_its_float32_rows(k):
     g = torch.Generator().manual_seed(2)
