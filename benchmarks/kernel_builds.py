@@ -30,9 +30,8 @@ from pathlib import Path
 
 import torch
 
-from kvpark.kernels import amx_gemm, cbuild
+from kvpark.kernels import amx_gemm, cbuild, cpu_paged
 
-I32, I64, PTR = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
 PAGE = 16
 
 
@@ -71,13 +70,12 @@ def base_sources(revision: str, into: Path) -> list[Path]:
 
 
 def load(sources: list[Path]) -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(cbuild.build(sources)))
-    lib.kvpark_amx_gemm.argtypes = [PTR, PTR, I32, I32, PTR, I32, PTR, PTR, PTR, I32, I32, I32]
-    lib.kvpark_amx_gemm.restype = I32
-    lib.kvpark_amx_prompt_attention.argtypes = [
-        PTR, I64, I64, PTR, I32, PTR, I32, PTR, PTR, PTR, PTR, PTR, I32, I32, I32, I32,
-        ctypes.c_float, I32]
-    lib.kvpark_amx_prompt_attention.restype = I32
+    """A build of `sources` with the C signatures this checkout declares for the GEMM and the
+    prompt attention's float32 entry (the entries both builds have)."""
+    lib = amx_gemm.declare(ctypes.CDLL(str(cbuild.build(sources))))
+    ours = cpu_paged.load_kernel().kvpark_amx_prompt_attention
+    lib.kvpark_amx_prompt_attention.argtypes = ours.argtypes
+    lib.kvpark_amx_prompt_attention.restype = ours.restype
     return lib
 
 

@@ -33,7 +33,12 @@ TILE_K = 32
 
 @functools.cache
 def _library():
-    lib = load_library()
+    return declare(load_library())
+
+
+def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """The GEMM's C signatures on a kernels library (this one, or another build's:
+    benchmarks/kernel_builds.py)."""
     i32, i64, ptr = ctypes.c_int, ctypes.c_long, ctypes.c_void_p
     lib.kvpark_amx_gemm.argtypes = [ptr, ptr, i32, i32, ptr, i32, ptr, ptr, ptr, i32, i32, i32]
     lib.kvpark_amx_gemm.restype = i32
