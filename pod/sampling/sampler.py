@@ -9,6 +9,8 @@ from typing import NamedTuple
 
 import torch
 
+from kvpark.kernels.argmax import row_argmax
+
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
@@ -200,7 +202,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     One argmax serves every greedy row; only rows that draw at random are visited one by one,
     each with its own seeded generator.
     """
-    tokens = logits.argmax(dim=-1).tolist()
+    tokens = row_argmax(logits)
     for row, (p, gen) in enumerate(zip(params, generators)):
         if not p.is_greedy:
             tokens[row] = draw(filter_logits(logits[row], p), gen)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from kvpark.kernels.argmax import row_argmax
 from kvpark.kernels.attention import AttentionBackend, StepLayout
 
 from ..model.config import ModelConfig
@@ -148,7 +149,7 @@ class Drafter:
         picked = hidden[torch.tensor(argmax_rows, device=device)]
         head_rows = None if blocks is None else BlockRows.from_mask(
             [rows.from_blocks[r] for r in argmax_rows])
-        return self.model.logits(picked, head_rows).argmax(dim=-1).tolist()
+        return row_argmax(self.model.logits(picked, head_rows))
 
 
 def with_drafts(plan: list[PlannedChunk], drafting: list[int], drafts: list[list[int]]

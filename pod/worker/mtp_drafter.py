@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import torch
 
+from kvpark.kernels.argmax import row_argmax
 from kvpark.kernels.attention import AttentionBackend, StepLayout
 
 from ..model.mtp import MTPHead
@@ -70,7 +71,7 @@ class MTPDrafter:
                 at = seq.num_computed + step - 1  # token d_step's row: after d_{step-1}'s
                 add(rows, [drafts[n][-1]], at, hidden[n], seq.page_table)
             out = self.run(rows)
-            tokens = self.head.logits(out).argmax(dim=-1).tolist()
+            tokens = row_argmax(self.head.logits(out))
             for k, n in enumerate(going):
                 drafts[n].append(tokens[k])
                 hidden[n] = out[k:k + 1]
@@ -104,7 +105,7 @@ class MTPDrafter:
         if not seeded:
             return {}
         picked = out[torch.tensor([row for _, row, _ in seeded], device=out.device)]
-        tokens = self.head.logits(picked).argmax(dim=-1).tolist()
+        tokens = row_argmax(self.head.logits(picked))
         return {key: DraftSeed(position, token, picked[k].clone())
                 for k, ((key, _, position), token) in enumerate(zip(seeded, tokens))}
 
