@@ -182,17 +182,18 @@ AMX_TARGET static void configure_tiles(void) { _tile_loadconfig(&TILES); }
  * the sum. */
 AMX_TARGET static void amx_tiles(const uint16_t *a0, const uint16_t *a1,
                                  const uint16_t *b0, const uint16_t *b1, int kb0, int kb1,
-                                 int rows2, int two, int stream_a, float *const c[4], int ldc) {
+                                 int rows2, int two, int stream_a, float *const c[4],
+                                 const long ldc[4]) {
     if (kb0 == 0) {
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
     } else {
-        _tile_loadd(0, c[0], ldc);
-        if (two) _tile_loadd(1, c[1], ldc);
-        if (rows2) _tile_loadd(2, c[2], ldc);
-        if (rows2 && two) _tile_loadd(3, c[3], ldc);
+        _tile_loadd(0, c[0], ldc[0]);
+        if (two) _tile_loadd(1, c[1], ldc[1]);
+        if (rows2) _tile_loadd(2, c[2], ldc[2]);
+        if (rows2 && two) _tile_loadd(3, c[3], ldc[3]);
     }
     /* Each tile is loaded again as soon as the last product reading it is issued (tiles are
      * not renamed: a load waits for the products before it that read the tile), so the next k
@@ -213,10 +214,10 @@ AMX_TARGET static void amx_tiles(const uint16_t *a0, const uint16_t *a1,
         if (more && rows2) LOAD_A(5, a1 + next);
         if (more && two) _tile_loadd(7, b1 + next, 64);
     }
-    _tile_stored(0, c[0], ldc);
-    if (two) _tile_stored(1, c[1], ldc);
-    if (rows2) _tile_stored(2, c[2], ldc);
-    if (rows2 && two) _tile_stored(3, c[3], ldc);
+    _tile_stored(0, c[0], ldc[0]);
+    if (two) _tile_stored(1, c[1], ldc[1]);
+    if (rows2) _tile_stored(2, c[2], ldc[2]);
+    if (rows2 && two) _tile_stored(3, c[3], ldc[3]);
 }
 
 AMX_TARGET static void release_tiles(void) { _tile_release(); }
@@ -234,19 +235,24 @@ AMX_TARGET static void release_tiles(void) { _tile_release(); }
  * "Measurements behind code comments"). */
 #define STREAM_A_MAX_KBS 20
 
-/* A part's output: straight into y where its tiles lie inside, else a padded buffer copied
- * into y at the end (a last row tile or output block cut short). */
+/* A part's output: straight into y where its output blocks lie inside it, but for a last row
+ * tile cut short (m not a multiple of 16), whose sums go to the part's `tail` and only their
+ * real rows on to y at the end; where the blocks are cut short (n not a multiple of 16), every
+ * tile goes to a padded buffer copied into y at the end. (A whole-call buffer for a short last
+ * row tile made a 511-row GEMM 1.4-1.9x slower than a 512-row one: benchmarks/README.md.) */
 typedef struct {
     float *base;
     int ld;  /* floats */
     float *owned;
+    float *tail;  /* [TILE_ROWS][GROUP * TILE_ROWS]: the last row tile where it is cut short */
 } PartOut;
 
-static PartOut part_out(const Call *c, int col0, int cols) {
-    PartOut out = {NULL, 0, NULL};
-    if (c->m % TILE_ROWS == 0 && col0 + cols <= c->n) {
+static PartOut part_out(const Call *c, int col0, int cols, float *tail) {
+    PartOut out = {NULL, 0, NULL, NULL};
+    if (col0 + cols <= c->n) {
         out.base = c->y + col0;
         out.ld = c->n;
+        out.tail = c->m % TILE_ROWS != 0 ? tail : NULL;
     } else {
         out.owned = malloc((size_t)c->row_tiles * TILE_ROWS * cols * sizeof(float));
         out.base = out.owned;
@@ -255,7 +261,21 @@ static PartOut part_out(const Call *c, int col0, int cols) {
     return out;
 }
 
+/* where C tile t of row tile `rt` (output block t % 2 of the part) lies, and its stride */
+static float *c_tile(const Call *c, const PartOut *out, int rt, int t, long *ld_bytes) {
+    if (out->tail != NULL && rt == c->row_tiles - 1) {
+        *ld_bytes = GROUP * TILE_ROWS * sizeof(float);
+        return out->tail + t % 2 * TILE_ROWS;
+    }
+    *ld_bytes = (long)out->ld * sizeof(float);
+    return out->base + (long)rt * TILE_ROWS * out->ld + t % 2 * TILE_ROWS;
+}
+
 static void copy_out(const Call *c, const PartOut *out, int col0, int cols) {
+    if (out->tail != NULL)
+        for (int r = (c->row_tiles - 1) * TILE_ROWS; r < c->m; r++)
+            memcpy(c->y + (long)r * c->n + col0,
+                   out->tail + (long)(r % TILE_ROWS) * GROUP * TILE_ROWS, cols * sizeof(float));
     if (out->owned == NULL) return;
     for (int r = 0; r < c->m; r++)
         for (int j = 0; j < cols && col0 + j < c->n; j++)
@@ -280,27 +300,28 @@ typedef struct {
     PartOut out;
 } PartPlan;
 
-static PartPlan plan_part(const Call *c, int part, float *silu_buffer) {
+static PartPlan plan_part(const Call *c, int part, float *silu_buffer, float *tail) {
     int nbs = ceil_div(c->n, TILE_ROWS);
     PartPlan plan;
     if (c->silu) {  /* gate block `part` and its up block, into the run's buffer */
         plan.b0 = c->packed + (long)part * c->kbs * BLOCK_ELEMS;
         plan.b1 = c->packed + (long)(part + nbs / 2) * c->kbs * BLOCK_ELEMS;
         plan.two = 1;
-        plan.out = (PartOut){silu_buffer, GROUP * TILE_ROWS, NULL};
+        plan.out = (PartOut){silu_buffer, GROUP * TILE_ROWS, NULL, NULL};
         return plan;
     }
     int nb0 = part * GROUP;
     plan.two = nb0 + 1 < nbs;
     plan.b0 = c->packed + (long)nb0 * c->kbs * BLOCK_ELEMS;
     plan.b1 = plan.b0 + (long)c->kbs * BLOCK_ELEMS;
-    plan.out = part_out(c, nb0 * TILE_ROWS, (1 + plan.two) * TILE_ROWS);
+    plan.out = part_out(c, nb0 * TILE_ROWS, (1 + plan.two) * TILE_ROWS, tail);
     return plan;
 }
 
 /* one part: 32 outputs (GROUP output blocks) for every row, tiles configured by the caller */
 static void gemm_part(Call *c, int part, float *silu_buffer) {
-    PartPlan plan = plan_part(c, part, silu_buffer);
+    float tail[TILE_ROWS * GROUP * TILE_ROWS] __attribute__((aligned(64)));
+    PartPlan plan = plan_part(c, part, silu_buffer, tail);
     const uint16_t *b0 = plan.b0, *b1 = plan.b1;
     int two = plan.two, cols = (1 + two) * TILE_ROWS;
     PartOut out = plan.out;
@@ -316,16 +337,18 @@ static void gemm_part(Call *c, int part, float *silu_buffer) {
             const uint16_t *a0 = c->a + (long)rt * c->kbs * BLOCK_ELEMS;
             const uint16_t *a1 = a0 + (long)c->kbs * BLOCK_ELEMS;
             float *tiles[4];
+            long ld_bytes[4];
             for (int t = 0; t < 4; t++)  /* C tile t: row tile rt + t / 2, block nb0 + t % 2 */
-                tiles[t] = out.base + (long)(rt + t / 2) * TILE_ROWS * out.ld + t % 2 * TILE_ROWS;
+                tiles[t] = c_tile(c, &out, rt + t / 2, t, &ld_bytes[t]);
             if (c->emulate) {
                 if (kb0 > 0) continue;  /* the scalar tile sums every k block at once */
                 for (int t = 0; t < 4; t++)
                     if ((t / 2 == 0 || rows2) && (t % 2 == 0 || two))
-                        emulate_tile(t / 2 ? a1 : a0, t % 2 ? b1 : b0, c->kbs, tiles[t], out.ld);
+                        emulate_tile(t / 2 ? a1 : a0, t % 2 ? b1 : b0, c->kbs, tiles[t],
+                                     (int)(ld_bytes[t] / sizeof(float)));
             } else {
 #ifdef KVPARK_AMX_BUILD
-                amx_tiles(a0, a1, b0, b1, kb0, kb1, rows2, two, stream_a, tiles, out.ld * 4);
+                amx_tiles(a0, a1, b0, b1, kb0, kb1, rows2, two, stream_a, tiles, ld_bytes);
 #endif
             }
         }
