@@ -32,12 +32,22 @@ def prompt(tokens: int, finished: dict):
     return make_seq(tokens, 4, finished)
 
 
-def test_a_recent_decode_row_sits_out_while_a_step_of_prompt_waits():
+def test_recent_decode_rows_sit_out_while_a_step_of_prompt_waits():
+    finished: dict = {}
+    fresh, recent = decoding(9.5, finished), decoding(9.2, finished)
+    waiting = prompt(BATCH, finished)
+    kept, held = hold_decode_rows([fresh, recent, waiting], BATCH, now=10.0, wait=1.0)
+    assert kept == [waiting] and held == 2
+
+
+def test_once_one_decode_row_has_waited_the_limit_every_decode_row_steps_with_it():
+    """The decode rows' pass over their weights is paid once for all of them, not once for each
+    row as it comes due."""
     finished: dict = {}
     fresh, stale = decoding(9.5, finished), decoding(8.9, finished)
     waiting = prompt(BATCH, finished)
     kept, held = hold_decode_rows([fresh, stale, waiting], BATCH, now=10.0, wait=1.0)
-    assert kept == [stale, waiting] and held == 1
+    assert kept == [fresh, stale, waiting] and held == 0
 
 
 def test_everyone_steps_under_a_step_of_prompt_or_with_no_limit():
@@ -96,6 +106,48 @@ def test_a_stream_stalls_at_most_the_limit_and_everything_finishes(wait):
     assert stream.num_generated == 40 and len(finished) == 2
     held = engine.scheduler.candidates.held
     assert (held > 0) == (wait > 0)
+
+
+class PlanRecorder(FakeRunner):
+    """FakeRunner that keeps each step's sequences."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.plans: list[list] = []
+
+    def run(self, plan):
+        self.plans.append([item.seq for item in plan])
+        return super().run(plan)
+
+
+def test_streams_that_began_decoding_at_different_times_step_together_during_a_burst():
+    """A stream decoding when a 200-token prompt (25 steps) arrives, a second stream's short
+    prompt two steps later: each step that gives one of them a row while the long prompt has a
+    step of tokens left gives both a row, and neither waits past the limit."""
+    engine, finished = make_engine(0.35), {}
+    recorder = engine.runner = PlanRecorder()
+    first, second = make_seq(4, 60, finished), make_seq(4, 60, finished)
+    engine.scheduler.add(first)
+    for _ in range(2):
+        engine.step()
+    burst = prompt(200, finished)
+    engine.scheduler.add(burst)
+    start = len(recorder.plans)
+    for _ in range(2):
+        engine.step()
+    engine.scheduler.add(second)
+    while second.num_computed < len(second.tokens) - 1:  # its prompt in
+        engine.step()
+    joined = len(recorder.plans)
+    while burst.num_pending > BATCH:
+        engine.step()
+    during = recorder.plans[joined:]
+    with_decode = [plan for plan in during if first in plan or second in plan]
+    assert with_decode and all(first in plan and second in plan for plan in with_decode)
+    assert len(with_decode) < len(during) / 2
+    for stream in (first, second):  # no stream sits out more than ceil(0.35 s / tick) steps
+        fed = [step for step, plan in enumerate(recorder.plans[start:]) if stream in plan]
+        assert max(b - a for a, b in zip(fed, fed[1:])) <= 4
 
 
 def test_auto_is_a_second_on_the_cpu_and_off_on_cuda():
