@@ -61,23 +61,24 @@ def hold_decode_rows(running: list[Sequence], batch_size: int, now: float, wait:
                      ) -> tuple[list[Sequence], int]:
     """Prefill first (`--prefill-first`): while the sequences in a prompt or a replay have more
     tokens to feed than one step takes, the decode rows sit the step out until one of their
-    sequences has waited `wait` seconds since its last row; then every decode row steps with
-    it. Returns (who may step, in order; how many sat out).
+    sequences has waited `wait` seconds since its last row; then every decode row steps, in a
+    step of their own. Returns (who may step, in order; how many decode rows sat out).
 
     On the CPU a step's decode rows read weights of their own (the GGUF's blocks) beside the
     prompt rows' (bf16 tiles), a pass whose cost hardly grows with the number of rows: while
     prompts queue, decode rows gathered into fewer steps give the prompts' first tokens sooner
     and more tokens a second, for a stall of at most `wait` and a step between two tokens.
-    Letting in only the rows that are due spread them over most steps of a burst of prompts,
-    each such step paying the pass for a row or two (benchmarks/README.md)."""
+    Gathered into a decode step of their own (one C call for every layer) rather than beside
+    the prompt rows (a mixed step: per-layer calls, float32 attention rows): the same rows
+    cost less than half as much (benchmarks/README.md, "session 20")."""
     if wait <= 0:
         return running, 0
     if sum(s.num_pending for s in running if prefilling(s)) < batch_size:
         return running, 0
-    if any(not prefilling(s) and now - s.last_step_at >= wait for s in running):
-        return running, 0
-    kept = [s for s in running if prefilling(s)]
-    return kept, len(running) - len(kept)
+    decoding = [s for s in running if not prefilling(s)]
+    if any(now - s.last_step_at >= wait for s in decoding):
+        return decoding, 0
+    return [s for s in running if prefilling(s)], len(decoding)
 
 
 @dataclass
