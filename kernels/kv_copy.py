@@ -16,8 +16,11 @@ stream waits for it there, so the host thread never stalls.
 
 from __future__ import annotations
 
+import ctypes
 import enum
+import functools
 import itertools
+import logging
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -25,6 +28,10 @@ from typing import Any, Protocol
 
 import torch
 
+from . import worker_pool
+from .cbuild import KernelUnavailable, load_library
+
+log = logging.getLogger(__name__)
 _ticket_ids = itertools.count()
 
 
@@ -59,7 +66,10 @@ def copy_in(pool: PagePool, pages: list[int], host_buf: torch.Tensor,
 def save_pages(pool: PagePool, pages: list[int], host_pages: list[torch.Tensor],
                non_blocking: bool = False) -> None:
     """Each of `pages` (every layer) into its own host tensor `[layers, 2, ps, Hkv, D]`."""
-    for page, host_page in zip(pages, host_pages, strict=True):
+    assert len(pages) == len(host_pages), "a host page for each pool page"
+    if copy_pages_in_c(pool, pages, host_pages, to_host=True):
+        return
+    for page, host_page in zip(pages, host_pages):
         if host_page.device == pool.device:  # the CPU: one op a page, not one a layer
             torch.stack([cache[page] for cache in pool.caches], out=host_page)
             continue
@@ -70,9 +80,55 @@ def save_pages(pool: PagePool, pages: list[int], host_pages: list[torch.Tensor],
 def load_pages(pool: PagePool, pages: list[int], host_pages: list[torch.Tensor],
                non_blocking: bool = False) -> None:
     """Host tensors (as `save_pages` filled them) into `pages`."""
-    for page, host_page in zip(pages, host_pages, strict=True):
+    assert len(pages) == len(host_pages), "a host page for each pool page"
+    if copy_pages_in_c(pool, pages, host_pages, to_host=False):
+        return
+    for page, host_page in zip(pages, host_pages):
         for layer, cache in enumerate(pool.caches):
             cache[page].copy_(host_page[layer], non_blocking=non_blocking)
+
+
+def copy_pages_in_c(pool: PagePool, pages: list[int], host_pages: list[torch.Tensor],
+                    to_host: bool) -> bool:
+    """The copy in one C call (`csrc/page_copy.c`) where pool and host pages are dense CPU
+    tensors of one dtype; False (nothing copied) elsewhere, or without the C kernels."""
+    caches = pool.caches
+    if not pages or not _c_copies_fit(caches, host_pages):
+        return False
+    lib = _page_copy_kernel()
+    if lib is None:
+        return False
+    page_bytes = caches[0][0].numel() * caches[0].element_size()
+    pointers = ctypes.c_void_p * max(len(caches), len(pages))
+    lib.kvpark_copy_pages(pointers(*(c.data_ptr() for c in caches)), len(caches),
+                          (ctypes.c_int64 * len(pages))(*pages), len(pages), page_bytes,
+                          pointers(*(h.data_ptr() for h in host_pages)), int(to_host),
+                          worker_pool.get_num_threads())
+    return True
+
+
+def _c_copies_fit(caches: list[torch.Tensor], host_pages: list[torch.Tensor]) -> bool:
+    first = caches[0]
+    page_shape = (len(caches), *first.shape[1:])
+    return (first.device.type == "cpu"
+            and all(c.is_contiguous() and c.dtype == first.dtype and c.shape == first.shape
+                    for c in caches)
+            and all(h.device.type == "cpu" and h.is_contiguous() and h.dtype == first.dtype
+                    and h.shape == page_shape for h in host_pages))
+
+
+@functools.cache
+def _page_copy_kernel() -> ctypes.CDLL | None:
+    try:
+        lib = load_library()
+    except KernelUnavailable as exc:
+        log.info("host-tier page copies by torch: no C kernels here (%s)", exc)
+        return None
+    lib.kvpark_copy_pages.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                                      ctypes.c_int, ctypes.c_int64, ctypes.c_void_p,
+                                      ctypes.c_int, ctypes.c_int]
+    lib.kvpark_copy_pages.restype = None
+    return lib
 
 
 class CopyKind(str, enum.Enum):

@@ -4,7 +4,15 @@ import pytest
 import torch
 from fake_copy import FakeCopyEngine
 
-from kvpark.kernels.kv_copy import CudaAsyncCopyEngine, SyncCopyEngine, make_copy_engine
+from kvpark.kernels.cbuild import KernelUnavailable, load_library
+from kvpark.kernels.kv_copy import (
+    CudaAsyncCopyEngine,
+    SyncCopyEngine,
+    copy_pages_in_c,
+    load_pages,
+    make_copy_engine,
+    save_pages,
+)
 from kvpark.pod.memory.kv_pool import KVPool
 
 
@@ -62,3 +70,47 @@ def test_an_empty_page_list_copies_nothing():
     engine = SyncCopyEngine(pool)
     host = host_buffer(pool, 0)
     assert engine.poll(engine.start_park([], host)) and engine.poll(engine.start_resume([], host))
+
+
+# ---- host-tier pages: one C call on the CPU ----------------------------------------------------
+def c_kernels_build() -> bool:
+    try:
+        load_library()
+        return True
+    except KernelUnavailable:
+        return False
+
+
+@pytest.mark.skipif(not c_kernels_build(), reason="no working C compiler")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_saved_and_loaded_pages_are_the_pools_bytes(dtype):
+    """`save_pages` fills each host page with that page of every layer (the bytes a torch.stack
+    gives), `load_pages` puts them back at other pages, in any order, 1 to 9 pages a call."""
+    pool = KVPool(num_layers=3, num_pages=24, page_size=4, num_kv_heads=2, head_dim=3,
+                  dtype=dtype)
+    gen = torch.Generator().manual_seed(1)
+    for cache in pool.caches:  # each layer its own values
+        cache.copy_(torch.randn(cache.shape, generator=gen))
+    for pages, targets in [([5], [20]), ([7, 1, 3], [9, 10, 2]), (list(range(9)), [23] + list(
+            range(12, 20)))]:
+        host = [torch.empty(len(pool.caches), *pool.page_shape, dtype=dtype) for _ in pages]
+        assert copy_pages_in_c(pool, pages, host, to_host=True)
+        for page, host_page in zip(pages, host):
+            expect = torch.stack([cache[page] for cache in pool.caches])
+            assert torch.equal(host_page.view(torch.uint8), expect.view(torch.uint8))
+        load_pages(pool, targets, host)
+        for cache in pool.caches:
+            assert torch.equal(cache[targets].view(torch.uint8), cache[pages].view(torch.uint8))
+
+
+def test_pages_the_c_copy_cannot_take_go_through_torch():
+    """A host page of another dtype or a strided one: torch copies it (and converts)."""
+    pool = filled_pool()
+    host = [torch.empty(2, 2, 4, 2, 3, dtype=torch.float64)]
+    assert not copy_pages_in_c(pool, [3], host, to_host=True)
+    save_pages(pool, [3], host)
+    assert torch.equal(host[0], torch.stack([cache[3] for cache in pool.caches]).double())
+    strided = torch.empty(2, 2, 4, 2, 6)[..., ::2]
+    assert not copy_pages_in_c(pool, [4], [strided], to_host=True)
+    save_pages(pool, [4], [strided])
+    assert torch.equal(strided, torch.stack([cache[4] for cache in pool.caches]))
