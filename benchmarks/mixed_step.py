@@ -1,6 +1,8 @@
 """A mixed CPU step (decode rows of running sequences, then a prompt chunk, as a burst of chats
 makes them): rows of each kind taken as views and put back as one copy (`BlockRows` runs) against
-gathered and scattered (`index_select` / `index_copy_`), in alternating rounds in one process.
+gathered and scattered (`index_select` / `index_copy_`); and the same rows split into a decode
+step and a prompt step (what `--prefill-first` does with held decode rows once they come due),
+in alternating rounds in one process.
 
     python benchmarks/mixed_step.py --decode-rows 31 --context 400 --prompt-rows 481
 
@@ -61,30 +63,43 @@ def main() -> None:
     variants = {"gathered": dataclasses.replace(views, blocks_run=None, dense_run=None),
                 "views": views}
 
-    def step(rows: BlockRows) -> float:
-        backend.plan(StepLayout(tables, kv_lens, q_lens, PAGE, [0] * d + [n]))
+    def step(part: slice, rows: BlockRows) -> float:
+        """The sequences `part` of the step (their rows `rows`) as one model call."""
+        prompt_rows = [0] * d + [n]
+        backend.plan(StepLayout(tables[part], kv_lens[part], q_lens[part], PAGE,
+                                prompt_rows[part]))
+        first, stop = sum(q_lens[:part.start or 0]), sum(q_lens[:part.stop])
         started = time.perf_counter()
-        model(ids, positions, backend, pool.caches, rows)
+        model(ids[first:stop], positions[first:stop], backend, pool.caches, rows)
         return time.perf_counter() - started
 
-    times: dict[str, list[float]] = {name: [] for name in variants}
+    every, decode, prompt = slice(0, d + 1), slice(0, d), slice(d, d + 1)
+    runs = {**{name: lambda rows=rows: step(every, rows) for name, rows in variants.items()},
+            "split": lambda: (step(decode, BlockRows.from_mask([True] * d))
+                              + step(prompt, BlockRows.from_mask([False] * n)))}
+    times: dict[str, list[float]] = {name: [] for name in runs}
     with torch.inference_mode():
-        for rows in variants.values():
-            step(rows)  # warm-up
+        for run in runs.values():
+            run()  # warm-up
         for r in range(args.rounds):
-            for name in (list(variants) if r % 2 else list(variants)[::-1]):
-                times[name].append(step(variants[name]))
+            for name in (list(runs) if r % 2 else list(runs)[::-1]):
+                times[name].append(runs[name]())
     ratios = [g / v for g, v in zip(times["gathered"], times["views"])]
+    split_ratios = [v / s for v, s in zip(times["views"], times["split"])]
     print(f"{d} decode rows x {args.context} tokens + {n} prompt rows, {args.rounds} rounds "
           f"({'amx-bf16' if amx else 'fp32'} prompt linears)")
     print("| rows taken | median step ms |\n|---|---|")
     for name, values in times.items():
-        print(f"| {name} | {statistics.median(values) * 1e3:.1f} |")
+        label = "split (a decode step + a prompt step)" if name == "split" else name
+        print(f"| {label} | {statistics.median(values) * 1e3:.1f} |")
     print(f"gathered / views: {statistics.median(ratios):.3f}x "
           f"(views faster in {sum(x > 1 for x in ratios)}/{len(ratios)} rounds)")
+    print(f"mixed (views) / split: {statistics.median(split_ratios):.3f}x "
+          f"(split faster in {sum(x > 1 for x in split_ratios)}/{len(split_ratios)} rounds)")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "times": times, "ratios": ratios}, indent=2))
+    out.write_text(json.dumps({"args": vars(args), "times": times, "ratios": ratios,
+                               "mixed_over_split": split_ratios}, indent=2))
 
 
 if __name__ == "__main__":

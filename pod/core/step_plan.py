@@ -69,8 +69,8 @@ def hold_decode_rows(running: list[Sequence], batch_size: int, now: float, wait:
     prompts queue, decode rows gathered into fewer steps give the prompts' first tokens sooner
     and more tokens a second, for a stall of at most `wait` and a step between two tokens.
     Gathered into a decode step of their own (one C call for every layer) rather than beside
-    the prompt rows (a mixed step: per-layer calls, float32 attention rows): the same rows
-    cost less than half as much (benchmarks/README.md, "session 20")."""
+    the prompt rows (a mixed step: per-layer calls, float32 attention rows for the o
+    projection): the two steps take less time than the one (`benchmarks/mixed_step.py`)."""
     if wait <= 0:
         return running, 0
     if sum(s.num_pending for s in running if prefilling(s)) < batch_size:
