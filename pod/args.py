@@ -494,9 +494,10 @@ def add_pool_flags(g: argparse._ArgumentGroup) -> None:
          text="tokens per step at most (prompts are prefilled in chunks of this size)")
     _add(g, "--prefill-first", dest="prefill_first", type=_seconds_or_auto, metavar="SECONDS",
          text="while more prompt tokens wait than one step takes, running sequences' decode "
-         "rows sit out steps until they have waited SECONDS since their last one (prompts' "
-         "first tokens sooner, a bounded stall between tokens); 0 = a decode row joins every "
-         "step (vLLM's order); auto = 1 on the CPU, 0 on CUDA")
+         "rows sit out steps until one has waited SECONDS since its last one, then all step "
+         "together in a decode step (prompts' first tokens sooner, a bounded stall between "
+         "tokens); 0 = a decode row joins every step (vLLM's order); auto = 1 on the CPU, 0 on "
+         "CUDA")
     _add(g, "--prefix-cache", dest="prefix_cache", action=argparse.BooleanOptionalAction,
          text="keep full KV pages after a request and share them with any request whose "
          "prompt starts the same")
