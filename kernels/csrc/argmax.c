@@ -82,10 +82,8 @@ typedef struct {
     int64_t *out;
 } ArgmaxCall;
 
-static void argmax_part(void *arg, int part, int num_parts) {
+static void argmax_rows(void *arg, int first, int end) {
     const ArgmaxCall *c = arg;
-    const int first = (int)((int64_t)c->rows * part / num_parts);
-    const int end = (int)((int64_t)c->rows * (part + 1) / num_parts);
     for (int r = first; r < end; r++) {
         const float *row = c->x + r * c->stride;
         int has_nan;
@@ -94,14 +92,11 @@ static void argmax_part(void *arg, int part, int num_parts) {
     }
 }
 
-#define ROWS_PER_PART 4 /* a part reads at least this many rows: fewer would not pay for a wake */
+#define ROWS_PER_PART 4 /* the fewest rows worth a thread of their own */
 
 /* out[r] = argmax of row r of x [rows, n] (n >= 1), rows split between num_threads threads */
 void kvpark_argmax_rows(const float *x, int64_t stride, int rows, int n, int64_t *out,
                         int num_threads) {
-    const ArgmaxCall c = {.x = x, .stride = stride, .rows = rows, .n = n, .out = out};
-    int parts = rows / ROWS_PER_PART;
-    if (parts > num_threads) parts = num_threads;
-    if (parts <= 1) argmax_part((void *)&c, 0, 1);
-    else kvpark_pool_run(argmax_part, (void *)&c, parts, parts);
+    ArgmaxCall c = {.x = x, .stride = stride, .rows = rows, .n = n, .out = out};
+    kvpark_pool_run_spans(argmax_rows, &c, rows, ROWS_PER_PART, num_threads);
 }

@@ -98,20 +98,15 @@ struct RowsCall {
     float eps;
 };
 
-static void rows_part(void *arg, int part, int num_parts) {
+static void rows_span(void *arg, int first, int end) {
     const RowsCall *c = arg;
-    const int first = (int)((int64_t)c->rows * part / num_parts);
-    const int end = (int)((int64_t)c->rows * (part + 1) / num_parts);
     c->run(c, first, end - first);
 }
 
 #define ROWS_PER_PART 16 /* fewer a thread would not pay for waking it */
 
 static void run_rows(const RowsCall *c, int num_threads) {
-    int parts = c->rows / ROWS_PER_PART;
-    if (parts > num_threads) parts = num_threads;
-    if (parts <= 1) c->run(c, 0, c->rows);
-    else kvpark_pool_run(rows_part, (void *)c, parts, parts);
+    kvpark_pool_run_spans(rows_span, (void *)c, c->rows, ROWS_PER_PART, num_threads);
 }
 
 static void rms_norm_part(const RowsCall *c, int first, int rows) {

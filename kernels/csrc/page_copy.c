@@ -16,10 +16,8 @@ typedef struct {
     int num_layers, num_pages, to_host;
 } PageCopy;
 
-static void copy_part(void *arg, int part, int num_parts) {
+static void copy_pages(void *arg, int first, int end) {
     const PageCopy *c = arg;
-    const int first = (int)((int64_t)c->num_pages * part / num_parts);
-    const int end = (int)((int64_t)c->num_pages * (part + 1) / num_parts);
     for (int i = first; i < end; i++)
         for (int layer = 0; layer < c->num_layers; layer++) {
             char *pool = c->layers[layer] + c->pages[i] * c->page_bytes;
@@ -29,14 +27,11 @@ static void copy_part(void *arg, int part, int num_parts) {
         }
 }
 
-#define PAGES_PER_PART 4 /* a part moves at least this many pages: fewer would not pay a wake */
+#define PAGES_PER_PART 4 /* the fewest pages worth a thread of their own */
 
 /* to_host 1: pool pages -> host pages; 0: host pages -> pool pages */
 void kvpark_copy_pages(char *const *layers, int num_layers, const int64_t *pages, int num_pages,
                        int64_t page_bytes, char *const *host, int to_host, int num_threads) {
-    const PageCopy c = {layers, pages, host, page_bytes, num_layers, num_pages, to_host};
-    int parts = num_pages / PAGES_PER_PART;
-    if (parts > num_threads) parts = num_threads;
-    if (parts <= 1) copy_part((void *)&c, 0, 1);
-    else kvpark_pool_run(copy_part, (void *)&c, parts, parts);
+    PageCopy c = {layers, pages, host, page_bytes, num_layers, num_pages, to_host};
+    kvpark_pool_run_spans(copy_pages, &c, num_pages, PAGES_PER_PART, num_threads);
 }

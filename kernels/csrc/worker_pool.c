@@ -174,4 +174,28 @@ void kvpark_pool_run(kvpark_task task, void *arg, int num_parts, int num_threads
     pthread_mutex_unlock(&pool.run_lock);
 }
 
+typedef struct {
+    kvpark_span_task task;
+    void *arg;
+    int n;
+} SpansCall;
+
+static void run_span(void *arg, int part, int num_parts) {
+    const SpansCall *c = arg;
+    c->task(c->arg, (int)((int64_t)c->n * part / num_parts),
+            (int)((int64_t)c->n * (part + 1) / num_parts));
+}
+
+void kvpark_pool_run_spans(kvpark_span_task task, void *arg, int n, int min_per_span,
+                           int num_threads) {
+    int spans = n / min_per_span;
+    if (spans > num_threads) spans = num_threads;
+    if (spans <= 1) {
+        task(arg, 0, n);
+        return;
+    }
+    SpansCall c = {task, arg, n};
+    kvpark_pool_run(run_span, &c, spans, spans);
+}
+
 int kvpark_pool_workers(void) { return pool.num_workers; }
