@@ -35,11 +35,16 @@ def _kernel(isa: Isa | None = None) -> ctypes.CDLL | None:
 
 
 def row_argmax(logits: torch.Tensor, isa: Isa | None = None) -> list[int]:
-    """logits: [rows, vocab] -> each row's argmax, as `logits.argmax(-1).tolist()` gives it
-    (`isa`: the C build to use, default the best this CPU has)."""
-    lib = _kernel(isa) if can_take(logits) else None
-    if lib is None:
-        return logits.argmax(dim=-1).tolist()
+    """logits: [rows, vocab] -> each row's argmax, as `logits.argmax(-1).tolist()` gives it:
+    in C where it can take the rows (`isa`: the build, default the best this CPU has)."""
+    if can_take(logits) and _kernel(isa) is not None:
+        return c_row_argmax(logits, isa)
+    return logits.argmax(dim=-1).tolist()
+
+
+def c_row_argmax(logits: torch.Tensor, isa: Isa | None = None) -> list[int]:
+    """`row_argmax` by the C kernel; rows it `can_take`, a build that loads."""
+    lib = _kernel(isa)
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64)
     lib.kvpark_argmax_rows(logits.data_ptr(), logits.stride(0), rows, vocab, out.data_ptr(),

@@ -8,6 +8,7 @@ import torch
 
 from kvpark.kernels import argmax, worker_pool
 from kvpark.kernels.cbuild import KernelUnavailable, load_library
+from kvpark.pod.sampling.sampler import SamplingParams, sample
 
 try:
     load_library()
@@ -31,7 +32,7 @@ def expect(x: torch.Tensor) -> list[int]:
 @pytest.mark.parametrize("n", LENGTHS)
 def test_random_rows_give_torchs_argmax(isa, n):
     x = randn(37, n, seed=n)
-    assert argmax.row_argmax(x, isa) == expect(x)
+    assert argmax.c_row_argmax(x, isa) == expect(x)
 
 
 @pytest.mark.parametrize("n", [1, 9, 17, 40, 1000])
@@ -46,7 +47,7 @@ def test_the_first_of_tied_maxima_wins_at_every_position(isa, n):
             row[first] = row[second] = 2.0
             rows.append(row)
     x = torch.stack(rows)
-    got = argmax.row_argmax(x, isa)
+    got = argmax.c_row_argmax(x, isa)
     assert got == expect(x)
     assert got == [int(torch.nonzero(r == 2.0)[0]) for r in rows]
 
@@ -75,7 +76,7 @@ def test_nans_infinities_and_signed_zeros_as_torch(isa, n):
         row[first], row[n - 1] = math.inf, math.nan
         rows.append(row)
     x = torch.stack(rows)
-    assert argmax.row_argmax(x, isa) == expect(x)
+    assert argmax.c_row_argmax(x, isa) == expect(x)
 
 
 def test_rows_of_a_wider_tensor_and_every_thread_count(isa):
@@ -87,9 +88,20 @@ def test_rows_of_a_wider_tensor_and_every_thread_count(isa):
     try:
         for threads in (1, 2, 3, 4):
             worker_pool.set_num_threads(threads)
-            assert argmax.row_argmax(x, isa) == expect(x)
+            assert argmax.c_row_argmax(x, isa) == expect(x)
     finally:
         worker_pool.set_num_threads(was)
+
+
+def test_greedy_sampling_takes_the_c_kernel(monkeypatch):
+    """The sampler's one argmax for every greedy row is this kernel's."""
+    calls = []
+    real = argmax.c_row_argmax
+    monkeypatch.setattr(argmax, "c_row_argmax", lambda x, isa=None: calls.append(x) or real(x))
+    logits = randn(3, 50)
+    params = [SamplingParams(temperature=0)] * 3
+    assert sample(logits, params, [torch.Generator()] * 3) == expect(logits)
+    assert len(calls) == 1
 
 
 def test_what_the_kernel_cannot_take_goes_to_torch():
