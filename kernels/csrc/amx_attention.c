@@ -191,39 +191,67 @@ static void stage_kv(const Job *job, const Item *it, int start, int n, Scratch *
     }
 }
 
+/* e^x for x = t ln 2 <= 0, given t, 16 at once: 2^i (i = t rounded to nearest) times 2^(t - i)
+ * by its degree-5 Taylor polynomial (|t - i| <= 1/2: relative error below 2.5e-6, far inside the
+ * bf16 rounding of P). vscalefps makes any t far below -126 a clean 0 (no clamp); lanes
+ * outside k are 0. */
+AMX_TARGET static inline __m512 exp2_nonpositive_x16(__mmask16 k, __m512 t) {
+    const __m512 i = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 g = _mm512_sub_ps(t, i);
+    __m512 p = _mm512_set1_ps(1.3333558146428443e-3f); /* ln2^5 / 5! ... ln2, 1 */
+    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(9.6181291076284772e-3f));
+    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(5.5504108664821580e-2f));
+    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(2.4022650695910071e-1f));
+    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(6.9314718055994531e-1f));
+    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.0f));
+    return _mm512_maskz_scalef_ps(k, p, i);
+}
+
+/* 16 finite non-negative floats rounded to bf16, to nearest even (bf16_of_x16 without the NaN
+ * case, which P never has) */
+AMX_TARGET static inline __m256i bf16_of_nonnegative_x16(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i up = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd);
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(up, 16));
+}
+
 /* One row of a score tile, its `len` scores (0 <= len <= n32) unscaled, as P: e^((s - max)
  * scale) rounded to bf16 into its row of the P A tiles (pa at the row's first value), zeros up
  * to n32; with len > 0 the partial's max (in scaled units: rounding keeps the order, so it is
  * the largest rounded s scale) and sum into part. The last vector of a row whose length is not
  * a multiple of 16 is masked, so every value takes one vector path and the sum one order (its
  * lanes, then one tree) fixed by the row's length. */
-static void p_row(const float *row, int len, int n32, float scale, uint16_t *pa, float *part) {
+AMX_TARGET static void p_row(const float *row, int len, int n32, float scale, uint16_t *pa,
+                             float *part) {
     __m512 top = _mm512_set1_ps(-INFINITY);
     for (int t = 0; t < len; t += 16) {
         const __mmask16 k = len - t >= 16 ? 0xffff : (__mmask16)((1u << (len - t)) - 1);
         top = _mm512_mask_max_ps(top, k, top, _mm512_maskz_loadu_ps(k, row + t));
     }
     const float m = len > 0 ? _mm512_reduce_max_ps(top) : 0.0f;
-    const __m512 ms = _mm512_set1_ps(m), sc = _mm512_set1_ps(scale);
+    const __m512 ms = _mm512_set1_ps(m), c = _mm512_set1_ps(scale * 1.44269504088896341f);
     __m512 sum = _mm512_setzero_ps();
     for (int t = 0; t < n32; t += 16) {
         const __mmask16 k = len - t >= 16 ? 0xffff
                             : len > t ? (__mmask16)((1u << (len - t)) - 1) : 0;
-        const __m512 x = _mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, row + t), ms), sc);
-        const __m512 e = _mm512_maskz_mov_ps(k, (__m512)exp_nonpositive_v((vf)x));
+        const __m512 x = _mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, row + t), ms), c);
+        const __m512 e = exp2_nonpositive_x16(k, x);
         sum = _mm512_add_ps(sum, e);
         _mm256_storeu_si256((__m256i *)(pa + (long)(t / PAIR_K) * TILE_ELEMS + t % PAIR_K),
-                            bf16_of_x16(_mm512_castps_si512(e)));
+                            bf16_of_nonnegative_x16(e));
     }
     if (len > 0) {
         part[0] = m * scale;
-        part[1] = hsum((vf)sum);
+        part[1] = _mm512_reduce_add_ps(sum); /* hsum's tree: halves, then quarters, ... */
     }
 }
 
 /* A tile of rows (the first's prefix first_len) in the staged chunk from `start`, of which the
  * tile's rows need n tokens, for one query head (its q tiles qa): the partials of the rows
- * that reach the chunk into part (the others are left alone) */
+ * that reach the chunk into part, all 16 rows of it written (the other rows' values are
+ * never read: the first chunk reaches every row, a later one's part is scratch that only the
+ * rows reaching it are folded from) */
 static void run_head_chunk(const Job *job, const uint16_t *qa, int rows, int first_len,
                            int start, int n, Scratch *s, float *part) {
     const int d = job->in.head_dim, kbs = d / PAIR_K, dts = d / TILE;
@@ -240,13 +268,9 @@ static void run_head_chunk(const Job *job, const uint16_t *qa, int rows, int fir
     }
     for (int dt = 0; dt < dts; dt += 4) { /* O[r][dims], four dim tiles at a time */
         const int count = dts - dt < 4 ? dts - dt : 4;
-        float tmp[TILE * 4 * TILE];
         tile_products(s->pa, n32 / PAIR_K, s->vb + (long)dt * TILE_ELEMS,
-                      (long)dts * TILE_ELEMS, TILE_ELEMS, count, tmp, TILE, 4 * TILE * 4);
-        for (int r = 0; r < rows; r++)
-            if (first_len + r - start > 0)
-                memcpy(part + (long)r * stride + PART_HEADER + dt * TILE, tmp + r * 4 * TILE,
-                       sizeof(float) * count * TILE);
+                      (long)dts * TILE_ELEMS, TILE_ELEMS, count, part + PART_HEADER + dt * TILE,
+                      TILE, (long)stride * sizeof(float));
     }
 }
 
