@@ -121,7 +121,49 @@ void kvpark_rms_norm(const float *x, int64_t x_stride, int rows, int n, const fl
     run_rows(&c, num_threads);
 }
 
+#if defined(__AVX512F__) && defined(KVPARK_BF16_X16)
+/* rms_norm_rows's 1 / rms from its 16 lane sums: the same tree */
+static float inv_rms(__m512 acc, int n, float eps) {
+    float lanes[LANES];
+    _mm512_storeu_ps(lanes, acc);
+    for (int width = LANES / 2; width > 0; width /= 2)
+        for (int l = 0; l < width; l++) lanes[l] += lanes[l + width];
+    return 1.0f / sqrtf(lanes[0] / (float)n + eps);
+}
+
+/* rms_norm_rows for rows r and r + 1 (n a multiple of 32) straight into their A tiles: the
+ * same operations in the same order a row (lane l sums x[l], x[l + 16], ... by FMA, as the
+ * scalar loop compiles here; then (x inv) w), so the same bits; the two rows' sums run as two
+ * chains at once (one row's is latency-bound), and no float32 row is written and reread. */
+static void rms_norm_pair_into_tiles(const RowsCall *c, int r) {
+    const int n = c->n, kbs = n / A_TILE_K;
+    const float *x0 = c->in + r * c->in_stride, *x1 = x0 + c->in_stride;
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    for (int i = 0; i < n; i += LANES) {
+        const __m512 v0 = _mm512_loadu_ps(x0 + i), v1 = _mm512_loadu_ps(x1 + i);
+        acc0 = _mm512_fmadd_ps(v0, v0, acc0);
+        acc1 = _mm512_fmadd_ps(v1, v1, acc1);
+    }
+    const __m512 inv0 = _mm512_set1_ps(inv_rms(acc0, n, c->eps));
+    const __m512 inv1 = _mm512_set1_ps(inv_rms(acc1, n, c->eps));
+    for (int i = 0; i < n; i += LANES) {
+        const __m512 w = _mm512_loadu_ps(c->w + i);
+        const __m512 y0 = _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(x0 + i), inv0), w);
+        const __m512 y1 = _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(x1 + i), inv1), w);
+        _mm256_storeu_si256((__m256i *)(a_tile_row(c->tiles, kbs, r, i / A_TILE_K)
+                                        + i % A_TILE_K), bf16_of_x16(_mm512_castps_si512(y0)));
+        _mm256_storeu_si256((__m256i *)(a_tile_row(c->tiles, kbs, r + 1, i / A_TILE_K)
+                                        + i % A_TILE_K), bf16_of_x16(_mm512_castps_si512(y1)));
+    }
+}
+#endif
+
 static void rms_norm_tiles_part(const RowsCall *c, int first, int rows) {
+#if defined(__AVX512F__) && defined(KVPARK_BF16_X16)
+    if (c->vector && c->n % A_TILE_K == 0)  /* pairs of real rows; any odd one below */
+        for (; rows >= 2 && first + 1 < c->valid; first += 2, rows -= 2)
+            rms_norm_pair_into_tiles(c, first);
+#endif
     float *row = malloc(sizeof(float) * (size_t)c->n);  /* one row's float32 norm */
     if (row == NULL) {
         __atomic_store_n(c->failed, 1, __ATOMIC_RELAXED);
