@@ -35,6 +35,7 @@ from .attention import StepLayout, get_plan_arrays
 from .cbuild import CSRC, KernelUnavailable, load_library
 from .cpu_features import Isa
 from .layer_ops import AttentionPlan
+from .prompt_stack import PromptPlan
 from .torch_paged import TorchPagedAttention
 
 log = logging.getLogger(__name__)
@@ -189,6 +190,21 @@ class CpuPagedAttention(TorchPagedAttention):
             self._kv_lens.data_ptr(), a.kv_indptr.data_ptr(), a.kv_indices.data_ptr(),
             self._append_rows.data_ptr(), self._append_rows_v.data_ptr(),
             kv_dtype == torch.bfloat16)
+
+    def c_prompt_plan(self, head_dim: int, kv_dtype: torch.dtype) -> PromptPlan | None:
+        """This step's plan as `prompt_stack.PromptStack` hands it to C, where every row is a
+        prompt row the AMX attention computes (what `append_kv` and `attend_tiles` pass their
+        kernels); None for any other step. Valid until the next `plan`."""
+        if (self._prompt_rows is None or self._generated is not None
+                or kv_dtype not in KV_DTYPES):
+            return None
+        a = self._arrays
+        return PromptPlan(
+            len(self._kv_lens), self._page_size, head_dim ** -0.5, a.qo_indptr.data_ptr(),
+            self._prompt_rows.data_ptr(), self._kv_lens.data_ptr(), a.kv_indptr.data_ptr(),
+            a.kv_indices.data_ptr(), self._append_rows.data_ptr(),
+            self._append_rows_v.data_ptr(), kv_dtype == torch.bfloat16,
+            self._append_rows.shape[0])
 
     def append_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """One C call (a copy or a rounding a row) where k and v are float32 rows of whole

@@ -12,6 +12,7 @@ from torch import nn
 from kvpark.kernels import layer_ops
 from kvpark.kernels.amx_gemm import ATiles, Rows
 from kvpark.kernels.attention import AttentionBackend
+from kvpark.kernels.prompt_stack import PromptLayerWeights
 from kvpark.kernels.quant_linear import QuantizedWeight
 
 from .config import ModelConfig
@@ -103,6 +104,20 @@ class DecoderLayer(nn.Module):
         # torch's 2-5 ops over memory): a layer without q/k norms, float32 norms, C kernels
         self.row_ops = (self.q_norm is None and self.input_norm.dtype == torch.float32
                         and layer_ops.is_available())
+
+    def prompt_weights(self) -> PromptLayerWeights | None:
+        """What `PromptStack` needs of this layer, where its dense rows take the AMX path end to
+        end (norms into tiles, every linear on AMX with fused epilogues, no q/k norms); None
+        where they do not."""
+        c, linears = self.config, (self.qkv, self.o, self.gate_up, self.down)
+        if (not self.row_ops or not all(lin.fuses_add for lin in linears)
+                or not self.gate_up.fuses_silu or self.qkv.bias is not None):
+            return None
+        return PromptLayerWeights(
+            num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+            eps=c.rms_norm_eps, input_norm=self.input_norm.contiguous(),
+            post_norm=self.post_attn_norm.contiguous(), qkv=self.qkv.amx, o=self.o.amx,
+            gate_up=self.gate_up.amx, down=self.down.amx)
 
     def get_fused(self) -> layer_ops.FusedLayer | None:
         """The block rows' C ops (see `forward_fused`), where every linear has blocks and the

@@ -18,11 +18,12 @@ import torch
 from kvpark.kernels import layer_ops
 from kvpark.kernels.attention import AttentionBackend
 from kvpark.kernels.cpu_paged import KV_DTYPES
+from kvpark.kernels.prompt_stack import PromptPlan, PromptStack
 from kvpark.kernels.quant_linear import QuantizedWeight
 
 from .config import ModelConfig
 from .decoder_base import DecoderBase
-from .layers import DecoderLayer, fused_blocks, rms_norm, rope_cos_sin
+from .layers import DecoderLayer, all_dense, fused_blocks, rms_norm, rope_cos_sin
 from .linear import BlockRows, Linear, WeightFormat, pad_rows
 
 
@@ -52,6 +53,9 @@ class LlamaModel(DecoderBase):
         fused = [layer.fused for layer in self.layers]
         # a step whose rows all read blocks: every layer in one C call (same bits as the loop)
         self.stack = layer_ops.FusedStack(fused) if fused and all(fused) else None
+        # a step of prompt rows only on AMX: every layer in one C call (same bits as the loop)
+        prompt = [layer.prompt_weights() for layer in self.layers]
+        self.prompt_stack = PromptStack(prompt) if prompt and all(prompt) else None
 
     def drop_blocks(self) -> None:
         """Every row dense from now on (`--weights auto` measured float32 faster here)."""
@@ -81,10 +85,23 @@ class LlamaModel(DecoderBase):
         if self.can_stack(rows, backend, kv_caches):
             plan = backend.c_plan(self.config.head_dim, kv_caches[0].dtype)
             x = self.stack.decode(x, cos, sin, kv_caches, plan)
+        elif (prompt_plan := self.prompt_plan(rows, backend, kv_caches, x)) is not None:
+            x = self.prompt_stack.run(x, cos[:, 0], sin[:, 0], kv_caches, prompt_plan)
         else:
             for layer, kv_cache in zip(self.layers, kv_caches):
                 x = layer(x, cos, sin, backend, kv_cache, num_tokens, rows)
         return rms_norm(x[:num_tokens], self.final_norm, self.config.rms_norm_eps)
+
+    def prompt_plan(self, rows: BlockRows | None, backend: AttentionBackend,
+                    kv_caches: list[torch.Tensor], x: torch.Tensor) -> PromptPlan | None:
+        """Every row dense and a prompt row of the C attention's AMX kernel, every layer on the
+        AMX path: `PromptStack` takes the step with this plan (else None)."""
+        caches = kv_caches[:len(self.layers)]
+        if (self.prompt_stack is None or not all_dense(rows) or not x.is_cpu
+                or x.dtype != torch.float32 or not hasattr(backend, "c_prompt_plan")
+                or not all(c.dtype == caches[0].dtype and c.is_contiguous() for c in caches)):
+            return None
+        return backend.c_prompt_plan(self.config.head_dim, caches[0].dtype)
 
     def can_stack(self, rows: BlockRows | None, backend: AttentionBackend,
                   kv_caches: list[torch.Tensor]) -> bool:

@@ -271,6 +271,7 @@ def test_the_attention_into_the_o_projections_tiles_changes_no_bit(small_weights
 
     model = LlamaModel(SMALL, small_weights, batch_invariant=True,
                        weight_format=WeightFormat.AMX_BF16)
+    model.prompt_stack = None  # the layer loop's calls (the stack's are the next test's)
     pool = KVPool(SMALL.num_layers, 16, PAGE, SMALL.num_kv_heads, SMALL.head_dim)
     tables = [pool.allocate(5), pool.allocate(3)]
     backend = CpuPagedAttention(amx_prompt_rows=True)
@@ -294,6 +295,58 @@ def test_the_attention_into_the_o_projections_tiles_changes_no_bit(small_weights
         real(*a)) or written[-1])
     hidden([70, 36])  # the second sequence's last row is a generated token's
     assert written == [None] * SMALL.num_layers
+
+
+@requires_amx
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_the_prompt_stack_gives_the_layer_loops_bits(small_weights, monkeypatch, kv_dtype):
+    """A step of prompt rows only on AMX runs every layer in one C call (`PromptStack`): the
+    hidden states and every KV page the layer loop gives, to the bit, for two prompts from
+    position 0 and a chunk after a cached prefix (3 tokens: its GEMMs' rows padded to 4); a
+    step with a generated row keeps the loop."""
+    from kvpark.kernels.cpu_paged import CpuPagedAttention
+    from kvpark.kernels.prompt_stack import PromptStack
+
+    g = torch.Generator().manual_seed(5)  # norms of their own (the synthetic ones are 1s)
+    weights = {name: torch.rand(w.shape, generator=g) + 0.5 if "norm" in name else w
+               for name, w in small_weights.items()}
+    model = LlamaModel(SMALL, weights, batch_invariant=True, weight_format=WeightFormat.AMX_BF16)
+    assert model.prompt_stack is not None
+    stack = model.prompt_stack
+    runs: list[int] = []
+    real = PromptStack.run
+    monkeypatch.setattr(PromptStack, "run", lambda self, x, *a: runs.append(x.shape[0])
+                        or real(self, x, *a))
+
+    def steps(with_stack: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        model.prompt_stack = stack if with_stack else None
+        pool = KVPool(SMALL.num_layers, 16, PAGE, SMALL.num_kv_heads, SMALL.head_dim,
+                      dtype=kv_dtype)
+        tables = [pool.allocate(6), pool.allocate(3)]
+        backend = CpuPagedAttention(amx_prompt_rows=True)
+        out = []
+        # two prompts from 0 (70 and 37 tokens), then 3 more of the first after its 70
+        for kv_lens, q_lens, start in (([70, 37], [70, 37], [0, 0]), ([73], [3], [70])):
+            backend.plan(StepLayout(tables[:len(kv_lens)], kv_lens, q_lens, PAGE, q_lens))
+            n = sum(q_lens)
+            ids = (torch.arange(n) * 7 + kv_lens[0]) % SMALL.vocab_size
+            positions = torch.cat([torch.arange(s, s + q) for s, q in zip(start, q_lens)])
+            out.append(model(ids, positions, backend, pool.caches))
+        return out, [c.clone() for c in pool.caches]
+
+    stacked, stacked_pages = steps(True)
+    assert runs == [107, 4]  # a padding row rides along in the second
+    looped, looped_pages = steps(False)
+    for a, b in zip(stacked + stacked_pages, looped + looped_pages, strict=True):
+        assert torch.equal(a.view(torch.int16 if a.dtype == torch.bfloat16 else torch.int32),
+                           b.view(torch.int16 if b.dtype == torch.bfloat16 else torch.int32))
+    runs.clear()
+    model.prompt_stack = stack
+    pool = KVPool(SMALL.num_layers, 16, PAGE, SMALL.num_kv_heads, SMALL.head_dim)
+    backend = CpuPagedAttention(amx_prompt_rows=True)
+    backend.plan(StepLayout([pool.allocate(2)], [20], [20], PAGE, [19]))  # a generated row
+    model(torch.arange(20), torch.arange(20), backend, pool.caches)
+    assert runs == []
 
 
 def test_model_matches_the_reference_oracle(small_weights):
