@@ -32,6 +32,7 @@
 
 #include "a_tiles.h"
 #include "bf16.h"
+#include "entry_points.h"
 #include "paged_plan.h"
 #include "softmax_chunks.h"
 #include "tile_config.h"

@@ -34,6 +34,7 @@
 
 #include "a_tiles.h"
 #include "bf16.h"
+#include "entry_points.h"
 #include "silu.h"
 #include "tile_config.h"
 #include "worker_pool.h"

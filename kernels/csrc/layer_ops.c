@@ -17,17 +17,13 @@
 #include <string.h>
 
 #include "a_tiles.h"
+#include "entry_points.h"
 #include "silu.h"
 #include "worker_pool.h"
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
-
-int kvpark_quant_linear(int kind, const float *scale, const float *mins, const void *quants,
-                        int out_features, int in_features, const float *x, int64_t x_stride,
-                        int rows, float *y, int64_t y_stride, float *xsum_scratch,
-                        int num_threads);
 
 #define LANES 16 /* partial sums of a norm: independent chains the compiler may vectorise */
 
@@ -292,15 +288,6 @@ int kvpark_layer_post(const Layer *L, float *x, int64_t x_stride, int rows, cons
     return 0;
 }
 
-int kvpark_paged_attention(const float *q, int64_t q_row_stride, int64_t q_head_stride,
-                           const void *cache, int kv_bf16, float *out, int num_seqs,
-                           const int32_t *qo_indptr, const int32_t *kv_lens,
-                           const int32_t *kv_indptr, const int32_t *kv_indices, int num_heads,
-                           int num_kv_heads, int head_dim, int page_size, float scale,
-                           int num_threads);
-void kvpark_append_kv(void *cache, int kv_bf16, const float *k, int64_t k_row_stride,
-                      const float *v, int64_t v_row_stride, const int64_t *rows_k,
-                      const int64_t *rows_v, int num_tokens, int row_values);
 
 /* The step's attention as the C backend (kernels/cpu_paged.py) planned it; mirrored there */
 typedef struct {

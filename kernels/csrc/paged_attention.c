@@ -32,6 +32,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "entry_points.h"
 #include "paged_plan.h"
 #include "softmax_chunks.h"
 #include "worker_pool.h"

@@ -15,26 +15,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* the kernels this call strings together (layer_ops.c, amx_gemm.c, paged_attention.c,
- * amx_attention.c) */
-int kvpark_rms_norm_tiles(const float *x, int64_t x_stride, int rows, int n, const float *w,
-                          float eps, uint16_t *tiles, int vector, int num_threads);
-void kvpark_rope(float *x, int64_t x_stride, int rows, int heads, int head_dim,
-                 const float *cos, const float *sin_signed, int64_t cs_stride, int num_threads);
-int kvpark_amx_gemm(const float *x, const uint16_t *a_tiles, int m, int k,
-                    const uint16_t *packed, int n, const float *residual, float *y,
-                    uint16_t *y_tiles, int silu, int num_threads, int emulate);
-void kvpark_append_kv(void *cache, int kv_bf16, const float *k, int64_t k_row_stride,
-                      const float *v, int64_t v_row_stride, const int64_t *rows_k,
-                      const int64_t *rows_v, int num_tokens, int row_values);
-int kvpark_amx_prompt_attention_tiles(const float *q, int64_t q_row_stride,
-                                      int64_t q_head_stride, const void *cache, int kv_bf16,
-                                      uint16_t *out_tiles, int num_seqs,
-                                      const int32_t *qo_indptr, const int32_t *prompt_rows,
-                                      const int32_t *kv_lens, const int32_t *kv_indptr,
-                                      const int32_t *kv_indices, int num_heads, int num_kv_heads,
-                                      int head_dim, int page_size, float scale,
-                                      int num_threads);
+#include "entry_points.h"
 
 /* kernels/prompt_stack.py mirrors these two structs (ctypes.Structure) */
 typedef struct {

@@ -27,6 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "entry_points.h"
 #include "worker_pool.h"
 
 #if defined(__AVX512F__) || defined(__AVX2__)
