@@ -110,8 +110,9 @@ class DecoderLayer(nn.Module):
         end (norms into tiles, every linear on AMX with fused epilogues, no q/k norms); None
         where they do not."""
         c, linears = self.config, (self.qkv, self.o, self.gate_up, self.down)
-        if (not self.row_ops or not all(lin.fuses_add for lin in linears)
-                or not self.gate_up.fuses_silu or self.qkv.bias is not None):
+        # fuses_add: on AMX, float32 sums, no bias
+        if not (self.row_ops and all(lin.fuses_add for lin in linears)
+                and self.gate_up.fuses_silu):
             return None
         return PromptLayerWeights(
             num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
