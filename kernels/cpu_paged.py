@@ -195,16 +195,10 @@ class CpuPagedAttention(TorchPagedAttention):
         """This step's plan as `prompt_stack.PromptStack` hands it to C, where every row is a
         prompt row the AMX attention computes (what `append_kv` and `attend_tiles` pass their
         kernels); None for any other step. Valid until the next `plan`."""
-        if (self._prompt_rows is None or self._generated is not None
-                or kv_dtype not in KV_DTYPES):
+        if self._prompt_rows is None or self._generated is not None:
             return None
-        a = self._arrays
-        return PromptPlan(
-            len(self._kv_lens), self._page_size, head_dim ** -0.5, a.qo_indptr.data_ptr(),
-            self._prompt_rows.data_ptr(), self._kv_lens.data_ptr(), a.kv_indptr.data_ptr(),
-            a.kv_indices.data_ptr(), self._append_rows.data_ptr(),
-            self._append_rows_v.data_ptr(), kv_dtype == torch.bfloat16,
-            self._append_rows.shape[0])
+        return PromptPlan(self.c_plan(head_dim, kv_dtype), self._prompt_rows.data_ptr(),
+                          self._append_rows.shape[0])
 
     def append_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """One C call (a copy or a rounding a row) where k and v are float32 rows of whole

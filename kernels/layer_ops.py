@@ -210,7 +210,7 @@ class FusedLayer:
         return x
 
 
-class AttentionPlan(ctypes.Structure):  # AttentionPlan in csrc/layer_ops.c
+class AttentionPlan(ctypes.Structure):  # AttentionPlan in csrc/entry_points.h
     """A step's attention as the C backend planned it (`CpuPagedAttention.c_plan`); holds the
     tensors it points into."""
 

@@ -16,6 +16,7 @@ import torch
 
 from . import amx_gemm, worker_pool
 from .cbuild import load_library
+from .layer_ops import AttentionPlan
 
 i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
 
@@ -30,12 +31,11 @@ class _PromptLayer(ctypes.Structure):  # PromptLayer in csrc/prompt_layers.c
 
 class PromptPlan(ctypes.Structure):  # PromptPlan in csrc/prompt_layers.c
     """A prompt-only step as the C attention backend planned it
-    (`CpuPagedAttention.c_prompt_plan`); it points into that plan's tensors."""
+    (`CpuPagedAttention.c_prompt_plan`): its attention plan, each sequence's prompt rows and the
+    step's tokens; it points into that plan's tensors."""
 
-    _fields_ = [("num_seqs", ctypes.c_int32), ("page_size", ctypes.c_int32),
-                ("scale", ctypes.c_float), ("qo_indptr", ptr), ("prompt_rows", ptr),
-                ("kv_lens", ptr), ("kv_indptr", ptr), ("kv_indices", ptr), ("rows_k", ptr),
-                ("rows_v", ptr), ("kv_bf16", ctypes.c_int32), ("num_tokens", ctypes.c_int32)]
+    _fields_ = [("attention", AttentionPlan), ("prompt_rows", ptr),
+                ("num_tokens", ctypes.c_int32)]
 
 
 @functools.cache

@@ -1,10 +1,21 @@
-/* The library's entry points that one kernel file calls in another, declared once: the file
- * that defines each includes this too, so a definition and its callers cannot disagree on a
- * signature. */
+/* The library's entry points that one kernel file calls in another, and the plan type two of
+ * them share, declared once: the file that defines each includes this too, so a definition and
+ * its callers cannot disagree on a signature. */
 #ifndef KVPARK_ENTRY_POINTS_H
 #define KVPARK_ENTRY_POINTS_H
 
 #include <stdint.h>
+
+/* A step's attention as the C backend (kernels/cpu_paged.py `c_plan`) planned it, for the calls
+ * that string a step's layers together (layer_ops.c, prompt_layers.c); mirrored in
+ * kernels/layer_ops.py */
+typedef struct {
+    int32_t num_seqs, page_size;
+    float scale;
+    const int32_t *qo_indptr, *kv_lens, *kv_indptr, *kv_indices;
+    const int64_t *rows_k, *rows_v; /* each new token's K and V row in a layer's cache */
+    int32_t kv_bf16;                 /* the caches hold bf16 (else float32) */
+} AttentionPlan;
 
 /* quant_linear.c */
 int kvpark_quant_linear(int kind, const float *scale, const float *mins, const void *quants,

@@ -288,16 +288,6 @@ int kvpark_layer_post(const Layer *L, float *x, int64_t x_stride, int rows, cons
     return 0;
 }
 
-
-/* The step's attention as the C backend (kernels/cpu_paged.py) planned it; mirrored there */
-typedef struct {
-    int32_t num_seqs, page_size;
-    float scale;
-    const int32_t *qo_indptr, *kv_lens, *kv_indptr, *kv_indices;
-    const int64_t *rows_k, *rows_v; /* each new token's K and V row in a layer's cache */
-    int32_t kv_bf16;                 /* the caches hold bf16 (else float32) */
-} AttentionPlan;
-
 /* Every layer of a step whose rows all read blocks, in one call: per layer exactly the calls
  * the Python layer loop makes (pre, append, attention, post), in the same order on the same
  * buffers, so the bits are the loop's; only the Python between them is gone. qkv [rows,

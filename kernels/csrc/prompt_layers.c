@@ -17,7 +17,7 @@
 
 #include "entry_points.h"
 
-/* kernels/prompt_stack.py mirrors these two structs (ctypes.Structure) */
+/* kernels/prompt_stack.py mirrors PromptLayer and PromptPlan (ctypes.Structure) */
 typedef struct {
     int32_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
     float eps;
@@ -25,13 +25,12 @@ typedef struct {
     const uint16_t *qkv, *o, *gate_up, *down; /* amx_gemm.c's packed B tiles */
 } PromptLayer;
 
-/* the step as the C attention backend (kernels/cpu_paged.py) planned it */
+/* a prompt-only step: the attention's plan, each sequence's prompt rows (all its rows), and the
+ * step's tokens (rows past them pad the GEMMs) */
 typedef struct {
-    int32_t num_seqs, page_size;
-    float scale;
-    const int32_t *qo_indptr, *prompt_rows, *kv_lens, *kv_indptr, *kv_indices;
-    const int64_t *rows_k, *rows_v; /* each new token's K and V row in a layer's cache */
-    int32_t kv_bf16, num_tokens;    /* num_tokens: the step's tokens (rows past them pad) */
+    AttentionPlan attention;
+    const int32_t *prompt_rows;
+    int32_t num_tokens;
 } PromptPlan;
 
 static void swap(float **a, float **b) {
@@ -50,6 +49,7 @@ int kvpark_prompt_layers(const PromptLayer *const *layers, void *const *caches, 
                          const float *sin_signed, int64_t cs_stride, uint16_t *h_tiles,
                          float *qkv, uint16_t *attn_tiles, uint16_t *mid_tiles, int vector,
                          const PromptPlan *plan, int num_threads) {
+    const AttentionPlan *a = &plan->attention;
     for (int l = 0; l < num_layers; l++) {
         const PromptLayer *L = layers[l];
         const int hidden = L->hidden, heads = L->num_heads, kv_heads = L->num_kv_heads;
@@ -63,13 +63,12 @@ int kvpark_prompt_layers(const PromptLayer *const *layers, void *const *caches, 
             return fail + 2;
         kvpark_rope(qkv, qkv_n, rows, heads + kv_heads, dim, cos, sin_signed, cs_stride,
                     num_threads);
-        kvpark_append_kv(caches[l], plan->kv_bf16, qkv + q_size, qkv_n, qkv + q_size + kv_size,
-                         qkv_n, plan->rows_k, plan->rows_v, plan->num_tokens, kv_size);
+        kvpark_append_kv(caches[l], a->kv_bf16, qkv + q_size, qkv_n, qkv + q_size + kv_size,
+                         qkv_n, a->rows_k, a->rows_v, plan->num_tokens, kv_size);
         if (kvpark_amx_prompt_attention_tiles(
-                qkv, qkv_n, dim, caches[l], plan->kv_bf16, attn_tiles, plan->num_seqs,
-                plan->qo_indptr, plan->prompt_rows, plan->kv_lens, plan->kv_indptr,
-                plan->kv_indices, heads, kv_heads, dim, plan->page_size, plan->scale,
-                num_threads))
+                qkv, qkv_n, dim, caches[l], a->kv_bf16, attn_tiles, a->num_seqs, a->qo_indptr,
+                plan->prompt_rows, a->kv_lens, a->kv_indptr, a->kv_indices, heads, kv_heads, dim,
+                a->page_size, a->scale, num_threads))
             return fail + 3;
         if (kvpark_amx_gemm(NULL, attn_tiles, rows, q_size, L->o, hidden, x, spare, NULL, 0,
                             num_threads, 0))

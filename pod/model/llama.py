@@ -85,7 +85,7 @@ class LlamaModel(DecoderBase):
         if self.can_stack(rows, backend, kv_caches):
             plan = backend.c_plan(self.config.head_dim, kv_caches[0].dtype)
             x = self.stack.decode(x, cos, sin, kv_caches, plan)
-        elif (prompt_plan := self.prompt_plan(rows, backend, kv_caches, x)) is not None:
+        elif (prompt_plan := self.prompt_plan(rows, backend, kv_caches)) is not None:
             x = self.prompt_stack.run(x, cos[:, 0], sin[:, 0], kv_caches, prompt_plan)
         else:
             for layer, kv_cache in zip(self.layers, kv_caches):
@@ -93,20 +93,23 @@ class LlamaModel(DecoderBase):
         return rms_norm(x[:num_tokens], self.final_norm, self.config.rms_norm_eps)
 
     def prompt_plan(self, rows: BlockRows | None, backend: AttentionBackend,
-                    kv_caches: list[torch.Tensor], x: torch.Tensor) -> PromptPlan | None:
+                    kv_caches: list[torch.Tensor]) -> PromptPlan | None:
         """Every row dense and a prompt row of the C attention's AMX kernel, every layer on the
         AMX path: `PromptStack` takes the step with this plan (else None)."""
-        caches = kv_caches[:len(self.layers)]
-        if (self.prompt_stack is None or not all_dense(rows) or not x.is_cpu
-                or x.dtype != torch.float32 or not hasattr(backend, "c_prompt_plan")
-                or not all(c.dtype == caches[0].dtype and c.is_contiguous() for c in caches)):
+        if (self.prompt_stack is None or not all_dense(rows)
+                or not hasattr(backend, "c_prompt_plan") or not self.c_reads(kv_caches)):
             return None
-        return backend.c_prompt_plan(self.config.head_dim, caches[0].dtype)
+        return backend.c_prompt_plan(self.config.head_dim, kv_caches[0].dtype)
 
     def can_stack(self, rows: BlockRows | None, backend: AttentionBackend,
                   kv_caches: list[torch.Tensor]) -> bool:
         """All rows read blocks and the C attention runs: `FusedStack` takes the step."""
-        caches = kv_caches[:len(self.layers)]
         return (self.stack is not None and rows is not None and rows.num_dense == 0
-                and hasattr(backend, "c_plan") and caches[0].dtype in KV_DTYPES
-                and all(c.dtype == caches[0].dtype and c.is_contiguous() for c in caches))
+                and hasattr(backend, "c_plan") and self.c_reads(kv_caches))
+
+    def c_reads(self, kv_caches: list[torch.Tensor]) -> bool:
+        """The layers' caches are what a one-call stack hands C: contiguous, of one type its
+        kernels read."""
+        caches = kv_caches[:len(self.layers)]
+        return caches[0].dtype in KV_DTYPES and all(
+            c.dtype == caches[0].dtype and c.is_contiguous() for c in caches)
