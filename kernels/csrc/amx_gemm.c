@@ -4,7 +4,8 @@
  * with zero rows), every tile goes through the same sequence of tile instructions over the same
  * k blocks in the same order, and an AMX dot product computes each output element from its own
  * row and column alone. So a row's bits do not depend on how many rows came with it, nor where
- * it sat in its tile. Threads split the outputs (groups of 32 columns), never a sum.
+ * it sat in its tile. Threads split the outputs (groups of 32 columns) and the rows (spans of
+ * row tiles), never a sum.
  *
  * Epilogues (`kvpark_amx_gemm`), each the bits of the GEMM then the separate op:
  * - SwiGLU over an MLP's gate and up projections stacked as one weight ([gate; up], 2 I
@@ -110,6 +111,11 @@ void kvpark_amx_pack_bf16(const float *w, int n, int k, uint16_t *packed) {
 }
 
 /* ---- one call ---------------------------------------------------------------------------- */
+/* how a call's outputs and rows are cut into tasks (`split_call`) */
+typedef struct {
+    int parts, runs, spans;  /* parts of GROUP output blocks, in runs, over spans of rows */
+} Split;
+
 typedef struct {
     const float *x;  /* or NULL: the caller's A tiles */
     const uint16_t *a;  /* x as bf16 A tiles (a_tiles.h), zero-padded */
@@ -120,6 +126,7 @@ typedef struct {
     const float *residual;  /* [m, n], added to the product (y = residual + x W^T), or NULL */
     uint16_t *y_tiles;  /* silu: the output as A tiles of I columns (instead of y), or NULL */
     volatile int failed;  /* a part could not get its buffer (set only to 1, by any thread) */
+    Split split;
 } Call;
 
 long kvpark_amx_a_tiles_elems(int m, int k) {
@@ -236,26 +243,32 @@ AMX_TARGET static void release_tiles(void) { _tile_release(); }
  * "Measurements behind code comments"). */
 #define STREAM_A_MAX_KBS 20
 
-/* A part's output: straight into y where its output blocks lie inside it, but for a last row
- * tile cut short (m not a multiple of 16), whose sums go to the part's `tail` and only their
+/* A task's output: straight into y where its output blocks lie inside it, but for a last row
+ * tile cut short (m not a multiple of 16), whose sums go to the task's `tail` and only their
  * real rows on to y at the end; where the blocks are cut short (n not a multiple of 16), every
  * tile goes to a padded buffer copied into y at the end. (A whole-call buffer for a short last
  * row tile made a 511-row GEMM 1.4-1.9x slower than a 512-row one: benchmarks/README.md.) */
 typedef struct {
-    float *base;
+    float *base;  /* where row tile `rt0` starts */
     int ld;  /* floats */
+    int rt0;
     float *owned;
     float *tail;  /* [TILE_ROWS][GROUP * TILE_ROWS]: the last row tile where it is cut short */
 } PartOut;
 
-static PartOut part_out(const Call *c, int col0, int cols, float *tail) {
-    PartOut out = {NULL, 0, NULL, NULL};
+/* A task: one part (GROUP output blocks) over the row tiles [rt0, rt1) */
+typedef struct {
+    int part, rt0, rt1;
+} Task;
+
+static PartOut part_out(const Call *c, const Task *t, int col0, int cols, float *tail) {
+    PartOut out = {NULL, 0, t->rt0, NULL, NULL};
     if (col0 + cols <= c->n) {
-        out.base = c->y + col0;
+        out.base = c->y + (long)t->rt0 * TILE_ROWS * c->n + col0;
         out.ld = c->n;
         out.tail = c->m % TILE_ROWS != 0 ? tail : NULL;
     } else {
-        out.owned = malloc((size_t)c->row_tiles * TILE_ROWS * cols * sizeof(float));
+        out.owned = malloc((size_t)(t->rt1 - t->rt0) * TILE_ROWS * cols * sizeof(float));
         out.base = out.owned;
         out.ld = cols;
     }
@@ -269,25 +282,31 @@ static float *c_tile(const Call *c, const PartOut *out, int rt, int t, long *ld_
         return out->tail + t % 2 * TILE_ROWS;
     }
     *ld_bytes = (long)out->ld * sizeof(float);
-    return out->base + (long)rt * TILE_ROWS * out->ld + t % 2 * TILE_ROWS;
+    return out->base + (long)(rt - out->rt0) * TILE_ROWS * out->ld + t % 2 * TILE_ROWS;
 }
 
-static void copy_out(const Call *c, const PartOut *out, int col0, int cols) {
-    if (out->tail != NULL)
+static int task_rows_end(const Call *c, const Task *t) {
+    return t->rt1 * TILE_ROWS < c->m ? t->rt1 * TILE_ROWS : c->m;
+}
+
+static void copy_out(const Call *c, const Task *t, const PartOut *out, int col0, int cols) {
+    const int r1 = task_rows_end(c, t);
+    if (out->tail != NULL && t->rt1 == c->row_tiles)
         for (int r = (c->row_tiles - 1) * TILE_ROWS; r < c->m; r++)
             memcpy(c->y + (long)r * c->n + col0,
                    out->tail + (long)(r % TILE_ROWS) * GROUP * TILE_ROWS, cols * sizeof(float));
     if (out->owned == NULL) return;
-    for (int r = 0; r < c->m; r++)
-        for (int j = 0; j < cols && col0 + j < c->n; j++)
-            c->y[(long)r * c->n + col0 + j] = out->owned[(long)r * out->ld + j];
+    for (int r = t->rt0 * TILE_ROWS; r < r1; r++) {
+        const float *sums = out->base + (long)(r - t->rt0 * TILE_ROWS) * out->ld;
+        for (int j = 0; j < cols && col0 + j < c->n; j++) c->y[(long)r * c->n + col0 + j] = sums[j];
+    }
     free(out->owned);
 }
 
-/* y[:, col0 .. col0 + cols) = residual + y, in the order torch's `residual + y` adds */
-static void add_residual(const Call *c, int col0, int cols) {
+/* y[rows, col0 .. col0 + cols) = residual + y, in the order torch's `residual + y` adds */
+static void add_residual(const Call *c, const Task *t, int col0, int cols) {
     if (col0 + cols > c->n) cols = c->n - col0;
-    for (int r = 0; r < c->m; r++) {
+    for (int r = t->rt0 * TILE_ROWS; r < task_rows_end(c, t); r++) {
         const float *res = c->residual + (long)r * c->n + col0;
         float *y = c->y + (long)r * c->n + col0;
         for (int j = 0; j < cols; j++) y[j] = res[j] + y[j];
@@ -301,28 +320,45 @@ typedef struct {
     PartOut out;
 } PartPlan;
 
-static PartPlan plan_part(const Call *c, int part, float *silu_buffer, float *tail) {
+static PartPlan plan_part(const Call *c, const Task *t, float *silu_buffer, float *tail) {
     int nbs = ceil_div(c->n, TILE_ROWS);
     PartPlan plan;
-    if (c->silu) {  /* gate block `part` and its up block, into the run's buffer */
-        plan.b0 = c->packed + (long)part * c->kbs * BLOCK_ELEMS;
-        plan.b1 = c->packed + (long)(part + nbs / 2) * c->kbs * BLOCK_ELEMS;
+    if (c->silu) {  /* gate block `part` and its up block, into the task's buffer */
+        plan.b0 = c->packed + (long)t->part * c->kbs * BLOCK_ELEMS;
+        plan.b1 = c->packed + (long)(t->part + nbs / 2) * c->kbs * BLOCK_ELEMS;
         plan.two = 1;
-        plan.out = (PartOut){silu_buffer, GROUP * TILE_ROWS, NULL, NULL};
+        plan.out = (PartOut){silu_buffer, GROUP * TILE_ROWS, t->rt0, NULL, NULL};
         return plan;
     }
-    int nb0 = part * GROUP;
+    int nb0 = t->part * GROUP;
     plan.two = nb0 + 1 < nbs;
     plan.b0 = c->packed + (long)nb0 * c->kbs * BLOCK_ELEMS;
     plan.b1 = plan.b0 + (long)c->kbs * BLOCK_ELEMS;
-    plan.out = part_out(c, nb0 * TILE_ROWS, (1 + plan.two) * TILE_ROWS, tail);
+    plan.out = part_out(c, t, nb0 * TILE_ROWS, (1 + plan.two) * TILE_ROWS, tail);
     return plan;
 }
 
-/* one part: 32 outputs (GROUP output blocks) for every row, tiles configured by the caller */
-static void gemm_part(Call *c, int part, float *silu_buffer) {
+/* silu(gate) up for the task's rows, from its buffer: float32 rows of y, or the next GEMM's A
+ * tiles (every row of the row tiles: zeros past m) */
+static void silu_out(Call *c, const Task *t, const PartOut *out) {
+    const int r0 = t->rt0 * TILE_ROWS;
+    if (c->y_tiles != NULL)
+        for (int r = r0; r < t->rt1 * TILE_ROWS; r++) {
+            float values[TILE_ROWS];
+            silu_mul_rows(out->base + (long)(r - r0) * out->ld, out->ld, 1, TILE_ROWS, values,
+                          TILE_ROWS);
+            a_tiles_put(c->y_tiles, ceil_div(c->n / 2, TILE_K), r, t->part * TILE_ROWS, values,
+                        TILE_ROWS, !c->emulate);
+        }
+    else  /* gate in columns 0..15 of the buffer, up in 16..31 */
+        silu_mul_rows(out->base, out->ld, task_rows_end(c, t) - r0, TILE_ROWS,
+                      c->y + (long)r0 * (c->n / 2) + t->part * TILE_ROWS, c->n / 2);
+}
+
+/* one task: 32 outputs (GROUP output blocks) for its rows, tiles configured by the caller */
+static void gemm_part(Call *c, const Task *t, float *silu_buffer) {
     float tail[TILE_ROWS * GROUP * TILE_ROWS] __attribute__((aligned(64)));
-    PartPlan plan = plan_part(c, part, silu_buffer, tail);
+    PartPlan plan = plan_part(c, t, silu_buffer, tail);
     const uint16_t *b0 = plan.b0, *b1 = plan.b1;
     int two = plan.two, cols = (1 + two) * TILE_ROWS;
     PartOut out = plan.out;
@@ -333,20 +369,20 @@ static void gemm_part(Call *c, int part, float *silu_buffer) {
     const int stream_a = c->kbs <= STREAM_A_MAX_KBS;
     for (int kb0 = 0; kb0 < c->kbs; kb0 += K_CHUNK) {
         int kb1 = kb0 + K_CHUNK < c->kbs ? kb0 + K_CHUNK : c->kbs;
-        for (int rt = 0; rt < c->row_tiles; rt += 2) {
-            int rows2 = rt + 1 < c->row_tiles;
+        for (int rt = t->rt0; rt < t->rt1; rt += 2) {
+            int rows2 = rt + 1 < t->rt1;
             const uint16_t *a0 = c->a + (long)rt * c->kbs * BLOCK_ELEMS;
             const uint16_t *a1 = a0 + (long)c->kbs * BLOCK_ELEMS;
             float *tiles[4];
             long ld_bytes[4];
-            for (int t = 0; t < 4; t++)  /* C tile t: row tile rt + t / 2, block nb0 + t % 2 */
-                tiles[t] = c_tile(c, &out, rt + t / 2, t, &ld_bytes[t]);
+            for (int i = 0; i < 4; i++)  /* C tile i: row tile rt + i / 2, block nb0 + i % 2 */
+                tiles[i] = c_tile(c, &out, rt + i / 2, i, &ld_bytes[i]);
             if (c->emulate) {
                 if (kb0 > 0) continue;  /* the scalar tile sums every k block at once */
-                for (int t = 0; t < 4; t++)
-                    if ((t / 2 == 0 || rows2) && (t % 2 == 0 || two))
-                        emulate_tile(t / 2 ? a1 : a0, t % 2 ? b1 : b0, c->kbs, tiles[t],
-                                     (int)(ld_bytes[t] / sizeof(float)));
+                for (int i = 0; i < 4; i++)
+                    if ((i / 2 == 0 || rows2) && (i % 2 == 0 || two))
+                        emulate_tile(i / 2 ? a1 : a0, i % 2 ? b1 : b0, c->kbs, tiles[i],
+                                     (int)(ld_bytes[i] / sizeof(float)));
             } else {
 #ifdef KVPARK_AMX_BUILD
                 amx_tiles(a0, a1, b0, b1, kb0, kb1, rows2, two, stream_a, tiles, ld_bytes);
@@ -354,29 +390,48 @@ static void gemm_part(Call *c, int part, float *silu_buffer) {
             }
         }
     }
-    if (c->silu && c->y_tiles != NULL)  /* every row of the row tiles: zeros past m */
-        for (int r = 0; r < c->row_tiles * TILE_ROWS; r++) {
-            float values[TILE_ROWS];
-            silu_mul_rows(out.base + (long)r * out.ld, out.ld, 1, TILE_ROWS, values, TILE_ROWS);
-            a_tiles_put(c->y_tiles, ceil_div(c->n / 2, TILE_K), r, part * TILE_ROWS, values,
-                        TILE_ROWS, !c->emulate);
-        }
-    else if (c->silu)  /* gate in columns 0..15 of the buffer, up in 16..31 */
-        silu_mul_rows(out.base, out.ld, c->m, TILE_ROWS, c->y + part * TILE_ROWS, c->n / 2);
+    if (c->silu) silu_out(c, t, &out);
     else {
-        copy_out(c, &out, part * GROUP * TILE_ROWS, cols);
-        if (c->residual != NULL) add_residual(c, part * GROUP * TILE_ROWS, cols);
+        copy_out(c, t, &out, t->part * GROUP * TILE_ROWS, cols);
+        if (c->residual != NULL) add_residual(c, t, t->part * GROUP * TILE_ROWS, cols);
     }
 }
 
-#define TASKS_PER_THREAD 4  /* parts are claimed in runs: the tiles configured once a run */
+/* A call is cut into tasks claimed one at a time (worker_pool.c), so the threads finish within
+ * one task of each other: runs of neighbouring parts (the tiles configured once a run), and
+ * where there are fewer parts than tasks (576 outputs: 18), spans of rows as well, each an even
+ * number of row tiles (whole tile pairs). A row's sums are the same in any span. More tasks
+ * even out the finish but each costs a claim and a tile configuration: from 4 a thread up to
+ * 16 as the call grows, at least TASK_WORK tile pairs of work each (benchmarks/README.md). */
+#define TASKS_PER_THREAD_MIN 4
+#define TASKS_PER_THREAD_MAX 16
+#define TASK_WORK 256  /* a row tile times a k block times a part's two output blocks */
 
-static void gemm_run(void *arg, int run, int num_runs) {
+static Split split_call(const Call *c, int num_threads) {
+    const int parts = ceil_div(ceil_div(c->n, TILE_ROWS), GROUP);
+    const long work = (long)parts * c->row_tiles * c->kbs / TASK_WORK;
+    const int least = num_threads * TASKS_PER_THREAD_MIN, most = num_threads * TASKS_PER_THREAD_MAX;
+    const int tasks = work < least ? least : work > most ? most : (int)work;
+    const int pairs = ceil_div(c->row_tiles, 2);
+    Split s = {parts, parts < tasks ? parts : tasks, 1};
+    s.spans = ceil_div(tasks, s.runs);
+    if (s.spans > pairs) s.spans = pairs;
+    return s;
+}
+
+static void gemm_task(void *arg, int task, int num_tasks) {
     Call *c = arg;
-    int parts = ceil_div(ceil_div(c->n, TILE_ROWS), GROUP);
-    float *silu_buffer = NULL;  /* a part's gate and up sums, rows x 32, reused part to part */
+    (void)num_tasks;
+    const Split s = c->split;
+    const int run = task % s.runs, span = task / s.runs, pairs = ceil_div(c->row_tiles, 2);
+    /* span-major: the threads work on the same rows' A tiles at once */
+    Task t = {0, 2 * (int)((long)span * pairs / s.spans),
+              2 * (int)((long)(span + 1) * pairs / s.spans)};
+    if (t.rt1 > c->row_tiles) t.rt1 = c->row_tiles;
+    float *silu_buffer = NULL;  /* a part's gate and up sums, its rows x 32, reused part to part */
     if (c->silu) {
-        silu_buffer = malloc((size_t)c->row_tiles * TILE_ROWS * GROUP * TILE_ROWS * sizeof(float));
+        silu_buffer = malloc((size_t)(t.rt1 - t.rt0) * TILE_ROWS * GROUP * TILE_ROWS
+                             * sizeof(float));
         if (silu_buffer == NULL) {
             c->failed = 1;
             return;
@@ -385,8 +440,9 @@ static void gemm_run(void *arg, int run, int num_runs) {
 #ifdef KVPARK_AMX_BUILD
     if (!c->emulate) configure_tiles();
 #endif
-    for (int part = (long)run * parts / num_runs; part < (long)(run + 1) * parts / num_runs; part++)
-        gemm_part(c, part, silu_buffer);
+    for (t.part = (int)((long)run * s.parts / s.runs);
+         t.part < (int)((long)(run + 1) * s.parts / s.runs); t.part++)
+        gemm_part(c, &t, silu_buffer);
 #ifdef KVPARK_AMX_BUILD
     if (!c->emulate) release_tiles();
 #endif
@@ -415,8 +471,8 @@ int kvpark_amx_gemm(const float *x, const uint16_t *a_tiles, int m, int k,
         c.a = owned;
         kvpark_pool_run(convert_part, &c, c.row_tiles, num_threads);
     }
-    int parts = ceil_div(ceil_div(n, TILE_ROWS), GROUP), runs = num_threads * TASKS_PER_THREAD;
-    kvpark_pool_run(gemm_run, &c, parts < runs ? parts : runs, num_threads);
+    c.split = split_call(&c, num_threads);
+    kvpark_pool_run(gemm_task, &c, c.split.runs * c.split.spans, num_threads);
     free(owned);
     return c.failed ? -2 : 0;
 }
