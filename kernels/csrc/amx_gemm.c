@@ -175,6 +175,22 @@ static const TileConfig TILES __attribute__((aligned(64))) = {
 
 AMX_TARGET static void configure_tiles(void) { _tile_loadconfig(&TILES); }
 
+/* A part's B tiles come from memory the first time a task reads them (a layer's weights are
+ * not in cache), a tile load at a time (16 lines) while the unit waits: so the first row pair's
+ * sweep asks for its first B_AHEAD k blocks at once and then each k block B_AHEAD ahead, into L2
+ * (prefetches into L1 hold the line fill buffers the tile loads need; both measured in
+ * benchmarks/README.md). */
+#define B_AHEAD 6
+
+static inline void prefetch_b(const uint16_t *b0, const uint16_t *b1, int two, int kb) {
+    const char *p0 = (const char *)(b0 + (long)kb * BLOCK_ELEMS);
+    const char *p1 = (const char *)(b1 + (long)kb * BLOCK_ELEMS);
+    for (int line = 0; line < BLOCK_ELEMS * 2; line += 64) {
+        __builtin_prefetch(p0 + line, 0, 1);
+        if (two) __builtin_prefetch(p1 + line, 0, 1);
+    }
+}
+
 /* an A tile; where `stream_a`, with the hint not to keep it in L1 (TILELOADDT1) */
 #define LOAD_A(t, p)                                    \
     do {                                                \
@@ -190,8 +206,8 @@ AMX_TARGET static void configure_tiles(void) { _tile_loadconfig(&TILES); }
  * the sum. */
 AMX_TARGET static void amx_tiles(const uint16_t *a0, const uint16_t *a1,
                                  const uint16_t *b0, const uint16_t *b1, int kb0, int kb1,
-                                 int rows2, int two, int stream_a, float *const c[4],
-                                 const long ldc[4]) {
+                                 int rows2, int two, int stream_a, int fetch_b,
+                                 float *const c[4], const long ldc[4]) {
     if (kb0 == 0) {
         _tile_zero(0);
         _tile_zero(1);
@@ -206,6 +222,7 @@ AMX_TARGET static void amx_tiles(const uint16_t *a0, const uint16_t *a1,
     /* Each tile is loaded again as soon as the last product reading it is issued (tiles are
      * not renamed: a load waits for the products before it that read the tile), so the next k
      * block's loads overlap this block's products. */
+    for (int kb = kb0; fetch_b && kb < kb0 + B_AHEAD && kb < kb1; kb++) prefetch_b(b0, b1, two, kb);
     LOAD_A(4, a0 + (long)kb0 * BLOCK_ELEMS);
     _tile_loadd(6, b0 + (long)kb0 * BLOCK_ELEMS, 64);
     if (two) _tile_loadd(7, b1 + (long)kb0 * BLOCK_ELEMS, 64);
@@ -213,6 +230,7 @@ AMX_TARGET static void amx_tiles(const uint16_t *a0, const uint16_t *a1,
     for (int kb = kb0; kb < kb1; kb++) {
         const long next = (long)(kb + 1) * BLOCK_ELEMS;  /* loaded only while kb + 1 < kb1 */
         const int more = kb + 1 < kb1;
+        if (fetch_b && kb + B_AHEAD < kb1) prefetch_b(b0, b1, two, kb + B_AHEAD);
         _tile_dpbf16ps(0, 4, 6);
         if (two) _tile_dpbf16ps(1, 4, 7);
         if (more) LOAD_A(4, a0 + next);
@@ -385,7 +403,8 @@ static void gemm_part(Call *c, const Task *t, float *silu_buffer) {
                                      (int)(ld_bytes[i] / sizeof(float)));
             } else {
 #ifdef KVPARK_AMX_BUILD
-                amx_tiles(a0, a1, b0, b1, kb0, kb1, rows2, two, stream_a, tiles, ld_bytes);
+                amx_tiles(a0, a1, b0, b1, kb0, kb1, rows2, two, stream_a, rt == t->rt0, tiles,
+                          ld_bytes);
 #endif
             }
         }
