@@ -176,10 +176,9 @@ static const TileConfig TILES __attribute__((aligned(64))) = {
 AMX_TARGET static void configure_tiles(void) { _tile_loadconfig(&TILES); }
 
 /* A part's B tiles come from memory the first time a task reads them (a layer's weights are
- * not in cache), a tile load at a time (16 lines) while the unit waits: so the first row pair's
- * sweep asks for its first B_AHEAD k blocks at once and then each k block B_AHEAD ahead, into L2
- * (prefetches into L1 hold the line fill buffers the tile loads need; both measured in
- * benchmarks/README.md). */
+ * not in cache), and the first row pair's products wait for them: so that sweep asks for its
+ * first B_AHEAD k blocks at once, then for each k block B_AHEAD ahead, into L2 (into L1, or
+ * three or twelve ahead, measured no better: benchmarks/README.md). */
 #define B_AHEAD 6
 
 static inline void prefetch_b(const uint16_t *b0, const uint16_t *b1, int two, int kb) {
