@@ -266,9 +266,8 @@ AMX_TARGET static void release_tiles(void) { _tile_release(); }
  * tile goes to a padded buffer copied into y at the end. (A whole-call buffer for a short last
  * row tile made a 511-row GEMM 1.4-1.9x slower than a 512-row one: benchmarks/README.md.) */
 typedef struct {
-    float *base;  /* where row tile `rt0` starts */
+    float *base;  /* where the task's first row tile starts */
     int ld;  /* floats */
-    int rt0;
     float *owned;
     float *tail;  /* [TILE_ROWS][GROUP * TILE_ROWS]: the last row tile where it is cut short */
 } PartOut;
@@ -279,7 +278,7 @@ typedef struct {
 } Task;
 
 static PartOut part_out(const Call *c, const Task *t, int col0, int cols, float *tail) {
-    PartOut out = {NULL, 0, t->rt0, NULL, NULL};
+    PartOut out = {NULL, 0, NULL, NULL};
     if (col0 + cols <= c->n) {
         out.base = c->y + (long)t->rt0 * TILE_ROWS * c->n + col0;
         out.ld = c->n;
@@ -292,14 +291,15 @@ static PartOut part_out(const Call *c, const Task *t, int col0, int cols, float 
     return out;
 }
 
-/* where C tile t of row tile `rt` (output block t % 2 of the part) lies, and its stride */
-static float *c_tile(const Call *c, const PartOut *out, int rt, int t, long *ld_bytes) {
+/* where C tile i of row tile `rt` (output block i % 2 of task t's part) lies, and its stride */
+static float *c_tile(const Call *c, const Task *t, const PartOut *out, int rt, int i,
+                     long *ld_bytes) {
     if (out->tail != NULL && rt == c->row_tiles - 1) {
         *ld_bytes = GROUP * TILE_ROWS * sizeof(float);
-        return out->tail + t % 2 * TILE_ROWS;
+        return out->tail + i % 2 * TILE_ROWS;
     }
     *ld_bytes = (long)out->ld * sizeof(float);
-    return out->base + (long)(rt - out->rt0) * TILE_ROWS * out->ld + t % 2 * TILE_ROWS;
+    return out->base + (long)(rt - t->rt0) * TILE_ROWS * out->ld + i % 2 * TILE_ROWS;
 }
 
 static int task_rows_end(const Call *c, const Task *t) {
@@ -344,7 +344,7 @@ static PartPlan plan_part(const Call *c, const Task *t, float *silu_buffer, floa
         plan.b0 = c->packed + (long)t->part * c->kbs * BLOCK_ELEMS;
         plan.b1 = c->packed + (long)(t->part + nbs / 2) * c->kbs * BLOCK_ELEMS;
         plan.two = 1;
-        plan.out = (PartOut){silu_buffer, GROUP * TILE_ROWS, t->rt0, NULL, NULL};
+        plan.out = (PartOut){silu_buffer, GROUP * TILE_ROWS, NULL, NULL};
         return plan;
     }
     int nb0 = t->part * GROUP;
@@ -393,7 +393,7 @@ static void gemm_part(Call *c, const Task *t, float *silu_buffer) {
             float *tiles[4];
             long ld_bytes[4];
             for (int i = 0; i < 4; i++)  /* C tile i: row tile rt + i / 2, block nb0 + i % 2 */
-                tiles[i] = c_tile(c, &out, rt + i / 2, i, &ld_bytes[i]);
+                tiles[i] = c_tile(c, t, &out, rt + i / 2, i, &ld_bytes[i]);
             if (c->emulate) {
                 if (kb0 > 0) continue;  /* the scalar tile sums every k block at once */
                 for (int i = 0; i < 4; i++)
