@@ -9,6 +9,7 @@ from the one `Server` (built by
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 
@@ -60,6 +61,7 @@ class Server:
                 log.exception("loading the model failed")
                 self.on_load_failed()
                 return
+        freeze_loaded_objects()
         self.stack.engine.start()
         log.info("serving %s as %s on http://%s:%d", self.stack.model_name,
                  ", ".join(self.served_names(self.stack)), self.config.host, self.config.port)
@@ -115,3 +117,16 @@ class Server:
     def limits(self, stack: ServingStack) -> InputLimits:
         return InputLimits.of(stack.max_context, self.config.max_messages,
                               self.config.max_prompt_chars)
+
+
+def freeze_loaded_objects() -> None:
+    """Put what loading made out of the cyclic collector's sight (`gc.freeze`): the tokenizer's
+    tables, the model's modules, the app's routes, objects that live as long as the server. A
+    full collection while serving then walks only what requests made since; it runs on
+    whichever thread allocates, the engine's too, with the GIL held, and walking every loaded
+    object stalled a step for all the streams in it (benchmarks/README.md, "Python's cyclic
+    collector while serving"). Reference counting still frees any of them."""
+    gc.collect()
+    gc.freeze()
+    log.info("gc: %d objects from loading frozen (full collections skip them)",
+             gc.get_freeze_count())
