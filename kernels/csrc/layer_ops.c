@@ -9,7 +9,7 @@
  * The linears are `kvpark_quant_linear` (quant_linear.c, the same library) over the GGUF's
  * blocks. Every other step is a loop over one row in a fixed order, so a row's bits depend only
  * on that row: not on the other rows of the call, nor on the threads (they split the linears'
- * outputs, never a sum). Float32 throughout.
+ * outputs and the row steps' rows, never a sum). Float32 throughout.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -99,7 +99,9 @@ static void rows_span(void *arg, int first, int end) {
     c->run(c, first, end - first);
 }
 
-#define ROWS_PER_PART 16 /* fewer a thread would not pay for waking it */
+/* fewer a thread would not pay for waking it (4 measured slower at 4 and 8 rows, 8 faster than
+ * one thread at 16 and 32: benchmarks/README.md, "Decode steps' row work on both threads") */
+#define ROWS_PER_PART 8
 
 static void run_rows(const RowsCall *c, int num_threads) {
     kvpark_pool_run_spans(rows_span, (void *)c, c->rows, ROWS_PER_PART, num_threads);
@@ -251,11 +253,12 @@ int kvpark_layer_pre(const Layer *L, const float *x, int64_t x_stride, int rows,
     if (check(L)) return 2;
     if (scratch_floats < kvpark_layer_scratch_floats(L, rows)) return 3;
     float *h = scratch, *xsum = scratch + (int64_t)rows * L->hidden;
-    rms_norm_rows(x, x_stride, rows, L->hidden, L->input_norm, L->eps, h, L->hidden);
+    kvpark_rms_norm(x, x_stride, rows, L->hidden, L->input_norm, L->eps, h, L->hidden,
+                    num_threads);
     const int status = linear(&L->qkv, h, L->hidden, rows, qkv, qkv_stride, xsum, num_threads);
     if (status) return status;
-    rope_rows(qkv, qkv_stride, rows, L->num_heads + L->num_kv_heads, L->head_dim, cos,
-              sin_signed, cs_stride);
+    kvpark_rope(qkv, qkv_stride, rows, L->num_heads + L->num_kv_heads, L->head_dim, cos,
+                sin_signed, cs_stride, num_threads);
     return 0;
 }
 
@@ -278,10 +281,10 @@ int kvpark_layer_post(const Layer *L, float *x, int64_t x_stride, int rows, cons
     int status = linear(&L->o, attn, attn_stride, rows, tmp, hidden, xsum, num_threads);
     if (status) return status;
     add_rows(x, x_stride, tmp, hidden, rows, hidden);
-    rms_norm_rows(x, x_stride, rows, hidden, L->post_norm, L->eps, tmp, hidden);
+    kvpark_rms_norm(x, x_stride, rows, hidden, L->post_norm, L->eps, tmp, hidden, num_threads);
     status = linear(&L->gate_up, tmp, hidden, rows, gu, 2 * inter, xsum, num_threads);
     if (status) return status;
-    silu_mul_rows(gu, 2 * inter, rows, inter, gu, 2 * inter);
+    kvpark_silu_mul(gu, 2 * inter, rows, inter, gu, 2 * inter, num_threads);
     status = linear(&L->down, gu, 2 * inter, rows, tmp, hidden, xsum, num_threads);
     if (status) return status;
     add_rows(x, x_stride, tmp, hidden, rows, hidden);

@@ -220,23 +220,48 @@ static void quantize_row(const float *x, int nb, int kind, QRow row) {
 #endif
 }
 
-/* Rows quantised as above for csrc/quant_tiles.c, in plain arrays: row r's quants (block b
- * at b * 32, input order) at q + r * nb * 32, its dx, block sums of x and quant sums at
- * r * nb. The same bytes as the rows this kernel computes with. Returns 2 when memory ran out. */
-int kvpark_quantize_rows(const float *x, int64_t x_stride, int rows, int nb, int8_t *q,
-                         float *dx, float *xsum, int32_t *qsum) {
+/* kvpark_quantize_rows's rows [first, end), on whichever thread takes them */
+typedef struct {
+    const float *x;
+    int64_t x_stride;
+    int nb;
+    int8_t *q;
+    float *dx, *xsum;
+    int32_t *qsum;
+    volatile int failed;
+} QuantizeCall;
+
+static void quantize_span(void *arg, int first, int end) {
+    QuantizeCall *c = arg;
+    const int nb = c->nb;
     void *one = malloc(row_bytes(nb) + 64);
-    if (one == NULL) return 2;
+    if (one == NULL) {
+        c->failed = 1;
+        return;
+    }
     const QRow row = qrow_at(one, nb, 0);
-    for (int r = 0; r < rows; r++) {
-        quantize_row(x + r * x_stride, nb, 1, row);
-        memcpy(q + (int64_t)r * nb * BLOCK, row.q, (size_t)nb * BLOCK);
-        memcpy(dx + (int64_t)r * nb, row.dx, (size_t)nb * sizeof(float));
-        memcpy(xsum + (int64_t)r * nb, row.xsum, (size_t)nb * sizeof(float));
-        memcpy(qsum + (int64_t)r * nb, row.qsum, (size_t)nb * sizeof(int32_t));
+    for (int r = first; r < end; r++) {
+        quantize_row(c->x + r * c->x_stride, nb, 1, row);
+        memcpy(c->q + (int64_t)r * nb * BLOCK, row.q, (size_t)nb * BLOCK);
+        memcpy(c->dx + (int64_t)r * nb, row.dx, (size_t)nb * sizeof(float));
+        memcpy(c->xsum + (int64_t)r * nb, row.xsum, (size_t)nb * sizeof(float));
+        memcpy(c->qsum + (int64_t)r * nb, row.qsum, (size_t)nb * sizeof(int32_t));
     }
     free(one);
-    return 0;
+}
+
+/* Rows quantised as above for csrc/quant_tiles.c, in plain arrays: row r's quants (block b
+ * at b * 32, input order) at q + r * nb * 32, its dx, block sums of x and quant sums at
+ * r * nb. The same bytes as the rows this kernel computes with. Returns 2 when memory ran out.
+ * Rows are split between `num_threads` threads in spans of at least QUANTIZE_SPAN (a row's
+ * bytes are the same on any thread): one thread quantising a 32-row decode step's rows left the
+ * other waiting (benchmarks/README.md, "Decode steps' row work on both threads"). */
+#define QUANTIZE_SPAN 8
+int kvpark_quantize_rows(const float *x, int64_t x_stride, int rows, int nb, int8_t *q,
+                         float *dx, float *xsum, int32_t *qsum, int num_threads) {
+    QuantizeCall c = {x, x_stride, nb, q, dx, xsum, qsum, 0};
+    kvpark_pool_run_spans(quantize_span, &c, rows, QUANTIZE_SPAN, num_threads);
+    return c.failed ? 2 : 0;
 }
 
 /* ---- integer block dot products, per ISA ---------------------------------------------------

@@ -56,7 +56,7 @@
 enum { MODE_AUTO = 0, MODE_VECTOR = 1, MODE_AMX = 2, MODE_SCALAR = 3 };
 
 int kvpark_quantize_rows(const float *x, int64_t x_stride, int rows, int nb, int8_t *q,
-                         float *dx, float *xsum, int32_t *qsum);
+                         float *dx, float *xsum, int32_t *qsum, int num_threads);
 int kvpark_amx_usable(void); /* amx_gemm.c: the CPUID bits and the OS's tile permission */
 
 static int ceil_div(int a, int b) { return (a + b - 1) / b; }
@@ -428,7 +428,7 @@ int kvpark_quant_tiles(int kind, const float *scale, const float *mins, const ui
     float *xsum = malloc((size_t)rows * nb * sizeof(float));
     int32_t *qsum = malloc((size_t)rows * nb * sizeof(int32_t));
     int status = q && dx && xsum && qsum ? 0 : 2;
-    if (status == 0) status = kvpark_quantize_rows(x, x_stride, rows, nb, q, dx, xsum, qsum);
+    if (status == 0) status = kvpark_quantize_rows(x, x_stride, rows, nb, q, dx, xsum, qsum, num_threads);
     if (status == 0) {
         Call c = {kind, out_features, nb, rows, row_tiles, pick_mode(mode, kind, rows),
                   kind == 0 ? Q4_TILE_BYTES : Q8_TILE_BYTES, scale, mins, quants, q, dx,

@@ -109,7 +109,7 @@ def test_the_row_ops_split_rows_between_threads_without_changing_a_bit(smollm2, 
                  layer_ops.silu_mul(gu, num_threads=threads),
                  layer_ops.rope(qk, cos, sin, num_threads=threads))
         assert all(same_bits(a, b) for a, b in zip(one, split)), threads
-    # every row as computed alone (the split puts rows 16 and more apart on other threads)
+    # every row as computed alone (the split puts rows 8 and more apart on other threads)
     for r in {0, rows // 2, rows - 1}:
         assert same_bits(layer_ops.silu_mul(gu[r:r + 1], num_threads=1), one[1][r:r + 1])
         assert same_bits(layer_ops.rms_norm(x[r:r + 1], w, 1e-5, num_threads=1), one[0][r:r + 1])
