@@ -47,6 +47,11 @@
 #define Q4_TILE_BYTES 256
 #define VEC_ROWS 4              /* rows sharing one unpacking of a block on the vector path */
 #define EPILOGUE_ROWS 8         /* rows whose float sums run side by side after the tiles */
+/* blocks whose integer sums a row tile stores before the float sequence takes them: a 1536-input
+ * weight's 48 KiB of them left L1, whose stores ran ~4x slower; in spans of at most 18 (an even
+ * split) down ran 0.84-0.92x the time (benchmarks/README.md, "Decode steps' row work on both
+ * threads, and down's block sums in L1") */
+#define SUMS_BLOCKS 18
 /* rows from which a call runs on AMX tiles, where they run: below it the vectors were faster
  * (Q4_1's tiles are unpacked first; benchmarks/README.md, "Decode rows on AMX int8 tiles");
  * every path gives the same bits */
@@ -241,16 +246,21 @@ AMX_TARGET static void release_tiles(void) { _tile_release(); }
             _tile_dpbssd(which, a_tile, b_tile);                            \
     } while (0)
 
-/* Rows [m0, m0 + n) of row tile rt take every block's sums, in block order: n independent
- * chains of fused multiply-adds, the float sequence of the other paths */
+/* Rows [m0, m0 + n) of row tile rt take the sums of blocks [b0, b1) (block b's at
+ * sums + (b - b0) * 256), in block order: n independent chains of fused multiply-adds, the float
+ * sequence of the other paths; `spanned`: carried from one span of blocks to the next in
+ * `acc_rows` (else b0 = 0 and b1 = nb) */
 VEC_TARGET static inline __attribute__((always_inline)) void take_blocks(
-    const Call *c, int t, int rt, int m0, const int32_t *sums, const int n) {
+    const Call *c, int t, int rt, int m0, const int32_t *sums, int b0, int b1, float *acc_rows,
+    const int spanned, const int n) {
     __m512 acc[EPILOGUE_ROWS];
     const float *dx = c->dx + ((int64_t)rt * TILE + m0) * c->nb;
-    for (int r = 0; r < n; r++) acc[r] = _mm512_setzero_ps();
-    for (int b = 0; b < c->nb; b++) {
+    for (int r = 0; r < n; r++)
+        acc[r] = spanned && b0 > 0 ? _mm512_load_ps(acc_rows + (m0 + r) * TILE)
+                                   : _mm512_setzero_ps();
+    for (int b = b0; b < b1; b++) {
         const __m512 dw = _mm512_loadu_ps(c->scale + ((int64_t)t * c->nb + b) * TILE);
-        const int32_t *block = sums + (int64_t)b * TILE * TILE + m0 * TILE;
+        const int32_t *block = sums + (int64_t)(b - b0) * TILE * TILE + m0 * TILE;
         for (int r = 0; r < n; r++) {
             const __m512 s = _mm512_mul_ps(dw, _mm512_set1_ps(dx[(int64_t)r * c->nb + b]));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(block + r * TILE)), s,
@@ -258,6 +268,10 @@ VEC_TARGET static inline __attribute__((always_inline)) void take_blocks(
         }
     }
     for (int r = 0; r < n; r++) {
+        if (spanned && b1 < c->nb) {
+            _mm512_store_ps(acc_rows + (m0 + r) * TILE, acc[r]);
+            continue;
+        }
         float out[TILE];
         _mm512_storeu_ps(out, acc[r]);
         store_outputs(c, t, rt * TILE + m0 + r, out);
@@ -285,7 +299,15 @@ VEC_TARGET static inline __attribute__((always_inline)) void take_blocks(
 
 VEC_TARGET static void take_row_tile(const Call *c, int t, int rt, const int32_t *sums) {
     const int rows = c->rows - rt * TILE < TILE ? c->rows - rt * TILE : TILE;
-#define TAKE(m, n) take_blocks(c, t, rt, m, sums, n)
+#define TAKE(m, n) take_blocks(c, t, rt, m, sums, 0, c->nb, NULL, 0, n)
+    IN_GROUPS_OF_8(TAKE, rows);
+#undef TAKE
+}
+
+VEC_TARGET static void take_row_tile_span(const Call *c, int t, int rt, const int32_t *sums,
+                                          int b0, int b1, float *acc_rows) {
+    const int rows = c->rows - rt * TILE < TILE ? c->rows - rt * TILE : TILE;
+#define TAKE(m, n) take_blocks(c, t, rt, m, sums, b0, b1, acc_rows, 1, n)
     IN_GROUPS_OF_8(TAKE, rows);
 #undef TAKE
 }
@@ -314,26 +336,46 @@ VEC_TARGET static void add_mins_vectors(const Call *c, int t) {
 #undef ADD_MINS
 }
 
-/* Output tile t for every row tile: first every block's 16 x 16 integer sums on the tiles,
- * stored to `sums` (nb KiB), then the float sequence over them on vectors (measured the same
- * as taking each block's sums as soon as stored; benchmarks/README.md). `b_tiles`: the B tiles
- * of t's blocks (Q8_0: the weights themselves; Q4_1: unpacked into the part's buffer). */
+/* Output tile t for every row tile: a span of blocks' 16 x 16 integer sums on the tiles, stored
+ * to `sums` (up to SUMS_BLOCKS KiB), then the float sequence over them on vectors, span after
+ * span (taking each block's sums as soon as stored measured no faster; benchmarks/README.md).
+ * `b_tiles`: the B tiles of t's blocks (Q8_0: the weights themselves; Q4_1: unpacked into the
+ * part's buffer). */
+/* Row tile rt's sums of blocks [b0, b1) into `sums` (block b's at sums + (b - b0) * 256), two
+ * C tiles in flight */
+#define SPAN_PRODUCTS(rt, b0, b1)                                                             \
+    do {                                                                                      \
+        const int8_t *a_ = c->q + (int64_t)(rt) * TILE * c->nb * BLOCK;                      \
+        int b_ = (b0);                                                                        \
+        for (; b_ + 2 <= (b1); b_ += 2) {                                                     \
+            TILE_DOT(4, 0, 2, a_ + b_ * BLOCK, b_tiles + (int64_t)b_ * Q8_TILE_BYTES);        \
+            _tile_stored(4, sums + (int64_t)(b_ - (b0)) * TILE * TILE, 64);                   \
+            TILE_DOT(5, 1, 3, a_ + (b_ + 1) * BLOCK,                                          \
+                     b_tiles + (int64_t)(b_ + 1) * Q8_TILE_BYTES);                            \
+            _tile_stored(5, sums + (int64_t)(b_ + 1 - (b0)) * TILE * TILE, 64);               \
+        }                                                                                     \
+        if (b_ < (b1)) {                                                                      \
+            TILE_DOT(4, 0, 2, a_ + b_ * BLOCK, b_tiles + (int64_t)b_ * Q8_TILE_BYTES);        \
+            _tile_stored(4, sums + (int64_t)(b_ - (b0)) * TILE * TILE, 64);                   \
+        }                                                                                     \
+    } while (0)
+
 AMX_TARGET static void amx_tile(const Call *c, int t, const uint8_t *b_tiles, int32_t *sums) {
-    for (int rt = 0; rt < c->row_tiles; rt++) {
-        const int8_t *a = c->q + (int64_t)rt * TILE * c->nb * BLOCK;
-        int b = 0;
-        for (; b + 2 <= c->nb; b += 2) {
-            TILE_DOT(4, 0, 2, a + b * BLOCK, b_tiles + (int64_t)b * Q8_TILE_BYTES);
-            _tile_stored(4, sums + (int64_t)b * TILE * TILE, 64);
-            TILE_DOT(5, 1, 3, a + (b + 1) * BLOCK, b_tiles + (int64_t)(b + 1) * Q8_TILE_BYTES);
-            _tile_stored(5, sums + (int64_t)(b + 1) * TILE * TILE, 64);
+    if (c->nb <= SUMS_BLOCKS) {  /* one span */
+        for (int rt = 0; rt < c->row_tiles; rt++) {
+            SPAN_PRODUCTS(rt, 0, c->nb);
+            take_row_tile(c, t, rt, sums);
         }
-        if (b < c->nb) {
-            TILE_DOT(4, 0, 2, a + b * BLOCK, b_tiles + (int64_t)b * Q8_TILE_BYTES);
-            _tile_stored(4, sums + (int64_t)b * TILE * TILE, 64);
-        }
-        take_row_tile(c, t, rt, sums);
+        return;
     }
+    float acc_rows[TILE * TILE] __attribute__((aligned(64)));
+    const int spans = ceil_div(c->nb, SUMS_BLOCKS), span = ceil_div(c->nb, spans);
+    for (int rt = 0; rt < c->row_tiles; rt++)
+        for (int b0 = 0; b0 < c->nb; b0 += span) {
+            const int b1 = b0 + span < c->nb ? b0 + span : c->nb;
+            SPAN_PRODUCTS(rt, b0, b1);
+            take_row_tile_span(c, t, rt, sums, b0, b1, acc_rows);
+        }
 }
 
 VEC_TARGET static void unpack_q4_tiles(const Call *c, int t, uint8_t *buffer) {
@@ -363,7 +405,8 @@ static void run_part(void *arg, int part, int num_parts) {
     int32_t *sums = NULL;
     if (c->mode == MODE_AMX) {
         const size_t unpacked = c->kind == 0 ? (size_t)c->nb * Q8_TILE_BYTES : 0;
-        buffer = aligned_alloc(64, unpacked + (size_t)c->nb * TILE * TILE * sizeof(int32_t));
+        const int spanned = c->nb < SUMS_BLOCKS ? c->nb : SUMS_BLOCKS;
+        buffer = aligned_alloc(64, unpacked + (size_t)spanned * TILE * TILE * sizeof(int32_t));
         if (buffer == NULL) {
             c->failed = 1;
             return;
@@ -428,7 +471,8 @@ int kvpark_quant_tiles(int kind, const float *scale, const float *mins, const ui
     float *xsum = malloc((size_t)rows * nb * sizeof(float));
     int32_t *qsum = malloc((size_t)rows * nb * sizeof(int32_t));
     int status = q && dx && xsum && qsum ? 0 : 2;
-    if (status == 0) status = kvpark_quantize_rows(x, x_stride, rows, nb, q, dx, xsum, qsum, num_threads);
+    if (status == 0)
+        status = kvpark_quantize_rows(x, x_stride, rows, nb, q, dx, xsum, qsum, num_threads);
     if (status == 0) {
         Call c = {kind, out_features, nb, rows, row_tiles, pick_mode(mode, kind, rows),
                   kind == 0 ? Q4_TILE_BYTES : Q8_TILE_BYTES, scale, mins, quants, q, dx,
