@@ -44,6 +44,8 @@
 #define V_BLOCK 32             /* tokens of V read for all the tile's heads in turn */
 #define V_STEP 8               /* tokens of V between two steps of the prefetches */
 #define SPLIT_BELOW 4          /* tiles a thread: with fewer, tiles are split by chunk */
+#define V_HEADS 4              /* query heads at most that share one unpacking of a V row */
+#define V_ACCS (LANES == 16 ? 16 : 8) /* vectors of their sums kept in registers (32 or 16 of them) */
 
 /* How a call reads the cache: float32 rows; bf16 rows by pairs (the vector path, head_dim a
  * multiple of PAIR); bf16 rows widened a row at a time (the scalar loops, other head sizes). */
@@ -280,6 +282,57 @@ static inline __attribute__((always_inline)) void block_weighted_v_pairs(
     for (int c = 0; c < 2 * nb; c++) store(o + c * LANES, acc[c]);
 }
 
+/* block_weighted_v_pairs for `nh` heads that read the same V rows (query heads of one KV
+ * head): each row's blocks unpacked once for all of them. Each head's sums are its own chain
+ * over t in order, as alone: the same bits. nb * 2 * nh accumulators stay in registers. */
+static inline __attribute__((always_inline)) void block_weighted_v_pairs_heads(
+    float *const *o, const float *const *p, const void *const *v, int64_t off, int begin, int end,
+    const int nb, const int nh, Ahead *ahead, int parts) {
+    vf acc[V_HEADS][MAX_VECS];
+    for (int h = 0; h < nh; h++)
+        for (int c = 0; c < 2 * nb; c++) acc[h][c] = load(o[h] + c * LANES);
+    for (int t = begin; t < end;) {
+        for (const int stop = min_int(t + V_STEP, end); t < stop; t++) {
+            const uint16_t *row = (const uint16_t *)v[t] + off;
+            vf even[MAX_VECS / 2], odd[MAX_VECS / 2];
+            for (int b = 0; b < nb; b++) load_pairs(row + b * PAIR, &even[b], &odd[b]);
+            for (int h = 0; h < nh; h++) {
+                const vf w = splat(p[h][t]);
+                for (int b = 0; b < nb; b++) {
+                    acc[h][2 * b] += w * even[b];
+                    acc[h][2 * b + 1] += w * odd[b];
+                }
+            }
+        }
+        ahead_step(ahead, parts);
+    }
+    for (int h = 0; h < nh; h++)
+        for (int c = 0; c < 2 * nb; c++) store(o[h] + c * LANES, acc[h][c]);
+}
+
+/* heads that share one unpacking of a V row, for head_dim d: as many as keep their sums in
+ * registers (V_ACCS vectors) */
+static int v_heads(int d) {
+    const int per_head = d / LANES;
+    return per_head >= V_ACCS ? 1 : min_int(V_HEADS, V_ACCS / per_head);
+}
+
+/* weighted_v for `nh` (at most v_heads(d)) heads reading the same V rows of a bf16 cache */
+static void weighted_v_pairs_heads(float *const *o, const float *const *p, const void *const *v,
+                                   int64_t off, int begin, int end, int d, int nh, Ahead *ahead,
+                                   int parts) {
+    const int nb = d / PAIR;
+#define HEADS(NB, NH) block_weighted_v_pairs_heads(o, p, v, off, begin, end, NB, NH, ahead, parts)
+    if (nb == 2 && nh == 4) HEADS(2, 4);
+    else if (nb == 2 && nh == 3) HEADS(2, 3);
+    else if (nb == 2 && nh == 2) HEADS(2, 2);
+    else if (nb == 4 && nh == 2) HEADS(4, 2);
+    else
+        for (int h = 0; h < nh; h++)
+            block_weighted_v_pairs(o[h], p[h], v, off, begin, end, nb, ahead, parts);
+#undef HEADS
+}
+
 static void weighted_v(float *o, const float *p, const void *const *v, int64_t off, int begin,
                        int end, int d, int kind, Ahead *ahead, int parts) {
     const int nc = d / LANES;
@@ -362,15 +415,32 @@ static void run_chunk(const Job *job, const Tile *tile, int c, Scratch *s, float
         softmax_numerators(s->scores + i * CHUNK, min_int(CHUNK, first_len + i / hq - start), p);
         memset(p + PART_HEADER, 0, sizeof(float) * d);
     }
+    /* bf16 pairs: a KV head's query heads take each V row in sets of up to v_heads(d) */
+    const int nh = kind == KV_BF16_PAIRS && d % PAIR == 0 ? min_int(v_heads(d), group) : 1;
+    const int calls = (end - begin) / group * ((group + nh - 1) / nh);  /* a block's, at most */
     for (int t = 0; t < n; t += V_BLOCK) {
         ahead_block(&ahead, n + t + V_BLOCK + PREFETCH);
         const int steps = (min_int(V_BLOCK, n - t) + V_STEP - 1) / V_STEP; /* a row's, at most */
-        for (int i = begin; i < end; i++) {
+        for (int i = begin; i < end;) {
             const int len = min_int(CHUNK, first_len + i / hq - start);
-            if (len > t)
-                weighted_v(part + i * (PART_HEADER + d) + PART_HEADER, s->scores + i * CHUNK,
-                           s->v, (int64_t)(i % hq / group) * d, t, min_int(t + V_BLOCK, len), d,
-                           kind, &ahead, (end - begin) * steps);
+            /* heads i .. i + m - 1: of one row and one KV head */
+            const int m = min_int(nh, group - i % hq % group);
+            if (len > t) {
+                float *o[V_HEADS];
+                const float *p[V_HEADS];
+                for (int h = 0; h < m; h++) {
+                    o[h] = part + (i + h) * (PART_HEADER + d) + PART_HEADER;
+                    p[h] = s->scores + (i + h) * CHUNK;
+                }
+                const int64_t off = (int64_t)(i % hq / group) * d;
+                const int stop = min_int(t + V_BLOCK, len);
+                if (m > 1)
+                    weighted_v_pairs_heads(o, p, s->v, off, t, stop, d, m, &ahead,
+                                           calls * steps);
+                else
+                    weighted_v(o[0], p[0], s->v, off, t, stop, d, kind, &ahead, calls * steps);
+            }
+            i += m;
         }
     }
 }

@@ -47,7 +47,8 @@ def same_bytes(a, b):
     return torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
-@pytest.mark.parametrize("hq,hkv,d,page_size", [(9, 3, 64, 16), (4, 2, 24, 4)])
+@pytest.mark.parametrize("hq,hkv,d,page_size", [(9, 3, 64, 16), (4, 2, 24, 4), (10, 2, 64, 16),
+                                                (10, 2, 128, 8)])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 def test_rows_past_a_chunk_have_the_same_bits_whoever_computes_them(isa, hq, hkv, d, page_size,
                                                                    kv_dtype):
@@ -55,7 +56,8 @@ def test_rows_past_a_chunk_have_the_same_bits_whoever_computes_them(isa, hq, hkv
     different threads. Rows at the chunk edges (255..257, 511..513) and at 700 give the same
     bytes as decode rows alone on 1, 2 or 3 threads, beside a neighbour, and inside prefill chunks
     that straddle an edge (split by chunk or not) - and match plain attention. A float32 or a
-    bf16 pool (head dim 64 read by pairs, 24 widened a row at a time)."""
+    bf16 pool (head dims 64 and 128 read by pairs, a KV head's query heads taking each V row in
+    sets of up to 4 or 2; 24 widened a row at a time)."""
     gen = torch.Generator().manual_seed(13)
     kv_len, other_pages = 701, 8
     pages = -(-kv_len // page_size)
