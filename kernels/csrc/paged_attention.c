@@ -45,7 +45,7 @@
 #define V_STEP 8               /* tokens of V between two steps of the prefetches */
 #define SPLIT_BELOW 4          /* tiles a thread: with fewer, tiles are split by chunk */
 #define V_HEADS 4              /* query heads at most that share one unpacking of a V row */
-#define V_ACCS (LANES == 16 ? 16 : 8) /* vectors of their sums kept in registers (32 or 16 of them) */
+#define V_ACCS (LANES == 16 ? 16 : 8) /* vectors of their sums in registers (of 32, of 16) */
 
 /* How a call reads the cache: float32 rows; bf16 rows by pairs (the vector path, head_dim a
  * multiple of PAIR); bf16 rows widened a row at a time (the scalar loops, other head sizes). */
