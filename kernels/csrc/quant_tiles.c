@@ -452,6 +452,23 @@ static int pick_mode(int mode, int kind, int rows) {
     return vector_usable() ? MODE_VECTOR : MODE_SCALAR;
 }
 
+/* a call's quantised rows, kept per calling thread and grown as needed (the workers only read
+ * them during the call): allocating and zeroing them every call was serial work a 32-row decode
+ * step's other thread waited out */
+static _Thread_local char *scratch;
+static _Thread_local size_t scratch_bytes;
+
+static char *get_scratch(size_t bytes) {
+    if (bytes > scratch_bytes) {
+        char *grown = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        if (grown == NULL) return NULL;
+        free(scratch);
+        scratch = grown;
+        scratch_bytes = bytes;
+    }
+    return scratch;
+}
+
 /* kind 0: Q4_1, 1: Q8_0, in the layout above. x: [rows, in] (row stride x_stride), y: [rows,
  * out] (y_stride). mode: 0 picks by rows and CPU, 1 vectors, 2 AMX, 3 plain C. Outputs split
  * between `num_threads` threads of the worker pool. Returns 0; 1 on bad arguments; 2 when
@@ -466,13 +483,18 @@ int kvpark_quant_tiles(int kind, const float *scale, const float *mins, const ui
     if (rows == 0 || out_features == 0) return 0;
     const int nb = in_features / BLOCK, row_tiles = ceil_div(rows, TILE);
     const int64_t padded = (int64_t)row_tiles * TILE;
-    int8_t *q = calloc((size_t)padded * nb * BLOCK, 1);
-    float *dx = calloc((size_t)padded * nb, sizeof(float));
-    float *xsum = malloc((size_t)rows * nb * sizeof(float));
-    int32_t *qsum = malloc((size_t)rows * nb * sizeof(int32_t));
-    int status = q && dx && xsum && qsum ? 0 : 2;
-    if (status == 0)
-        status = kvpark_quantize_rows(x, x_stride, rows, nb, q, dx, xsum, qsum, num_threads);
+    const size_t q_bytes = (size_t)padded * nb * BLOCK, dx_bytes = (size_t)padded * nb * 4;
+    char *rows_scratch = get_scratch(q_bytes + dx_bytes + 2 * (size_t)rows * nb * 4);
+    if (rows_scratch == NULL) return 2;
+    int8_t *q = (int8_t *)rows_scratch;
+    float *dx = (float *)(rows_scratch + q_bytes);
+    float *xsum = dx + padded * nb;
+    int32_t *qsum = (int32_t *)(xsum + (int64_t)rows * nb);
+    /* the last row tile's padding rows: zeros, not what an earlier call left (their sums are
+     * never taken) */
+    memset(q + (int64_t)rows * nb * BLOCK, 0, (size_t)(padded - rows) * nb * BLOCK);
+    memset(dx + (int64_t)rows * nb, 0, (size_t)(padded - rows) * nb * sizeof(float));
+    int status = kvpark_quantize_rows(x, x_stride, rows, nb, q, dx, xsum, qsum, num_threads);
     if (status == 0) {
         Call c = {kind, out_features, nb, rows, row_tiles, pick_mode(mode, kind, rows),
                   kind == 0 ? Q4_TILE_BYTES : Q8_TILE_BYTES, scale, mins, quants, q, dx,
@@ -486,9 +508,5 @@ int kvpark_quant_tiles(int kind, const float *scale, const float *mins, const ui
         kvpark_pool_run(run_part, &c, parts, num_threads);
         if (c.failed) status = 2;
     }
-    free(q);
-    free(dx);
-    free(xsum);
-    free(qsum);
     return status;
 }
