@@ -157,6 +157,12 @@ static void add_mins(const Call *c, int t, int r) {
 }
 
 #ifdef QT_X86
+/* store_outputs from a vector: the tile's real outputs in one masked store */
+VEC_TARGET static inline void store_vector(const Call *c, int t, int r, __m512 tile) {
+    _mm512_mask_storeu_ps(c->y + r * c->y_stride + t * TILE,
+                          (__mmask16)((1u << outputs_in(c, t)) - 1), tile);
+}
+
 /* ---- AVX-512 vectors: 16 outputs a vector, up to VEC_ROWS rows per unpacking ------------- */
 VEC_TARGET static inline void unpack_vectors(const Call *c, const uint8_t *blk, __m512i w[8]) {
     if (c->kind == 0) {
@@ -201,11 +207,7 @@ VEC_TARGET static inline __attribute__((always_inline)) void vector_rows(const C
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(block_sums(c, w, r0 + r, b)), s, acc[r]);
         }
     }
-    for (int r = 0; r < n; r++) {
-        float out[TILE];
-        _mm512_storeu_ps(out, acc[r]);
-        store_outputs(c, t, r0 + r, out);
-    }
+    for (int r = 0; r < n; r++) store_vector(c, t, r0 + r, acc[r]);
 }
 
 VEC_TARGET static void vector_tile(const Call *c, int t) {
@@ -268,13 +270,8 @@ VEC_TARGET static inline __attribute__((always_inline)) void take_blocks(
         }
     }
     for (int r = 0; r < n; r++) {
-        if (spanned && b1 < c->nb) {
-            _mm512_store_ps(acc_rows + (m0 + r) * TILE, acc[r]);
-            continue;
-        }
-        float out[TILE];
-        _mm512_storeu_ps(out, acc[r]);
-        store_outputs(c, t, rt * TILE + m0 + r, out);
+        if (spanned && b1 < c->nb) _mm512_store_ps(acc_rows + (m0 + r) * TILE, acc[r]);
+        else store_vector(c, t, rt * TILE + m0 + r, acc[r]);
     }
 }
 
