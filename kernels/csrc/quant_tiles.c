@@ -203,7 +203,8 @@ VEC_TARGET static inline __attribute__((always_inline)) void vector_rows(const C
         unpack_vectors(c, c->quants + at * c->tile_bytes, w);
         const __m512 dw = _mm512_loadu_ps(c->scale + at * TILE);
         for (int r = 0; r < n; r++) {
-            const __m512 s = _mm512_mul_ps(dw, _mm512_set1_ps(c->dx[(int64_t)(r0 + r) * c->nb + b]));
+            const __m512 s =
+                _mm512_mul_ps(dw, _mm512_set1_ps(c->dx[(int64_t)(r0 + r) * c->nb + b]));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(block_sums(c, w, r0 + r, b)), s, acc[r]);
         }
     }
@@ -239,10 +240,10 @@ AMX_TARGET static void release_tiles(void) { _tile_release(); }
 /* C tile `which` (4 or 5) = A (row tile rt, block b) . B (block b) */
 #define TILE_DOT(which, a_tile, b_tile, a_ptr, b_ptr)                        \
     do {                                                                    \
-        _tile_loadd(a_tile, a_ptr, (long)c->nb * BLOCK);                    \
+        _tile_loadd(a_tile, a_ptr, a_stride);                               \
         _tile_loadd(b_tile, b_ptr, 64);                                     \
         _tile_zero(which);                                                  \
-        if (c->kind == 0)                                                   \
+        if (q4)                                                             \
             _tile_dpbsud(which, a_tile, b_tile);                            \
         else                                                                \
             _tile_dpbssd(which, a_tile, b_tile);                            \
@@ -333,46 +334,55 @@ VEC_TARGET static void add_mins_vectors(const Call *c, int t) {
 #undef ADD_MINS
 }
 
+/* Row tile rt's sums of blocks [b0, b1) into `sums` (block b's at sums + (b - b0) * 256), two
+ * C tiles in flight. `q4`: Q4_1's unsigned weights (tdpbsud), else Q8_0's (tdpbssd); a constant
+ * where called, as the A stride is a local: the tile instructions count as memory writes, after
+ * which the compiler would reload both from the call. */
+AMX_TARGET static inline __attribute__((always_inline)) void span_products(
+    const Call *c, int rt, int b0, int b1, const uint8_t *b_tiles, int32_t *sums, const int q4) {
+    const long a_stride = (long)c->nb * BLOCK;
+    const int8_t *a = c->q + (int64_t)rt * TILE * a_stride;
+    int b = b0;
+    for (; b + 2 <= b1; b += 2) {
+        TILE_DOT(4, 0, 2, a + b * BLOCK, b_tiles + (int64_t)b * Q8_TILE_BYTES);
+        _tile_stored(4, sums + (int64_t)(b - b0) * TILE * TILE, 64);
+        TILE_DOT(5, 1, 3, a + (b + 1) * BLOCK, b_tiles + (int64_t)(b + 1) * Q8_TILE_BYTES);
+        _tile_stored(5, sums + (int64_t)(b + 1 - b0) * TILE * TILE, 64);
+    }
+    if (b < b1) {
+        TILE_DOT(4, 0, 2, a + b * BLOCK, b_tiles + (int64_t)b * Q8_TILE_BYTES);
+        _tile_stored(4, sums + (int64_t)(b - b0) * TILE * TILE, 64);
+    }
+}
+
 /* Output tile t for every row tile: a span of blocks' 16 x 16 integer sums on the tiles, stored
  * to `sums` (up to SUMS_BLOCKS KiB), then the float sequence over them on vectors, span after
  * span (taking each block's sums as soon as stored measured no faster; benchmarks/README.md).
  * `b_tiles`: the B tiles of t's blocks (Q8_0: the weights themselves; Q4_1: unpacked into the
- * part's buffer). */
-/* Row tile rt's sums of blocks [b0, b1) into `sums` (block b's at sums + (b - b0) * 256), two
- * C tiles in flight */
-#define SPAN_PRODUCTS(rt, b0, b1)                                                             \
-    do {                                                                                      \
-        const int8_t *a_ = c->q + (int64_t)(rt) * TILE * c->nb * BLOCK;                      \
-        int b_ = (b0);                                                                        \
-        for (; b_ + 2 <= (b1); b_ += 2) {                                                     \
-            TILE_DOT(4, 0, 2, a_ + b_ * BLOCK, b_tiles + (int64_t)b_ * Q8_TILE_BYTES);        \
-            _tile_stored(4, sums + (int64_t)(b_ - (b0)) * TILE * TILE, 64);                   \
-            TILE_DOT(5, 1, 3, a_ + (b_ + 1) * BLOCK,                                          \
-                     b_tiles + (int64_t)(b_ + 1) * Q8_TILE_BYTES);                            \
-            _tile_stored(5, sums + (int64_t)(b_ + 1 - (b0)) * TILE * TILE, 64);               \
-        }                                                                                     \
-        if (b_ < (b1)) {                                                                      \
-            TILE_DOT(4, 0, 2, a_ + b_ * BLOCK, b_tiles + (int64_t)b_ * Q8_TILE_BYTES);        \
-            _tile_stored(4, sums + (int64_t)(b_ - (b0)) * TILE * TILE, 64);                   \
-        }                                                                                     \
-    } while (0)
-
-AMX_TARGET static void amx_tile(const Call *c, int t, const uint8_t *b_tiles, int32_t *sums) {
-    if (c->nb <= SUMS_BLOCKS) {  /* one span */
-        for (int rt = 0; rt < c->row_tiles; rt++) {
-            SPAN_PRODUCTS(rt, 0, c->nb);
+ * part's buffer); `q4` as span_products takes it. */
+AMX_TARGET static inline __attribute__((always_inline)) void amx_tile_of(
+    const Call *c, int t, const uint8_t *b_tiles, int32_t *sums, const int q4) {
+    const int nb = c->nb, row_tiles = c->row_tiles;
+    if (nb <= SUMS_BLOCKS) {  /* one span */
+        for (int rt = 0; rt < row_tiles; rt++) {
+            span_products(c, rt, 0, nb, b_tiles, sums, q4);
             take_row_tile(c, t, rt, sums);
         }
         return;
     }
     float acc_rows[TILE * TILE] __attribute__((aligned(64)));
-    const int spans = ceil_div(c->nb, SUMS_BLOCKS), span = ceil_div(c->nb, spans);
-    for (int rt = 0; rt < c->row_tiles; rt++)
-        for (int b0 = 0; b0 < c->nb; b0 += span) {
-            const int b1 = b0 + span < c->nb ? b0 + span : c->nb;
-            SPAN_PRODUCTS(rt, b0, b1);
+    const int spans = ceil_div(nb, SUMS_BLOCKS), span = ceil_div(nb, spans);
+    for (int rt = 0; rt < row_tiles; rt++)
+        for (int b0 = 0; b0 < nb; b0 += span) {
+            const int b1 = b0 + span < nb ? b0 + span : nb;
+            span_products(c, rt, b0, b1, b_tiles, sums, q4);
             take_row_tile_span(c, t, rt, sums, b0, b1, acc_rows);
         }
+}
+
+AMX_TARGET static void amx_tile(const Call *c, int t, const uint8_t *b_tiles, int32_t *sums) {
+    if (c->kind == 0) amx_tile_of(c, t, b_tiles, sums, 1);
+    else amx_tile_of(c, t, b_tiles, sums, 0);
 }
 
 VEC_TARGET static void unpack_q4_tiles(const Call *c, int t, uint8_t *buffer) {
