@@ -255,24 +255,34 @@ AMX_TARGET static void release_tiles(void) { _tile_release(); }
  * `acc_rows` (else b0 = 0 and b1 = nb) */
 VEC_TARGET static inline __attribute__((always_inline)) void take_blocks(
     const Call *c, int t, int rt, int m0, const int32_t *sums, int b0, int b1, float *acc_rows,
-    const int spanned, const int n) {
-    __m512 acc[EPILOGUE_ROWS];
-    const float *dx = c->dx + ((int64_t)rt * TILE + m0) * c->nb;
-    for (int r = 0; r < n; r++)
+    const int spanned, const int with_mins, const int n) {
+    __m512 acc[EPILOGUE_ROWS], m[EPILOGUE_ROWS];
+    const int64_t row0 = (int64_t)rt * TILE + m0;
+    const float *dx = c->dx + row0 * c->nb, *xsum = c->xsum + row0 * c->nb;
+    for (int r = 0; r < n; r++) {
         acc[r] = spanned && b0 > 0 ? _mm512_load_ps(acc_rows + (m0 + r) * TILE)
                                    : _mm512_setzero_ps();
+        m[r] = _mm512_setzero_ps();
+    }
     for (int b = b0; b < b1; b++) {
-        const __m512 dw = _mm512_loadu_ps(c->scale + ((int64_t)t * c->nb + b) * TILE);
+        const int64_t at = (int64_t)t * c->nb + b;
+        const __m512 dw = _mm512_loadu_ps(c->scale + at * TILE);
         const int32_t *block = sums + (int64_t)(b - b0) * TILE * TILE + m0 * TILE;
         for (int r = 0; r < n; r++) {
             const __m512 s = _mm512_mul_ps(dw, _mm512_set1_ps(dx[(int64_t)r * c->nb + b]));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(block + r * TILE)), s,
                                      acc[r]);
         }
+        if (with_mins) {
+            const __m512 mins = _mm512_loadu_ps(c->mins + at * TILE);
+            for (int r = 0; r < n; r++)
+                m[r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(xsum[(int64_t)r * c->nb + b]), m[r]);
+        }
     }
     for (int r = 0; r < n; r++) {
         if (spanned && b1 < c->nb) _mm512_store_ps(acc_rows + (m0 + r) * TILE, acc[r]);
-        else store_vector(c, t, rt * TILE + m0 + r, acc[r]);
+        else store_vector(c, t, rt * TILE + m0 + r,
+                          with_mins ? _mm512_add_ps(acc[r], m[r]) : acc[r]);
     }
 }
 
@@ -297,15 +307,18 @@ VEC_TARGET static inline __attribute__((always_inline)) void take_blocks(
 
 VEC_TARGET static void take_row_tile(const Call *c, int t, int rt, const int32_t *sums) {
     const int rows = c->rows - rt * TILE < TILE ? c->rows - rt * TILE : TILE;
-#define TAKE(m, n) take_blocks(c, t, rt, m, sums, 0, c->nb, NULL, 0, n)
-    IN_GROUPS_OF_8(TAKE, rows);
+#define TAKE(m, n) take_blocks(c, t, rt, m, sums, 0, c->nb, NULL, 0, 0, n)
+#define TAKE_MINS(m, n) take_blocks(c, t, rt, m, sums, 0, c->nb, NULL, 0, 1, n)
+    if (c->kind == 0) IN_GROUPS_OF_8(TAKE_MINS, rows);
+    else IN_GROUPS_OF_8(TAKE, rows);
 #undef TAKE
+#undef TAKE_MINS
 }
 
 VEC_TARGET static void take_row_tile_span(const Call *c, int t, int rt, const int32_t *sums,
                                           int b0, int b1, float *acc_rows) {
     const int rows = c->rows - rt * TILE < TILE ? c->rows - rt * TILE : TILE;
-#define TAKE(m, n) take_blocks(c, t, rt, m, sums, b0, b1, acc_rows, 1, n)
+#define TAKE(m, n) take_blocks(c, t, rt, m, sums, b0, b1, acc_rows, 1, 0, n)
     IN_GROUPS_OF_8(TAKE, rows);
 #undef TAKE
 }
@@ -401,6 +414,11 @@ VEC_TARGET static void unpack_q4_tiles(const Call *c, int t, uint8_t *buffer) {
 #endif
 
 /* ---- parts ------------------------------------------------------------------------------- */
+/* Q4_1's mins added by the AMX epilogue itself (a weight in one span of blocks), not after */
+static int mins_taken(const Call *c) {
+    return c->mode == MODE_AMX && c->kind == 0 && c->nb <= SUMS_BLOCKS;
+}
+
 static void run_part(void *arg, int part, int num_parts) {
     Call *c = arg;
     const int tiles = ceil_div(c->out, TILE);
@@ -435,7 +453,7 @@ static void run_part(void *arg, int part, int num_parts) {
         default:
             for (int r = 0; r < c->rows; r++) scalar_tile(c, t, r);
         }
-        if (c->kind != 0) continue;
+        if (c->kind != 0 || mins_taken(c)) continue;
 #ifdef QT_X86
         if (c->mode != MODE_SCALAR) {
             add_mins_vectors(c, t);
