@@ -48,9 +48,9 @@
 #define VEC_ROWS 4              /* rows sharing one unpacking of a block on the vector path */
 #define EPILOGUE_ROWS 8         /* rows whose float sums run side by side after the tiles */
 /* blocks whose integer sums a row tile stores before the float sequence takes them: a 1536-input
- * weight's 48 KiB of them left L1, whose stores ran ~4x slower; in spans of at most 18 (an even
- * split) down ran 0.84-0.92x the time (benchmarks/README.md, "Decode steps' row work on both
- * threads, and down's block sums in L1") */
+ * weight's 48 KiB of them left L1, where a tile's stores ran ~4x slower; in spans of at most 18
+ * (an even split) down ran 0.84-0.95x the time (benchmarks/README.md, "Down's block sums in
+ * L1") */
 #define SUMS_BLOCKS 18
 /* rows from which a call runs on AMX tiles, where they run: below it the vectors were faster
  * (Q4_1's tiles are unpacked first; benchmarks/README.md, "Decode rows on AMX int8 tiles");
