@@ -426,12 +426,12 @@ static void run_part(void *arg, int part, int num_parts) {
     const int t1 = (int)((int64_t)(part + 1) * tiles / num_parts);
     if (t0 == t1) return;
 #ifdef QT_X86
-    uint8_t *buffer = NULL; /* Q4_1's B tiles unpacked, then every block's sums */
+    uint8_t *buffer = NULL; /* Q4_1's B tiles unpacked, then a span's block sums */
     int32_t *sums = NULL;
     if (c->mode == MODE_AMX) {
         const size_t unpacked = c->kind == 0 ? (size_t)c->nb * Q8_TILE_BYTES : 0;
-        const int spanned = c->nb < SUMS_BLOCKS ? c->nb : SUMS_BLOCKS;
-        buffer = aligned_alloc(64, unpacked + (size_t)spanned * TILE * TILE * sizeof(int32_t));
+        const int sums_blocks = c->nb < SUMS_BLOCKS ? c->nb : SUMS_BLOCKS;  /* a span's */
+        buffer = aligned_alloc(64, unpacked + (size_t)sums_blocks * TILE * TILE * sizeof(int32_t));
         if (buffer == NULL) {
             c->failed = 1;
             return;
