@@ -4,6 +4,7 @@
 #ifndef KVPARK_ENTRY_POINTS_H
 #define KVPARK_ENTRY_POINTS_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 /* A step's attention as the C backend (kernels/cpu_paged.py `c_plan`) planned it, for the calls
@@ -22,6 +23,16 @@ int kvpark_quant_linear(int kind, const float *scale, const float *mins, const v
                         int out_features, int in_features, const float *x, int64_t x_stride,
                         int rows, float *y, int64_t y_stride, float *xsum_scratch,
                         int num_threads);
+int kvpark_quantize_rows(const float *x, int64_t x_stride, int rows, int nb, int8_t *q,
+                         float *dx, float *xsum, int32_t *qsum, int num_threads);
+/* a call's quantised rows: one buffer per calling thread, grown as needed, valid until that
+ * thread's next call (the pool's workers only read it meanwhile) */
+void *kvpark_rows_scratch(size_t bytes);
+
+/* quant_tiles.c */
+int kvpark_quant_tiles(int kind, const float *scale, const float *mins, const uint8_t *quants,
+                       int out_features, int in_features, const float *x, int64_t x_stride,
+                       int rows, float *y, int64_t y_stride, int num_threads, int mode);
 
 /* paged_attention.c */
 int kvpark_paged_attention(const float *q, int64_t q_row_stride, int64_t q_head_stride,

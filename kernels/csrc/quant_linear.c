@@ -624,23 +624,20 @@ static void run_part(void *arg, int part, int num_parts) {
     }
 }
 
-/* the quantised rows, kept per calling thread and grown as needed (the workers only read it) */
 static _Thread_local void *scratch;
 static _Thread_local size_t scratch_bytes;
 
-static void *get_scratch(size_t bytes) {
+/* 64-byte aligned (a row's quants start tile rows in quant_tiles.c); nothing kept on growing */
+void *kvpark_rows_scratch(size_t bytes) {
     if (bytes > scratch_bytes) {
-        void *grown = realloc(scratch, bytes);
+        void *grown = aligned_alloc(64, (bytes + 63) / 64 * 64);
         if (grown == NULL) return NULL;
+        free(scratch);
         scratch = grown;
         scratch_bytes = bytes;
     }
     return scratch;
 }
-
-int kvpark_quant_tiles(int kind, const float *scale, const float *mins, const uint8_t *quants,
-                       int out_features, int in_features, const float *x, int64_t x_stride,
-                       int rows, float *y, int64_t y_stride, int num_threads, int mode);
 
 /* kind 0: Q4_1, 1: Q8_0 (2, 3: the same laid out for quant_tiles.c). x: [rows, in] (row stride x_stride), y: [rows, out] (y_stride).
  * `unused_scratch`: kept for callers of the float32 kernel this replaced (the kernel keeps its
@@ -657,7 +654,8 @@ int kvpark_quant_linear(int kind, const float *scale, const float *mins, const v
     if (in_features % BLOCK != 0 || rows < 0 || (kind != 0 && kind != 1)) return 1;
     if (rows == 0) return 0;
     const int nb = in_features / BLOCK;
-    void *xq = get_scratch((size_t)rows * row_bytes(nb) + 64); /* + 64: whole-vector loads */
+    /* + 64: whole-vector loads */
+    void *xq = kvpark_rows_scratch((size_t)rows * row_bytes(nb) + 64);
     if (xq == NULL) return 2;
     for (int r = 0; r < rows; r++) quantize_row(x + r * x_stride, nb, kind, qrow_at(xq, nb, r));
     Call call = {kind, out_features, nb, rows, scale, mins, quants, xq, y_stride, y};

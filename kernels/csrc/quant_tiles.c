@@ -29,6 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "entry_points.h"
 #include "worker_pool.h"
 #include "tile_config.h"
 
@@ -60,8 +61,6 @@
 
 enum { MODE_AUTO = 0, MODE_VECTOR = 1, MODE_AMX = 2, MODE_SCALAR = 3 };
 
-int kvpark_quantize_rows(const float *x, int64_t x_stride, int rows, int nb, int8_t *q,
-                         float *dx, float *xsum, int32_t *qsum, int num_threads);
 int kvpark_amx_usable(void); /* amx_gemm.c: the CPUID bits and the OS's tile permission */
 
 static int ceil_div(int a, int b) { return (a + b - 1) / b; }
@@ -109,6 +108,9 @@ typedef struct {
     int64_t y_stride;
     volatile int failed;  /* a part could not get its buffer (set only to 1, by any thread) */
 } Call;
+
+/* the AMX tiles take all of a weight's block sums at once (else in spans: SUMS_BLOCKS) */
+static int one_span(const Call *c) { return c->nb <= SUMS_BLOCKS; }
 
 static int outputs_in(const Call *c, int t) {
     return c->out - t * TILE < TILE ? c->out - t * TILE : TILE;
@@ -376,7 +378,7 @@ AMX_TARGET static inline __attribute__((always_inline)) void span_products(
 AMX_TARGET static inline __attribute__((always_inline)) void amx_tile_of(
     const Call *c, int t, const uint8_t *b_tiles, int32_t *sums, const int q4) {
     const int nb = c->nb, row_tiles = c->row_tiles;
-    if (nb <= SUMS_BLOCKS) {  /* one span */
+    if (one_span(c)) {
         for (int rt = 0; rt < row_tiles; rt++) {
             span_products(c, rt, 0, nb, b_tiles, sums, q4);
             take_row_tile(c, t, rt, sums);
@@ -416,7 +418,7 @@ VEC_TARGET static void unpack_q4_tiles(const Call *c, int t, uint8_t *buffer) {
 /* ---- parts ------------------------------------------------------------------------------- */
 /* Q4_1's mins added by the AMX epilogue itself (a weight in one span of blocks), not after */
 static int mins_taken(const Call *c) {
-    return c->mode == MODE_AMX && c->kind == 0 && c->nb <= SUMS_BLOCKS;
+    return c->mode == MODE_AMX && c->kind == 0 && one_span(c);
 }
 
 static void run_part(void *arg, int part, int num_parts) {
@@ -477,23 +479,6 @@ static int pick_mode(int mode, int kind, int rows) {
     return vector_usable() ? MODE_VECTOR : MODE_SCALAR;
 }
 
-/* a call's quantised rows, kept per calling thread and grown as needed (the workers only read
- * them during the call): allocating and zeroing them every call was serial work a 32-row decode
- * step's other thread waited out */
-static _Thread_local char *scratch;
-static _Thread_local size_t scratch_bytes;
-
-static char *get_scratch(size_t bytes) {
-    if (bytes > scratch_bytes) {
-        char *grown = aligned_alloc(64, (bytes + 63) / 64 * 64);
-        if (grown == NULL) return NULL;
-        free(scratch);
-        scratch = grown;
-        scratch_bytes = bytes;
-    }
-    return scratch;
-}
-
 /* kind 0: Q4_1, 1: Q8_0, in the layout above. x: [rows, in] (row stride x_stride), y: [rows,
  * out] (y_stride). mode: 0 picks by rows and CPU, 1 vectors, 2 AMX, 3 plain C. Outputs split
  * between `num_threads` threads of the worker pool. Returns 0; 1 on bad arguments; 2 when
@@ -509,7 +494,7 @@ int kvpark_quant_tiles(int kind, const float *scale, const float *mins, const ui
     const int nb = in_features / BLOCK, row_tiles = ceil_div(rows, TILE);
     const int64_t padded = (int64_t)row_tiles * TILE;
     const size_t q_bytes = (size_t)padded * nb * BLOCK, dx_bytes = (size_t)padded * nb * 4;
-    char *rows_scratch = get_scratch(q_bytes + dx_bytes + 2 * (size_t)rows * nb * 4);
+    char *rows_scratch = kvpark_rows_scratch(q_bytes + dx_bytes + 2 * (size_t)rows * nb * 4);
     if (rows_scratch == NULL) return 2;
     int8_t *q = (int8_t *)rows_scratch;
     float *dx = (float *)(rows_scratch + q_bytes);
