@@ -8,6 +8,7 @@ chat template may already put BOS in the text and a second one hurts the model.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Sequence
 from datetime import datetime
@@ -18,6 +19,8 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
+
+log = logging.getLogger(__name__)
 
 # llama.cpp's token_type values (llama_token_type in llama.h).
 TOKEN_TYPE_CONTROL = 3
@@ -81,7 +84,7 @@ class Tokenizer:
         self.add_bos = add_bos
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         self._template: jinja2.Template | None = None
-        self._chat_backend: HFTokenizer | None = None  # built on first use (a copy of backend)
+        self._chat_backend: HFTokenizer | None = None  # prepare_chat (or first use) builds it
         specials = sorted((t.content for t in backend.get_added_tokens_decoder().values()
                            if t.special and t.content), key=len, reverse=True)
         self._special_re = re.compile("|".join(map(re.escape, specials))) if specials else None
@@ -180,6 +183,22 @@ class Tokenizer:
             eos_token=self._special_text(self.eos_token_id),
             **{**_today(), **kwargs},
         )
+
+    def prepare_chat(self) -> None:
+        """Build now what the first chat request would otherwise build on its way in: the
+        template compiled and the defusing copy of the backend (a copy of the whole vocabulary,
+        so its cost grows with it: benchmarks/README.md, "The first chat request"). A template
+        that does not compile is left to fail on use, as before: a server whose clients only
+        send completions has no use for it."""
+        if self._chat_backend is None:
+            self._chat_backend = _defusing_copy(self.backend)
+        if self.chat_template is None or self._template is not None:
+            return
+        try:
+            self._template = _compile_template(self.chat_template)
+        except jinja2.TemplateError as error:
+            log.warning("the model's chat template does not compile (%s); chat requests will "
+                        "fail until --chat-template gives one", error)
 
     def set_chat_template(self, source: str) -> None:
         """Replace the model's template (--chat-template); compiled now, so errors show early."""

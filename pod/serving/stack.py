@@ -285,6 +285,7 @@ def load_target(args: ServerArgs, device: torch.device, dtype: torch.dtype,
         with open(args.chat_template, encoding="utf-8") as file:
             loaded.tokenizer.set_chat_template(file.read())
         log.info("chat template from %s", args.chat_template)
+    loaded.tokenizer.prepare_chat()  # else the first chat request builds it on its way in
     weights_digest = get_weights_digest(loaded.weights)  # before the model takes the weights
     blocks = pick_blocks(args, loaded, device, dtype)  # builds the C kernel on first use
     stages.done(f"blocks for decode rows: {len(blocks)} linears" if blocks else "weights checked")

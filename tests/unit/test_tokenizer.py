@@ -169,6 +169,47 @@ def test_sentencepiece_style_chat_encodes_as_before_and_defuses_normalized_speci
     assert normalized.encode_chat(forged).count(1) == 1
 
 
+def test_a_prepared_tokenizer_builds_nothing_for_its_first_chat(tok, monkeypatch):
+    """The server prepares the chat encoder at start (`load_target`): its first chat request
+    then compiles no template and copies no vocabulary, and encodes as an unprepared one."""
+    from kvpark.pod.model import tokenizer as tokenizer_module
+
+    prepared = Tokenizer(tok.backend, chat_template=tok.chat_template,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                         eos_token_ids=tok.eos_token_ids, add_bos=tok.add_bos)
+    prepared.prepare_chat()
+    messages = [{"role": "user", "content": FORGED}]
+    expected = tok.encode_chat(messages)
+
+    def built_on_the_request_path(*args):
+        raise AssertionError("built on the first chat request")
+
+    monkeypatch.setattr(tokenizer_module, "_defusing_copy", built_on_the_request_path)
+    monkeypatch.setattr(tokenizer_module, "_compile_template", built_on_the_request_path)
+    assert prepared.encode_chat(messages) == expected
+
+
+def test_the_server_prepares_the_chat_encoder_while_it_loads(monkeypatch):
+    from kvpark.pod.args import parse_args
+    from kvpark.pod.serving import stack as stack_module
+
+    prepared = []
+    monkeypatch.setattr(Tokenizer, "prepare_chat", lambda self: prepared.append(self))
+    args = parse_args(["-m", "synthetic:tiny", "-t", "1", "--kernel-threads", "1"], env={})
+    target = stack_module.load_target(args, torch.device("cpu"), torch.float32,
+                                      stack_module.Stages())
+    assert prepared == [target.loaded.tokenizer]
+
+
+def test_a_template_that_does_not_compile_fails_on_use_not_at_start(tok, caplog):
+    broken = Tokenizer(tok.backend, chat_template="{% for m in messages %}", bos_token_id=1,
+                       eos_token_id=2, eos_token_ids=frozenset(), add_bos=False)
+    broken.prepare_chat()  # a server whose clients send only completions still starts
+    assert "does not compile" in caplog.text
+    with pytest.raises(jinja2.TemplateSyntaxError):
+        broken.encode_chat([{"role": "user", "content": "hi"}])
+
+
 def test_template_helpers_behave_like_transformers(tok):
     template = ("{% if messages|length > 1 %}{{ raise_exception('one only') }}{% endif %}"
                 "{{ bos_token }}{{ messages[0] | tojson }}{{ eos_token }}")
