@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import gguf
 import numpy as np
 import torch
 from safetensors import safe_open
@@ -25,7 +24,7 @@ from kvpark.kernels.quant_linear import QuantizedWeight
 
 from . import gguf_qwen35
 from .config import FULL_ATTENTION, LINEAR_ATTENTION, DeltaNetConfig, ModelConfig
-from .gguf_file import GGUFFile, read_gguf
+from .gguf_file import GGUFFile, dequantize, read_gguf
 from .synthetic import synthetic_config, synthetic_weights, weight_shapes
 from .tokenizer import Tokenizer
 
@@ -207,7 +206,7 @@ def _gguf_tensors(reader: GGUFFile, config: ModelConfig):
             yield None, None, None
             continue
         shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
-        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+        array = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
         weight = torch.from_numpy(np.array(array, dtype=np.float32))  # copy off the read-only mmap
         blocks = None
         if tensor.tensor_type.name in QUANT_KINDS and len(shape) == 2:

@@ -7,7 +7,8 @@ import gguf
 import numpy as np
 import pytest
 
-from kvpark.pod.model.gguf_file import read_gguf
+from kvpark.pod.model import gguf_file
+from kvpark.pod.model.gguf_file import dequantize, read_gguf
 from kvpark.pod.model.loader import builtin_gguf_path
 
 
@@ -77,6 +78,30 @@ def test_block_tensors_dequantize_as_gguf_reader_gives_them(every_kind):
             continue  # integers are not dequantised (gguf has no such path)
         assert np.array_equal(gguf.quants.dequantize(ours[t.name].data, t.tensor_type),
                               gguf.quants.dequantize(t.data, t.tensor_type))
+
+
+# every block kind gguf dequantises (K-quants and IQ kinds included)
+BLOCK_KINDS = [k for k in gguf.GGMLQuantizationType if k not in gguf_file.TYPED_TENSORS
+               and hasattr(getattr(gguf.quants, k.name, None), "dequantize_rows")]
+
+
+@pytest.mark.parametrize("rows_a_group", [1, 3, 1000])
+@pytest.mark.parametrize("kind", BLOCK_KINDS, ids=lambda k: k.name)
+def test_dequantize_gives_the_bytes_gguf_gives(kind, rows_a_group, monkeypatch):
+    """`dequantize` runs gguf's own block arithmetic over bigger groups of rows than gguf does:
+    the same float32 bytes, in the same shape, for a group of one row, groups with a remainder
+    (14 rows in threes) and one group, of a 3-D tensor of random blocks."""
+    block_size, type_size = gguf.GGML_QUANT_SIZES[kind]
+    per_row = 2 * max(block_size, 256)  # two K-quant blocks, or several small ones
+    raw = np.random.default_rng(kind.value).integers(
+        0, 256, (2, 7, per_row // block_size * type_size), dtype=np.uint8)
+    monkeypatch.setattr(gguf_file, "DEQUANTIZE_GROUP_VALUES", rows_a_group * per_row)
+    with np.errstate(all="ignore"):  # random scales overflow, alike in both
+        theirs = gguf.quants.dequantize(raw, kind)
+        ours = dequantize(raw, kind)
+    assert ours.dtype == theirs.dtype == np.float32
+    assert ours.shape == theirs.shape == (2, 7, per_row)
+    assert ours.tobytes() == theirs.tobytes()
 
 
 @pytest.mark.parametrize("keep,message", [(3, "not a GGUF file"), (40, "not a whole GGUF file"),
