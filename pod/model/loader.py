@@ -207,7 +207,9 @@ def _gguf_tensors(reader: GGUFFile, config: ModelConfig):
             continue
         shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
         array = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
-        weight = torch.from_numpy(np.array(array, dtype=np.float32))  # copy off the read-only mmap
+        if not array.flags.writeable:  # a float32 tensor is a view of the read-only mmap
+            array = np.array(array, dtype=np.float32)
+        weight = torch.from_numpy(array)
         blocks = None
         if tensor.tensor_type.name in QUANT_KINDS and len(shape) == 2:
             blocks = QuantizedWeight.from_gguf(tensor.tensor_type.name, tensor.data, shape[0])
