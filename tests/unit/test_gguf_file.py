@@ -88,17 +88,23 @@ BLOCK_KINDS = [k for k in gguf.GGMLQuantizationType if k not in gguf_file.TYPED_
 @pytest.mark.parametrize("rows_a_group", [1, 3, 1000])
 @pytest.mark.parametrize("kind", BLOCK_KINDS, ids=lambda k: k.name)
 def test_dequantize_gives_the_bytes_gguf_gives(kind, rows_a_group, monkeypatch):
-    """`dequantize` runs gguf's own block arithmetic over bigger groups of rows than gguf does:
-    the same float32 bytes, in the same shape, for a group of one row, groups with a remainder
-    (14 rows in threes) and one group, of a 3-D tensor of random blocks."""
+    """`dequantize` runs gguf's own block arithmetic over groups of DEQUANTIZE_GROUP_VALUES
+    values (gguf's own loop: 16 rows): one call a group, and the same float32 bytes in the same
+    shape, for a group of one row, groups with a remainder (14 rows in threes) and one group, of
+    a 3-D tensor of random blocks."""
     block_size, type_size = gguf.GGML_QUANT_SIZES[kind]
     per_row = 2 * max(block_size, 256)  # two K-quant blocks, or several small ones
     raw = np.random.default_rng(kind.value).integers(
         0, 256, (2, 7, per_row // block_size * type_size), dtype=np.uint8)
     monkeypatch.setattr(gguf_file, "DEQUANTIZE_GROUP_VALUES", rows_a_group * per_row)
+    quant = getattr(gguf.quants, kind.name)
+    rows_of, groups = quant.dequantize_rows, []
     with np.errstate(all="ignore"):  # random scales overflow, alike in both
         theirs = gguf.quants.dequantize(raw, kind)
+        monkeypatch.setattr(quant, "dequantize_rows",
+                            lambda rows: groups.append(len(rows)) or rows_of(rows))
         ours = dequantize(raw, kind)
+    assert groups == [min(rows_a_group, 14 - i) for i in range(0, 14, rows_a_group)]
     assert ours.dtype == theirs.dtype == np.float32
     assert ours.shape == theirs.shape == (2, 7, per_row)
     assert ours.tobytes() == theirs.tobytes()
