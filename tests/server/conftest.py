@@ -6,7 +6,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import serverproc  # noqa: E402
 from serverproc import ServerProcess  # noqa: E402
+
+serverproc.FORK_SERVERS = True  # forkserver.py: the imports once per test process
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import forkserver
 import httpx
 
 START_TIMEOUT = 120.0
+# servers forked from one importing interpreter (forkserver.py): the test suite's conftest turns
+# this on; benchmarks start and time fresh interpreters
+FORK_SERVERS = False
 
 
 def free_port() -> int:
@@ -43,6 +47,9 @@ class ServerProcess:
     proc: subprocess.Popen | None = None
     log_path: Path = field(default_factory=lambda: Path(tempfile.mkstemp(suffix=".log")[1]))
     start_timeout: float = START_TIMEOUT
+    # a `python -m kvpark.pod` of its own, not a fork of the suite's importing interpreter
+    # (forkserver.py): for what only a fresh interpreter shows
+    fresh_interpreter: bool = False
 
     @property
     def url(self) -> str:
@@ -53,15 +60,28 @@ class ServerProcess:
         return [sys.executable, "-m", "kvpark.pod", "--host", "127.0.0.1", "--port",
                 str(self.port), "--model", self.model, "--threads", "1", *self.flags]
 
+    @staticmethod
+    def base_environment() -> dict[str, str]:
+        return {**os.environ, "OMP_NUM_THREADS": "1"}
+
     def environment(self) -> dict[str, str]:
-        return {**os.environ, "OMP_NUM_THREADS": "1", **self.env}
+        return {**self.base_environment(), **self.env}
 
     def start(self) -> ServerProcess:
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=self.environment())
+        if self.forked():
+            argv = self.command()[3:]  # after `python -m kvpark.pod`
+            self.proc = forkserver.fork_server(self.base_environment()).spawn(
+                argv, self.environment(), self.log_path)
+        else:
+            self.proc = subprocess.Popen(self.command(), stdout=self._log,
+                                         stderr=subprocess.STDOUT, env=self.environment())
         self.wait_healthy()
         return self
+
+    def forked(self) -> bool:
+        return (FORK_SERVERS and forkserver.enabled() and not self.fresh_interpreter
+                and forkserver.fork_server(self.base_environment()).can_fork(self.environment()))
 
     def wait_healthy(self) -> None:
         deadline = time.monotonic() + self.start_timeout
