@@ -27,7 +27,7 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "worker_pool.c", CSRC / "quant_linear.c", CSRC / "paged_attention.c",
            CSRC / "layer_ops.c", CSRC / "delta_rule.c", CSRC / "amx_gemm.c",
            CSRC / "quant_tiles.c", CSRC / "amx_attention.c", CSRC / "argmax.c",
-           CSRC / "page_copy.c", CSRC / "prompt_layers.c")
+           CSRC / "page_copy.c", CSRC / "prompt_layers.c", CSRC / "dequantize.c")
 # -ffp-contract=fast: a*b+c as one fused multiply-add (ISO C mode would keep them apart); the
 # same for every tile and call, so results stay deterministic
 CFLAGS = ("-O3", "-ffp-contract=fast", "-fPIC", "-shared", "-pthread", "-std=c11")

@@ -22,6 +22,8 @@ import gguf.quants
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from kvpark.kernels import dequantize as c_dequantize
+
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 STRING, ARRAY = 8, 9
@@ -148,15 +150,19 @@ def _tensor(whole: np.ndarray, start: int, name: str, dims: tuple[int, ...], kin
 
 
 def dequantize(data: np.ndarray, kind: GGMLQuantizationType) -> np.ndarray:
-    """A tensor as `gguf.quants.dequantize` gives it (float32, the shape its values make): for
-    block kinds its quant class's own `dequantize_rows` (the same arithmetic, so the same bits)
-    over groups of about DEQUANTIZE_GROUP_VALUES values."""
+    """A tensor as `gguf.quants.dequantize` gives it (float32, the shape its values make): the
+    block kinds the C kernel knows in C (kernels/dequantize.py), the others by their quant
+    class's own `dequantize_rows` over groups of about DEQUANTIZE_GROUP_VALUES values (the same
+    arithmetic, so the same bits)."""
     quant = getattr(gguf.quants, kind.name, None)
     if data.ndim < 2 or kind in TYPED_TENSORS or not hasattr(quant, "dequantize_rows"):
         return gguf.quants.dequantize(data, kind)
     rows = data.reshape(-1, data.shape[-1])
     block_size, type_size = GGML_QUANT_SIZES[kind]
     per_row = rows.shape[1] // type_size * block_size
+    if c_dequantize.can_take(kind):  # the same arithmetic, a block read once
+        return c_dequantize.dequantize_rows(rows, kind, block_size, type_size).reshape(
+            *data.shape[:-1], per_row)
     group = max(1, DEQUANTIZE_GROUP_VALUES // per_row)
     out = np.concatenate([quant.dequantize_rows(rows[i:i + group])
                           for i in range(0, rows.shape[0], group)])

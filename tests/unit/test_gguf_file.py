@@ -91,7 +91,9 @@ def test_dequantize_gives_the_bytes_gguf_gives(kind, rows_a_group, monkeypatch):
     """`dequantize` runs gguf's own block arithmetic over groups of DEQUANTIZE_GROUP_VALUES
     values (gguf's own loop: 16 rows): one call a group, and the same float32 bytes in the same
     shape, for a group of one row, groups with a remainder (14 rows in threes) and one group, of
-    a 3-D tensor of random blocks."""
+    a 3-D tensor of random blocks. (The kinds the C kernel takes go to it where it loads:
+    tests/unit/test_dequantize.py; here every kind takes gguf's path.)"""
+    monkeypatch.setattr(gguf_file.c_dequantize, "can_take", lambda kind: False)
     block_size, type_size = gguf.GGML_QUANT_SIZES[kind]
     per_row = 2 * max(block_size, 256)  # two K-quant blocks, or several small ones
     raw = np.random.default_rng(kind.value).integers(
