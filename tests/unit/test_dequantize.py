@@ -58,6 +58,7 @@ def test_the_loader_sends_the_kinds_the_c_kernel_takes_to_it(monkeypatch):
                         lambda rows, kind, *a: calls.append(kind) or real(rows, kind, *a))
     for kind in [*C_KINDS, gguf.GGMLQuantizationType.Q2_K, gguf.GGMLQuantizationType.Q5_0]:
         raw = random_blocks(kind, 4, 256 // gguf.GGML_QUANT_SIZES[kind][0]).reshape(2, 2, -1)
-        ours = gguf_file.dequantize(raw, kind)
+        with np.errstate(all="ignore"):
+            ours = gguf_file.dequantize(raw, kind)
         assert ours.shape == (2, 2, 256) and ours.tobytes() == gguf_gives(raw, kind).tobytes()
     assert calls == C_KINDS  # Q2_K and Q5_0: gguf's own code
