@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import functools
 import json
 import os
 import select
@@ -42,7 +43,17 @@ IMPORT_TIME_ENV = ("OMP_", "KMP_", "MKL_", "GOMP_", "ONEDNN_", "DNNL_", "LD_", "
 
 
 def enabled() -> bool:
-    return os.environ.get(ENABLED_ENV, "1") != "0" and hasattr(os, "pidfd_open")
+    return os.environ.get(ENABLED_ENV, "1") != "0" and has_pidfd()
+
+
+@functools.cache
+def has_pidfd() -> bool:
+    """Whether this kernel waits on another process's exit through a pidfd (Linux 5.3 on)."""
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except (AttributeError, OSError):
+        return False
+    return True
 
 
 def import_time(env: dict[str, str]) -> dict[str, str]:
