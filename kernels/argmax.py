@@ -15,7 +15,7 @@ import logging
 import torch
 
 from . import worker_pool
-from .cbuild import KernelUnavailable, load_library
+from .cbuild import library_or_none
 from .cpu_features import Isa
 
 log = logging.getLogger(__name__)
@@ -23,10 +23,8 @@ log = logging.getLogger(__name__)
 
 @functools.cache
 def _kernel(isa: Isa | None = None) -> ctypes.CDLL | None:
-    try:
-        lib = load_library(isa)
-    except KernelUnavailable as exc:
-        log.info("greedy tokens by torch.argmax: no C kernels here (%s)", exc)
+    lib = library_or_none(log, "greedy tokens by torch.argmax", isa)
+    if lib is None:
         return None
     lib.kvpark_argmax_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
                                        ctypes.c_int, ctypes.c_void_p, ctypes.c_int]

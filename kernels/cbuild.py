@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import shlex
 import subprocess
@@ -96,6 +97,16 @@ def build(sources: Path | Sequence[Path], isa: Isa | None = None) -> Path:
         raise KernelUnavailable(f"{cc[0]} failed on {names}: {done.stderr.strip()[-800:]}")
     os.replace(partial, target)  # atomic: concurrent builders each publish a whole file
     return target
+
+
+def library_or_none(log: logging.Logger, instead: str,
+                    isa: Isa | None = None) -> ctypes.CDLL | None:
+    """The kernels library, or None after one line on `log` saying what runs `instead`."""
+    try:
+        return load_library(isa)
+    except KernelUnavailable as exc:
+        log.info("%s: no C kernels here (%s)", instead, exc)
+        return None
 
 
 @functools.cache

@@ -12,7 +12,7 @@ import logging
 import numpy as np
 
 from . import worker_pool
-from .cbuild import KernelUnavailable, load_library
+from .cbuild import library_or_none
 from .cpu_features import Isa
 
 log = logging.getLogger(__name__)
@@ -20,10 +20,8 @@ log = logging.getLogger(__name__)
 
 @functools.cache
 def _kernel(isa: Isa | None = None) -> ctypes.CDLL | None:
-    try:
-        lib = load_library(isa)
-    except KernelUnavailable as exc:
-        log.info("GGUF blocks dequantised by gguf's numpy code: no C kernels here (%s)", exc)
+    lib = library_or_none(log, "GGUF blocks dequantised by gguf's numpy code", isa)
+    if lib is None:
         return None
     lib.kvpark_dequantize.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64,
                                       ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]

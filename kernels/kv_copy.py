@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import torch
 
 from . import worker_pool
-from .cbuild import KernelUnavailable, load_library
+from .cbuild import library_or_none
 
 log = logging.getLogger(__name__)
 _ticket_ids = itertools.count()
@@ -119,10 +119,8 @@ def _c_copies_fit(caches: list[torch.Tensor], host_pages: list[torch.Tensor]) ->
 
 @functools.cache
 def _page_copy_kernel() -> ctypes.CDLL | None:
-    try:
-        lib = load_library()
-    except KernelUnavailable as exc:
-        log.info("host-tier page copies by torch: no C kernels here (%s)", exc)
+    lib = library_or_none(log, "host-tier page copies by torch")
+    if lib is None:
         return None
     lib.kvpark_copy_pages.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                                       ctypes.c_int, ctypes.c_int64, ctypes.c_void_p,

@@ -1,13 +1,16 @@
 """The C dequantiser (kernels/dequantize.py) gives the bytes gguf's numpy code gives, for every
 kind it takes, on every build this CPU runs, at any row count and thread count; the loader's
-`dequantize` sends those kinds to it and the others to gguf."""
+`dequantize` sends those kinds to it and the others to gguf, and all of them to gguf where the
+C kernels do not build."""
+
+import logging
 
 import gguf
 import numpy as np
 import pytest
 
+from kvpark.kernels import cbuild, worker_pool
 from kvpark.kernels import dequantize as c_dequantize
-from kvpark.kernels import worker_pool
 from kvpark.pod.model import gguf_file
 
 C_KINDS = [gguf.GGMLQuantizationType[name] for name in
@@ -62,3 +65,23 @@ def test_the_loader_sends_the_kinds_the_c_kernel_takes_to_it(monkeypatch):
             ours = gguf_file.dequantize(raw, kind)
         assert ours.shape == (2, 2, 256) and ours.tobytes() == gguf_gives(raw, kind).tobytes()
     assert calls == C_KINDS  # Q2_K and Q5_0: gguf's own code
+
+
+def test_without_the_c_kernels_gguf_dequantises_and_the_log_says_so(monkeypatch, caplog):
+    def unavailable(isa=None):
+        raise cbuild.KernelUnavailable("no compiler in this test")
+
+    monkeypatch.setattr(cbuild, "load_library", unavailable)
+    c_dequantize._kernel.cache_clear()
+    try:
+        kind = gguf.GGMLQuantizationType.Q4_K
+        raw = random_blocks(kind, 3, 2)
+        with caplog.at_level(logging.INFO, logger="kvpark.kernels.dequantize"):
+            with np.errstate(all="ignore"):
+                ours = gguf_file.dequantize(raw, kind)
+    finally:
+        c_dequantize._kernel.cache_clear()
+    assert ours.tobytes() == gguf_gives(raw, kind).tobytes()
+    assert [r.getMessage() for r in caplog.records] == [
+        "GGUF blocks dequantised by gguf's numpy code: no C kernels here (no compiler in this "
+        "test)"]
