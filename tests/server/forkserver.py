@@ -32,6 +32,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -140,13 +141,15 @@ class ForkServer:
 
 
 _fork_server: ForkServer | None = None
+_starting = threading.Lock()  # tests may start servers from several threads
 
 
 def fork_server(env: dict[str, str]) -> ForkServer:
     """This process's fork server, started with `env` on first use."""
     global _fork_server
-    if _fork_server is None:
-        _fork_server = ForkServer(env)
+    with _starting:
+        if _fork_server is None:
+            _fork_server = ForkServer(env)
     return _fork_server
 
 
