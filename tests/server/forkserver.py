@@ -13,6 +13,10 @@ Where it differs from a fresh interpreter, and how the suite keeps that out of t
 - the interpreter's own start (site, `-m` path handling, `sys.argv[0]`) is the fork server's;
   the tests of the command line itself run `python -m kvpark.pod` or the console script in a
   subprocess of their own;
+- the servers of one test process share the fork server's string-hash seed, where fresh
+  interpreters each draw their own: an output that depended on the order of a set of strings
+  would agree between two forked servers (it still differs between test processes and runs;
+  `test_forkserver.py` compares a forked server's bytes with a fresh one's);
 - a server is a grandchild of the test process adopted through PR_SET_CHILD_SUBREAPER: the test
   process reaps it, so `AdoptedProcess` gives the parts of `subprocess.Popen` the tests use.
 

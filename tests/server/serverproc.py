@@ -44,7 +44,7 @@ class ServerProcess:
     env: dict[str, str] = field(default_factory=dict)
     model: str = "synthetic:tiny"
     port: int = field(default_factory=free_port)
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen | forkserver.AdoptedProcess | None = None
     log_path: Path = field(default_factory=lambda: Path(tempfile.mkstemp(suffix=".log")[1]))
     start_timeout: float = START_TIMEOUT
     # a `python -m kvpark.pod` of its own, not a fork of the suite's importing interpreter
