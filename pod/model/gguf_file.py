@@ -7,7 +7,8 @@ comments"), for values that are plain strings. This reads the same format
 (GGUF v2/v3, little-endian) into plain Python values with `struct`, and gives each tensor's bytes
 as the numpy view GGUFReader gives (typed for float and integer tensors, the raw block bytes of a
 row otherwise), which `gguf.quants.dequantize` takes as it is. `dequantize` turns a tensor's
-blocks into float32 with gguf's own arithmetic, in bigger groups than gguf's.
+blocks into float32 with gguf's own arithmetic: in C for the kinds models ship in most
+(kernels/dequantize.py), in bigger groups than gguf's for the others.
 """
 
 from __future__ import annotations
