@@ -155,8 +155,7 @@ def dequantize(data: np.ndarray, kind: GGMLQuantizationType) -> np.ndarray:
     block kinds the C kernel knows in C (kernels/dequantize.py), the others by their quant
     class's own `dequantize_rows` over groups of about DEQUANTIZE_GROUP_VALUES values (the same
     arithmetic, so the same bits)."""
-    quant = getattr(gguf.quants, kind.name, None)
-    if data.ndim < 2 or kind in TYPED_TENSORS or not hasattr(quant, "dequantize_rows"):
+    if data.ndim < 2 or kind in TYPED_TENSORS:
         return gguf.quants.dequantize(data, kind)
     rows = data.reshape(-1, data.shape[-1])
     block_size, type_size = GGML_QUANT_SIZES[kind]
@@ -164,6 +163,9 @@ def dequantize(data: np.ndarray, kind: GGMLQuantizationType) -> np.ndarray:
     if c_dequantize.can_take(kind):  # the same arithmetic, a block read once
         return c_dequantize.dequantize_rows(rows, kind, block_size, type_size).reshape(
             *data.shape[:-1], per_row)
+    quant = getattr(gguf.quants, kind.name, None)
+    if not hasattr(quant, "dequantize_rows"):  # a gguf release without it
+        return gguf.quants.dequantize(data, kind)
     group = max(1, DEQUANTIZE_GROUP_VALUES // per_row)
     out = np.concatenate([quant.dequantize_rows(rows[i:i + group])
                           for i in range(0, rows.shape[0], group)])
