@@ -8,8 +8,9 @@ real HTTP on its own port, its own log, signals and exit codes as before.
 
 Where it differs from a fresh interpreter, and how the suite keeps that out of the tests:
 - environment read while importing (the OpenMP runtime reads OMP_NUM_THREADS as torch loads
-  it) is the fork server's; a server whose environment sets such a variable otherwise starts
-  as a fresh interpreter (`ForkServer.can_fork`);
+  it) is the fork server's; a server whose own `env` sets such a variable otherwise starts as
+  a fresh interpreter (`ServerProcess.forked`), and a fork server is started anew where the test
+  process's own environment has changed one (`fork_server`);
 - the interpreter's own start (site, `-m` path handling, `sys.argv[0]`) is the fork server's;
   the tests of the command line itself run `python -m kvpark.pod` or the console script in a
   subprocess of their own;
@@ -138,6 +139,7 @@ class ForkServer:
         return AdoptedProcess(int(pid))
 
     def close(self) -> None:
+        atexit.unregister(self.close)
         self.proc.kill()
         self.proc.wait()
         self.path.unlink(missing_ok=True)
@@ -149,9 +151,14 @@ _starting = threading.Lock()  # tests may start servers from several threads
 
 
 def fork_server(env: dict[str, str]) -> ForkServer:
-    """This process's fork server, started with `env` on first use."""
+    """This process's fork server for servers of environment `env`: started on first use, and
+    again where a test has changed what the imports read since (an in-process test may set
+    oneDNN's ISA cap for the rest of the process)."""
     global _fork_server
     with _starting:
+        if _fork_server is not None and not _fork_server.can_fork(env):
+            _fork_server.close()
+            _fork_server = None
         if _fork_server is None:
             _fork_server = ForkServer(env)
     return _fork_server

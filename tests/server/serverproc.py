@@ -80,8 +80,11 @@ class ServerProcess:
         return self
 
     def forked(self) -> bool:
+        """Whether `start` forks it: on in the suite, and its own `env` changes nothing the
+        imports read."""
         return (FORK_SERVERS and forkserver.enabled() and not self.fresh_interpreter
-                and forkserver.fork_server(self.base_environment()).can_fork(self.environment()))
+                and forkserver.import_time(self.environment())
+                == forkserver.import_time(self.base_environment()))
 
     def wait_healthy(self) -> None:
         deadline = time.monotonic() + self.start_timeout

@@ -5,7 +5,7 @@ the environment would change what the imports read."""
 import signal
 
 import pytest
-from forkserver import AdoptedProcess, enabled
+from forkserver import AdoptedProcess, enabled, fork_server
 from serverproc import ServerProcess
 
 pytestmark = pytest.mark.skipif(not enabled(), reason="fork server off (KVPARK_TEST_FORKSERVER)")
@@ -46,3 +46,17 @@ def test_an_environment_that_imports_read_gets_a_fresh_interpreter():
     assert not ServerProcess([], env={"OMP_NUM_THREADS": "2"}).forked()
     assert not ServerProcess([], env={"ONEDNN_MAX_CPU_ISA": "AVX2"}).forked()
     assert not ServerProcess([], fresh_interpreter=True).forked()
+
+
+def test_a_change_to_the_test_process_s_import_time_environment_gets_a_new_fork_server(
+        monkeypatch):
+    """An in-process test may leave such a variable changed for the rest of the process: the
+    servers after it still fork, from a fork server that imported with it."""
+    with ServerProcess(["-np", "2", "-c", "1024"]) as before:
+        first = fork_server(before.base_environment())
+        assert isinstance(before.proc, AdoptedProcess)
+    monkeypatch.setenv("ONEDNN_VERBOSE", "0")
+    with ServerProcess(["-np", "2", "-c", "1024"]) as after:
+        assert isinstance(after.proc, AdoptedProcess)
+        assert fork_server(after.base_environment()) is not first
+        assert after.post("/completion", GREEDY).status_code == 200
