@@ -79,6 +79,10 @@ def load_kernel(isa: Isa | None = None) -> ctypes.CDLL:
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     lib.kvpark_gated_delta_rule.argtypes = [ptr] * 9 + [i32] * 5
     lib.kvpark_gated_delta_rule.restype = None
+    i64, f32 = ctypes.c_int64, ctypes.c_float
+    lib.kvpark_delta_net_mix.argtypes = ([ptr, i64, ptr, ptr, i64] + [ptr] * 7 + [i32] * 6
+                                         + [f32, i32])
+    lib.kvpark_delta_net_mix.restype = None
     return lib
 
 
@@ -107,3 +111,36 @@ def gated_delta_rule_c(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: tor
         dt_bias.data_ptr(), state.data_ptr(), out.data_ptr(), rows, heads, dk, dv,
         worker_pool.get_num_threads())
     return out
+
+
+Span = tuple[int, int, int]  # one sequence's rows in a step: (state slot, first row, rows)
+
+
+def delta_net_mix_c(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                    conv_weight: torch.Tensor, neg_a: torch.Tensor, dt_bias: torch.Tensor,
+                    conv_states: torch.Tensor, states: torch.Tensor, spans: list[Span],
+                    out: torch.Tensor, num_k_heads: int, isa: Isa | None = None) -> None:
+    """A step's token mixing in one C call: for each span, `causal_conv` of its rows from its
+    slot's conv state, `l2_normalize` of q and k (q times Dk^-1/2) and `gated_delta_rule` from
+    its slot's state, into `out`'s rows. The same per-row arithmetic whatever the spans and the
+    thread count (csrc/delta_rule.c). CPU float32 only.
+
+    mixed: [rows, conv_dim] (q, k, v channels); a, b: [rows, H] (rows may be strided, as the
+    views of one projection are); conv_weight: [conv_dim, K]; neg_a, dt_bias: [H];
+    conv_states: [slots, conv_dim, K - 1]; states: [slots, H, Dk, Dv]; out: [rows, H, Dv]."""
+    if not spans:
+        return
+    slots = [span[0] for span in spans]
+    assert len(set(slots)) == len(slots), "two spans of one slot in a call"
+    if a.stride(-1) != 1 or b.stride(-1) != 1 or a.stride(0) != b.stride(0):
+        a, b = a.contiguous(), b.contiguous()
+    dense = (conv_weight, neg_a, dt_bias, conv_states, states, out)
+    assert all(t.is_contiguous() for t in dense) and mixed.stride(-1) == 1
+    assert all(t.dtype == torch.float32 and t.is_cpu for t in (mixed, a, b, *dense))
+    _, heads, dk, dv = states.shape
+    table = torch.tensor(spans, dtype=torch.int32)
+    load_kernel(isa).kvpark_delta_net_mix(
+        mixed.data_ptr(), mixed.stride(0), a.data_ptr(), b.data_ptr(), a.stride(0),
+        conv_weight.data_ptr(), neg_a.data_ptr(), dt_bias.data_ptr(), conv_states.data_ptr(),
+        states.data_ptr(), out.data_ptr(), table.data_ptr(), len(spans), num_k_heads, heads, dk,
+        dv, conv_weight.shape[1], dk ** -0.5, worker_pool.get_num_threads())

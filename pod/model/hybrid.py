@@ -29,7 +29,7 @@ from .config import FULL_ATTENTION, DeltaNetConfig, ModelConfig
 from .decoder_base import DecoderBase
 from .layers import apply_rope, fused_blocks, plus_linear, rms_norm, rope_cos_sin
 from .linear import BlockRows, Linear, WeightFormat, linear, pad_rows
-from .step_states import StepStates
+from .step_states import StateChunk, StepStates
 
 log = logging.getLogger("kvpark.model")
 
@@ -152,6 +152,11 @@ class DeltaNetLayer(nn.Module):
                                       config.norm_offset)
         self.mlp = MLPBlock(config, weights, prefix, fmt, quantized)
         self.gate_up, self.down = self.mlp.gate_up, self.mlp.down
+        # the C rule comes with the whole step's mixing in C (`delta_rule.delta_net_mix_c`):
+        # in torch the conv and norms around it were ~25 small ops per sequence and layer
+        self.fused = (rule is delta_rule.gated_delta_rule_c
+                      and self.conv_weight.dtype == torch.float32
+                      and self.conv_weight.device.type == "cpu")
 
     @property
     def linears(self) -> tuple[Linear, ...]:
@@ -169,23 +174,40 @@ class DeltaNetLayer(nn.Module):
         core = torch.zeros(x.shape[0], s.num_v_heads, s.v_head_dim, dtype=torch.float32,
                            device=x.device)
         for chunk in step.chunks:
-            conv_state, state = conv_states[chunk.slot], states[chunk.slot]
             if chunk.fresh:
-                conv_state.zero_()
-                state.zero_()
-            # a speculative chunk goes a row at a time (the same bits: every row is the same
-            # per-token recurrence) and keeps the state after each row
-            per_row = chunk.keep_rows and chunk.num_rows > 1
-            for start, num_rows in (((r, 1) for r in range(chunk.num_rows)) if per_row
-                                    else ((0, chunk.num_rows),)):
-                span = slice(chunk.start_row + start, chunk.start_row + start + num_rows)
-                core[span] = self.mix(mixed[span], a[span], b[span], conv_state, state)
-                if per_row and start < chunk.num_rows - 1:
-                    kept[0][chunk.slot, start].copy_(conv_state)
-                    kept[1][chunk.slot, start].copy_(state)
+                conv_states[chunk.slot].zero_()
+                states[chunk.slot].zero_()
+        # a speculative chunk goes a row at a time (the same bits: every row is the same
+        # per-token recurrence) and keeps the state after each row
+        def by_row(chunk: StateChunk) -> bool:
+            return chunk.keep_rows and chunk.num_rows > 1
+
+        self.mix_spans(mixed, a, b, conv_states, states, core,
+                       [(c.slot, c.start_row, c.num_rows) for c in step.chunks if not by_row(c)])
+        for chunk in filter(by_row, step.chunks):
+            for row in range(chunk.num_rows):
+                self.mix_spans(mixed, a, b, conv_states, states, core,
+                               [(chunk.slot, chunk.start_row + row, 1)])
+                if row < chunk.num_rows - 1:
+                    kept[0][chunk.slot, row].copy_(conv_states[chunk.slot])
+                    kept[1][chunk.slot, row].copy_(states[chunk.slot])
         gated = rms_norm(core.view(-1, s.v_head_dim), self.out_norm, eps)
         gated = gated.view(x.shape[0], -1) * F.silu(z.float())
         return self.mlp(plus_linear(x, gated.to(x.dtype), self.o, rows), rows)
+
+    def mix_spans(self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                  conv_states: torch.Tensor, states: torch.Tensor, core: torch.Tensor,
+                  spans: list[delta_rule.Span]) -> None:
+        """Each span's rows (one sequence's) through the conv and the delta rule into `core`:
+        all in one C call where the rule is the C kernel and the step is float32, else a
+        sequence at a time in torch around `self.rule`."""
+        if self.fused and mixed.dtype == conv_states.dtype == torch.float32:
+            delta_rule.delta_net_mix_c(mixed, a, b, self.conv_weight, self.neg_a, self.dt_bias,
+                                       conv_states, states, spans, core, self.shape.num_k_heads)
+            return
+        for slot, start, num_rows in spans:
+            span = slice(start, start + num_rows)
+            core[span] = self.mix(mixed[span], a[span], b[span], conv_states[slot], states[slot])
 
     def mix(self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
             conv_state: torch.Tensor, state: torch.Tensor) -> torch.Tensor:

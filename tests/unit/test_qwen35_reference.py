@@ -1,5 +1,6 @@
 """kvpark's Qwen3.5 against transformers' own `Qwen3_5ForCausalLM` (a tiny seeded-random model
-built here, no download): the directory loads, prompt logprobs agree within 2e-3 in float32,
+built here, no download): the directory loads, prompt logprobs agree within 2e-3 in float32
+(with the C step mixing and with the torch ops it replaces where the C kernels do not build),
 greedy ids agree, and a prompt row computes the same bits as a decode row at its position."""
 
 from __future__ import annotations
@@ -10,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvpark.kernels import delta_rule
 from kvpark.pod.model import layers as layers_module
-from kvpark.pod.model.hybrid import HybridModel
+from kvpark.pod.model.hybrid import DeltaNetLayer, HybridModel
 from kvpark.pod.model.linear import Linear, WeightFormat
 from kvpark.pod.model.loader import load_model_files
 
@@ -45,8 +47,18 @@ def prompt_ids(loaded):
     return loaded.tokenizer.encode(PROMPT)
 
 
-def kvpark_model(loaded) -> HybridModel:
-    return HybridModel(loaded.config, loaded.weights)
+def kvpark_model(loaded, mixing: str = "default") -> HybridModel:
+    """`mixing` "torch": the DeltaNet layers' torch ops around the torch rule (what runs where
+    the C kernels do not build); "default": the C step mixing where they do."""
+    if mixing == "torch":
+        return HybridModel(loaded.config, loaded.weights, rule=delta_rule.gated_delta_rule)
+    model = HybridModel(loaded.config, loaded.weights)
+    delta_layers = [layer for layer in model.layers if isinstance(layer, DeltaNetLayer)]
+    assert all(layer.fused for layer in delta_layers) == delta_rule.is_available()
+    return model
+
+
+MIXINGS = pytest.mark.parametrize("mixing", ["default", "torch"])
 
 
 def test_the_directory_loads_as_a_hybrid(loaded):
@@ -56,10 +68,11 @@ def test_the_directory_loads_as_a_hybrid(loaded):
     assert c.rotary_dim == 8 and c.norm_offset == 1.0
 
 
-def test_prompt_logprobs_agree_with_transformers(reference, loaded, prompt_ids):
+@MIXINGS
+def test_prompt_logprobs_agree_with_transformers(reference, loaded, prompt_ids, mixing):
     with torch.no_grad():
         expected = torch.log_softmax(reference(torch.tensor([prompt_ids])).logits[0].float(), -1)
-    model = kvpark_model(loaded)
+    model = kvpark_model(loaded, mixing)
     # two chunks, as chunked prefill feeds a long prompt: the state carries across
     driver = HybridDriver(model)
     cut = len(prompt_ids) // 2
@@ -80,18 +93,20 @@ def test_greedy_ids_agree_with_transformers_for_32_tokens(reference, loaded, pro
     assert got == expected
 
 
-def test_a_prompt_row_computes_the_bits_of_a_decode_row(loaded, prompt_ids):
+@MIXINGS
+def test_a_prompt_row_computes_the_bits_of_a_decode_row(loaded, prompt_ids, mixing):
     """The recurrence is fed one token at a time in both cases, so a recompute replay (the
     prompt path) rebuilds the state the first pass (decode rows) built, bit for bit."""
-    model = kvpark_model(loaded)
+    model = kvpark_model(loaded, mixing)
     as_prompt = HybridDriver(model).feed({0: prompt_ids})
     decode = HybridDriver(model)
     as_decode = torch.cat([decode.feed({0: [t]}) for t in prompt_ids])
     assert torch.equal(as_prompt, as_decode)
 
 
-def test_a_row_does_not_depend_on_its_batch_neighbours(loaded, prompt_ids):
-    model = kvpark_model(loaded)
+@MIXINGS
+def test_a_row_does_not_depend_on_its_batch_neighbours(loaded, prompt_ids, mixing):
+    model = kvpark_model(loaded, mixing)
     alone = HybridDriver(model).feed({0: prompt_ids})
     together = HybridDriver(model, num_seqs=2).feed({1: prompt_ids[::-1], 0: prompt_ids})
     assert torch.equal(alone, together[len(prompt_ids):])
