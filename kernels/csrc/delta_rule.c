@@ -111,19 +111,29 @@ typedef struct {
 } MixJob;
 
 /* silu(sum_j window_j w_j) over channels [c0, c0 + n) of one row, oldest input first; each
- * channel's conv state then moves on by the row's input */
-static void conv_channels(const MixJob *J, float *conv_state, const float *x, int c0, int n,
-                          float *out) {
-    const int K = J->kernel;
+ * channel's conv state then moves on by the row's input. SiLU in vectors (silu.h: the same bits
+ * in a lane as in the tail): one element at a time it cost more than the whole delta rule. */
+static inline void conv_span(const float *conv_w, float *conv_state, const float *x, int c0,
+                             int n, const int K, float *out) {
     for (int c = c0; c < c0 + n; c++) {
         float *st = conv_state + (int64_t)c * (K - 1);
-        const float *w = J->conv_w + (int64_t)c * K;
+        const float *w = conv_w + (int64_t)c * K;
         float acc = (K > 1 ? st[0] : x[c]) * w[0];
-        for (int j = 1; j < K; j++) acc += (j < K - 1 ? st[j] : x[c]) * w[j];
+        for (int j = 1; j < K - 1; j++) acc += st[j] * w[j];
+        if (K > 1) acc += x[c] * w[K - 1];
         for (int j = 0; j + 2 < K; j++) st[j] = st[j + 1];
         if (K > 1) st[K - 2] = x[c];
-        out[c - c0] = acc / (1.0f + exp_poly(-acc));
+        out[c - c0] = acc;
     }
+}
+
+static void conv_channels(const MixJob *J, float *conv_state, const float *x, int c0, int n,
+                          float *out) {
+    if (J->kernel == 4) /* Qwen3.5's: a constant width the compiler unrolls */
+        conv_span(J->conv_w, conv_state, x, c0, n, 4, out);
+    else
+        conv_span(J->conv_w, conv_state, x, c0, n, J->kernel, out);
+    silu_row(out, n);
 }
 
 /* x / ||x|| (transformers' epsilon inside the root), then times `scale` */

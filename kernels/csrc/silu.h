@@ -67,10 +67,11 @@ typedef __m256 VF;
 #define VPOW2(n) _mm256_castsi256_ps(_mm256_slli_epi32( \
     _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23))
 #endif
-static inline void silu_mul_lanes(const float *g, const float *u, float *y) {
+/* silu(g) of one vector: exp_poly's operations on a register of each build's width */
+static inline VF silu_vector(VF g) {
     /* max(x, lo) then min(., hi) as fmaxf / fminf give them for numbers (a NaN g gives NaN
      * through g / (1 + e) either way) */
-    VF x = V(sub_ps)(V(setzero_ps)(), V(loadu_ps)(g));
+    VF x = V(sub_ps)(V(setzero_ps)(), g);
     x = V(min_ps)(V(max_ps)(x, V(set1_ps)(EXP_LO)), V(set1_ps)(EXP_HI));
     const VF n = VROUND(V(mul_ps)(x, V(set1_ps)(LOG2E)));
     VF r = V(fmadd_ps)(n, V(set1_ps)(-LN2_HI), x);
@@ -82,14 +83,18 @@ static inline void silu_mul_lanes(const float *g, const float *u, float *y) {
     p = V(fmadd_ps)(p, r, V(set1_ps)(EXP_P4));
     p = V(fmadd_ps)(p, r, V(set1_ps)(EXP_P5));
     const VF e = V(mul_ps)(V(add_ps)(V(fmadd_ps)(p, z, r), V(set1_ps)(1.0f)), VPOW2(n));
-    const VF silu = V(div_ps)(V(loadu_ps)(g), V(add_ps)(V(set1_ps)(1.0f), e));
-    V(storeu_ps)(y, V(mul_ps)(silu, V(loadu_ps)(u)));
+    return V(div_ps)(g, V(add_ps)(V(set1_ps)(1.0f), e));
 }
+static inline void silu_mul_lanes(const float *g, const float *u, float *y) {
+    V(storeu_ps)(y, V(mul_ps)(silu_vector(V(loadu_ps)(g)), V(loadu_ps)(u)));
+}
+static inline void silu_lanes(float *x) { V(storeu_ps)(x, silu_vector(V(loadu_ps)(x))); }
 #else
 #define SILU_LANES 1
 static inline void silu_mul_lanes(const float *g, const float *u, float *y) {
     y[0] = g[0] / (1.0f + exp_poly(-g[0])) * u[0];
 }
+static inline void silu_lanes(float *x) { x[0] = x[0] / (1.0f + exp_poly(-x[0])); }
 #endif
 
 /* y[:, i] = silu(gu[:, i]) * gu[:, n + i] for i < n; y may be gu (each write is behind both of
@@ -103,6 +108,13 @@ static inline void silu_mul_rows(const float *gu, int64_t gu_stride, int rows, i
         for (; i + SILU_LANES <= n; i += SILU_LANES) silu_mul_lanes(g + i, u + i, yr + i);
         for (; i < n; i++) yr[i] = g[i] / (1.0f + exp_poly(-g[i])) * u[i];
     }
+}
+
+/* x[i] = silu(x[i]) for i < n; lanes and the tail compute the same bits (exp_poly) */
+static inline void silu_row(float *x, int n) {
+    int i = 0;
+    for (; i + SILU_LANES <= n; i += SILU_LANES) silu_lanes(x + i);
+    for (; i < n; i++) x[i] = x[i] / (1.0f + exp_poly(-x[i]));
 }
 
 #endif
