@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvpark.kernels import delta_rule
+from kvpark.kernels import delta_rule, layer_ops
 from kvpark.kernels.attention import AttentionBackend
 from kvpark.kernels.quant_linear import QuantizedWeight
 
@@ -55,6 +55,22 @@ def offset_norm(weights: dict[str, torch.Tensor], name: str, offset: float) -> t
 Blocks = dict[str, QuantizedWeight] | None  # a linear's quantised blocks by weight name
 
 
+def c_row_ops(weight: torch.Tensor) -> bool:
+    """Whether a layer's float32 rows take `layer_ops`' C norms and SwiGLU (one pass each, each
+    row on its own in a fixed order, prompt rows and decode rows alike): float32 norm weights on
+    the CPU where the C kernels build. torch's rms_norm is several ops over memory a call, made
+    several times a layer."""
+    return (weight.dtype == torch.float32 and weight.device.type == "cpu"
+            and layer_ops.is_available())
+
+
+def norm(x: torch.Tensor, weight: torch.Tensor, eps: float, c_ops: bool) -> torch.Tensor:
+    """RMSNorm of x's rows: in C where `c_ops` and x is float32, else torch's."""
+    if c_ops and x.dtype == torch.float32:
+        return layer_ops.rms_norm(x, weight, eps)
+    return rms_norm(x, weight, eps)
+
+
 def make_linear(weights: dict[str, torch.Tensor], names: list[str], fmt: WeightFormat,
                 quantized: Blocks) -> Linear:
     """One linear over these weights stacked (and their blocks, where each has them)."""
@@ -73,12 +89,15 @@ class MLPBlock(nn.Module):
                                    fmt, quantized)
         self.down = make_linear(weights, [f"{mlp}.down_proj.weight"], fmt, quantized)
         self.post_norm = offset_norm(weights, f"{prefix}.post_attention_layernorm.weight",
-                                     config.norm_offset)
+                                     config.norm_offset).contiguous()
         self.eps = config.rms_norm_eps
+        self.c_ops = c_row_ops(self.post_norm)
 
     def forward(self, x: torch.Tensor, rows: BlockRows | None = None) -> torch.Tensor:
-        gate, up = linear(rms_norm(x, self.post_norm, self.eps), self.gate_up, rows
-                          ).chunk(2, dim=-1)
+        gate_up = linear(norm(x, self.post_norm, self.eps, self.c_ops), self.gate_up, rows)
+        if self.c_ops and gate_up.dtype == torch.float32:
+            return plus_linear(x, layer_ops.silu_mul(gate_up), self.down, rows)
+        gate, up = gate_up.chunk(2, dim=-1)
         return plus_linear(x, F.silu(gate) * up, self.down, rows)
 
 
@@ -92,7 +111,8 @@ class GatedAttentionLayer(nn.Module):
                                quantized)
         self.o = make_linear(weights, [f"{attn}.o_proj.weight"], fmt, quantized)
         self.input_norm = offset_norm(weights, f"{prefix}.input_layernorm.weight",
-                                      config.norm_offset)
+                                      config.norm_offset).contiguous()
+        self.c_ops = c_row_ops(self.input_norm)
         self.q_norm = offset_norm(weights, f"{attn}.q_norm.weight", config.norm_offset)
         self.k_norm = offset_norm(weights, f"{attn}.k_norm.weight", config.norm_offset)
         self.mlp = MLPBlock(config, weights, prefix, fmt, quantized)
@@ -107,7 +127,7 @@ class GatedAttentionLayer(nn.Module):
                 rows: BlockRows | None = None) -> torch.Tensor:
         c = self.config
         num_rows, dim, heads = x.shape[0], c.head_dim, c.num_heads
-        qkv = linear(rms_norm(x, self.input_norm, c.rms_norm_eps), self.qkv, rows)
+        qkv = linear(norm(x, self.input_norm, c.rms_norm_eps, self.c_ops), self.qkv, rows)
         q_gate = qkv[:, :2 * heads * dim].view(num_rows, heads, 2 * dim)
         q, gate = q_gate[..., :dim], q_gate[..., dim:].reshape(num_rows, heads * dim)
         k_end = 2 * heads * dim + c.num_kv_heads * dim
@@ -147,9 +167,10 @@ class DeltaNetLayer(nn.Module):
         self.conv_weight = weights[f"{mixer}.conv1d.weight"].reshape(self.shape.conv_dim, -1)
         self.neg_a = -weights[f"{mixer}.A_log"].float().exp()  # the decay rate, per value head
         self.dt_bias = weights[f"{mixer}.dt_bias"].float()
-        self.out_norm = weights[f"{mixer}.norm.weight"].float()  # a plain scale (no offset)
+        self.out_norm = weights[f"{mixer}.norm.weight"].float().contiguous()  # no offset
         self.input_norm = offset_norm(weights, f"{prefix}.input_layernorm.weight",
-                                      config.norm_offset)
+                                      config.norm_offset).contiguous()
+        self.c_ops = c_row_ops(self.input_norm)
         self.mlp = MLPBlock(config, weights, prefix, fmt, quantized)
         self.gate_up, self.down = self.mlp.gate_up, self.mlp.down
         # the C rule comes with the whole step's mixing in C (`delta_rule.delta_net_mix_c`):
@@ -168,7 +189,7 @@ class DeltaNetLayer(nn.Module):
         """`kept`: this layer's [slots, draft rows, *state] conv and recurrent buffers, where a
         speculative chunk keeps the state after each of its rows but the last."""
         s, eps = self.shape, self.config.rms_norm_eps
-        projected = linear(rms_norm(x, self.input_norm, eps), self.qkv, rows)
+        projected = linear(norm(x, self.input_norm, eps, self.c_ops), self.qkv, rows)
         mixed, z, b, a = projected.split(
             (s.conv_dim, s.value_dim, s.num_v_heads, s.num_v_heads), dim=-1)
         core = torch.zeros(x.shape[0], s.num_v_heads, s.v_head_dim, dtype=torch.float32,
@@ -191,7 +212,7 @@ class DeltaNetLayer(nn.Module):
                 if row < chunk.num_rows - 1:
                     kept[0][chunk.slot, row].copy_(conv_states[chunk.slot])
                     kept[1][chunk.slot, row].copy_(states[chunk.slot])
-        gated = rms_norm(core.view(-1, s.v_head_dim), self.out_norm, eps)
+        gated = norm(core.view(-1, s.v_head_dim), self.out_norm, eps, self.c_ops)
         gated = gated.view(x.shape[0], -1) * F.silu(z.float())
         return self.mlp(plus_linear(x, gated.to(x.dtype), self.o, rows), rows)
 

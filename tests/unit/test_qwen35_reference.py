@@ -1,17 +1,19 @@
 """kvpark's Qwen3.5 against transformers' own `Qwen3_5ForCausalLM` (a tiny seeded-random model
 built here, no download): the directory loads, prompt logprobs agree within 2e-3 in float32
-(with the C step mixing and with the torch ops it replaces where the C kernels do not build),
-greedy ids agree, and a prompt row computes the same bits as a decode row at its position."""
+(with the C step mixing and row ops, and with the torch ops that run where the C kernels do not
+build), greedy ids agree, and a prompt row computes the same bits as a decode row at its
+position."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
 
-from kvpark.kernels import delta_rule
+from kvpark.kernels import delta_rule, layer_ops
 from kvpark.pod.model import layers as layers_module
 from kvpark.pod.model.hybrid import DeltaNetLayer, HybridModel
 from kvpark.pod.model.linear import Linear, WeightFormat
@@ -48,13 +50,21 @@ def prompt_ids(loaded):
 
 
 def kvpark_model(loaded, mixing: str = "default") -> HybridModel:
-    """`mixing` "torch": the DeltaNet layers' torch ops around the torch rule (what runs where
-    the C kernels do not build); "default": the C step mixing where they do."""
+    """`mixing` "torch": the model as it is built where the C kernels do not build (the DeltaNet
+    layers' torch ops around the torch rule, torch's norms and SiLU); "default": the C step
+    mixing and row ops where they do."""
     if mixing == "torch":
-        return HybridModel(loaded.config, loaded.weights, rule=delta_rule.gated_delta_rule)
+        with mock.patch.object(delta_rule, "is_available", return_value=False), \
+                mock.patch.object(layer_ops, "is_available", return_value=False):
+            model = HybridModel(loaded.config, loaded.weights)
+        assert not any(getattr(layer, "c_ops", True) or getattr(layer, "fused", False)
+                       for layer in model.layers)
+        return model
     model = HybridModel(loaded.config, loaded.weights)
     delta_layers = [layer for layer in model.layers if isinstance(layer, DeltaNetLayer)]
     assert all(layer.fused for layer in delta_layers) == delta_rule.is_available()
+    assert all(layer.c_ops and layer.mlp.c_ops for layer in model.layers) == \
+        layer_ops.is_available()
     return model
 
 
