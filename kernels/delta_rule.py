@@ -137,10 +137,19 @@ def delta_net_mix_c(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     dense = (conv_weight, neg_a, dt_bias, conv_states, states, out)
     assert all(t.is_contiguous() for t in dense) and mixed.stride(-1) == 1
     assert all(t.dtype == torch.float32 and t.is_cpu for t in (mixed, a, b, *dense))
-    _, heads, dk, dv = states.shape
+    num_slots, heads, dk, dv = states.shape
+    conv_dim, kernel = conv_weight.shape
+    # the C kernel trusts these shapes with its pointer arithmetic
+    assert heads % num_k_heads == 0 and conv_dim == 2 * num_k_heads * dk + heads * dv
+    assert mixed.shape[1] >= conv_dim and a.shape[1] >= heads and b.shape[1] >= heads
+    assert conv_states.shape == (num_slots, conv_dim, kernel - 1)
+    assert out.shape[1:] == (heads, dv) and neg_a.numel() == dt_bias.numel() == heads
+    rows = min(mixed.shape[0], a.shape[0], b.shape[0], out.shape[0])
+    assert all(0 <= slot < num_slots and 0 <= start and start + n <= rows
+               for slot, start, n in spans), "a span outside the step or the slots"
     table = torch.tensor(spans, dtype=torch.int32)
     load_kernel(isa).kvpark_delta_net_mix(
         mixed.data_ptr(), mixed.stride(0), a.data_ptr(), b.data_ptr(), a.stride(0),
         conv_weight.data_ptr(), neg_a.data_ptr(), dt_bias.data_ptr(), conv_states.data_ptr(),
         states.data_ptr(), out.data_ptr(), table.data_ptr(), len(spans), num_k_heads, heads, dk,
-        dv, conv_weight.shape[1], dk ** -0.5, worker_pool.get_num_threads())
+        dv, kernel, dk ** -0.5, worker_pool.get_num_threads())

@@ -175,7 +175,7 @@ class DeltaNetLayer(nn.Module):
         self.gate_up, self.down = self.mlp.gate_up, self.mlp.down
         # the C rule comes with the whole step's mixing in C (`delta_rule.delta_net_mix_c`):
         # in torch the conv and norms around it were ~25 small ops per sequence and layer
-        self.fused = (rule is delta_rule.gated_delta_rule_c
+        self.c_mix = (rule is delta_rule.gated_delta_rule_c
                       and self.conv_weight.dtype == torch.float32
                       and self.conv_weight.device.type == "cpu")
 
@@ -222,7 +222,7 @@ class DeltaNetLayer(nn.Module):
         """Each span's rows (one sequence's) through the conv and the delta rule into `core`:
         all in one C call where the rule is the C kernel and the step is float32, else a
         sequence at a time in torch around `self.rule`."""
-        if self.fused and mixed.dtype == conv_states.dtype == torch.float32:
+        if self.c_mix and mixed.dtype == conv_states.dtype == torch.float32:
             delta_rule.delta_net_mix_c(mixed, a, b, self.conv_weight, self.neg_a, self.dt_bias,
                                        conv_states, states, spans, core, self.shape.num_k_heads)
             return

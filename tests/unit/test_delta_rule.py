@@ -170,3 +170,14 @@ def test_a_rows_bits_depend_only_on_its_own_sequence(c_isa):
         worker_pool.set_num_threads(before)
     assert torch.equal(torch.cat(decoded), chunk)
     assert torch.equal(conv_states[2], alone[6][2]) and torch.equal(states[2], alone[7][2])
+
+
+@pytest.mark.parametrize("spans", [[(0, 2, 3)], [(SLOTS, 0, 1)], [(1, 0, 1), (1, 1, 1)]],
+                         ids=["past-the-rows", "past-the-slots", "one-slot-twice"])
+def test_the_step_mix_refuses_spans_the_kernel_would_misread(c_isa, spans):
+    """The C kernel trusts its spans with pointer arithmetic (and runs a slot's tasks at once)."""
+    inputs = mix_inputs(4)
+    before = [t.clone() for t in inputs[6:]]
+    with pytest.raises(AssertionError):
+        c_mix(c_isa, inputs, spans, 4)
+    assert all(torch.equal(t, u) for t, u in zip(inputs[6:], before))

@@ -57,12 +57,12 @@ def kvpark_model(loaded, mixing: str = "default") -> HybridModel:
         with mock.patch.object(delta_rule, "is_available", return_value=False), \
                 mock.patch.object(layer_ops, "is_available", return_value=False):
             model = HybridModel(loaded.config, loaded.weights)
-        assert not any(getattr(layer, "c_ops", True) or getattr(layer, "fused", False)
+        assert not any(getattr(layer, "c_ops", True) or getattr(layer, "c_mix", False)
                        for layer in model.layers)
         return model
     model = HybridModel(loaded.config, loaded.weights)
     delta_layers = [layer for layer in model.layers if isinstance(layer, DeltaNetLayer)]
-    assert all(layer.fused for layer in delta_layers) == delta_rule.is_available()
+    assert all(layer.c_mix for layer in delta_layers) == delta_rule.is_available()
     assert all(layer.c_ops and layer.mlp.c_ops for layer in model.layers) == \
         layer_ops.is_available()
     return model
