@@ -65,9 +65,11 @@ def c_row_ops(weight: torch.Tensor) -> bool:
 
 
 def norm(x: torch.Tensor, weight: torch.Tensor, eps: float, c_ops: bool) -> torch.Tensor:
-    """RMSNorm of x's rows: in C where `c_ops` and x is float32, else torch's."""
+    """RMSNorm over x's last dim: in C where `c_ops` and x is float32, else torch's. (torch's
+    also wakes its own thread pool for a handful of rows, beside the C kernels' pool.)"""
     if c_ops and x.dtype == torch.float32:
-        return layer_ops.rms_norm(x, weight, eps)
+        rows = x.reshape(-1, x.shape[-1])  # a copy only where heads are views of a projection
+        return layer_ops.rms_norm(rows, weight, eps).view(x.shape)
     return rms_norm(x, weight, eps)
 
 
@@ -113,8 +115,10 @@ class GatedAttentionLayer(nn.Module):
         self.input_norm = offset_norm(weights, f"{prefix}.input_layernorm.weight",
                                       config.norm_offset).contiguous()
         self.c_ops = c_row_ops(self.input_norm)
-        self.q_norm = offset_norm(weights, f"{attn}.q_norm.weight", config.norm_offset)
-        self.k_norm = offset_norm(weights, f"{attn}.k_norm.weight", config.norm_offset)
+        self.q_norm = offset_norm(weights, f"{attn}.q_norm.weight", config.norm_offset
+                                  ).contiguous()
+        self.k_norm = offset_norm(weights, f"{attn}.k_norm.weight", config.norm_offset
+                                  ).contiguous()
         self.mlp = MLPBlock(config, weights, prefix, fmt, quantized)
         self.gate_up, self.down = self.mlp.gate_up, self.mlp.down
 
@@ -133,8 +137,9 @@ class GatedAttentionLayer(nn.Module):
         k_end = 2 * heads * dim + c.num_kv_heads * dim
         k = qkv[:, 2 * heads * dim:k_end].view(num_rows, c.num_kv_heads, dim)
         v = qkv[:, k_end:].view(num_rows, c.num_kv_heads, dim)
-        q = self.partial_rope(rms_norm(q.contiguous(), self.q_norm, c.rms_norm_eps), cos, sin)
-        k = self.partial_rope(rms_norm(k, self.k_norm, c.rms_norm_eps), cos, sin)
+        eps = c.rms_norm_eps
+        q = self.partial_rope(norm(q.contiguous(), self.q_norm, eps, self.c_ops), cos, sin)
+        k = self.partial_rope(norm(k, self.k_norm, eps, self.c_ops), cos, sin)
         q, k, v = q[:num_tokens], k[:num_tokens], v[:num_tokens].contiguous()
         backend.append_kv(kv_cache, k, v)
         attn = backend.attend(q, kv_cache).reshape(num_tokens, heads * dim)
@@ -263,7 +268,9 @@ class HybridModel(DecoderBase):
         self.batch_invariant = batch_invariant
         self.weight_format = weight_format
         self.embed = weights["model.embed_tokens.weight"]
-        self.final_norm = offset_norm(weights, "model.norm.weight", config.norm_offset)
+        self.final_norm = offset_norm(weights, "model.norm.weight", config.norm_offset
+                                      ).contiguous()
+        self.c_ops = c_row_ops(self.final_norm)
         head_name = "lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"
         self.head = make_linear(weights, [head_name], weight_format, quantized)
         self.lm_head = self.head.weight
@@ -309,4 +316,4 @@ class HybridModel(DecoderBase):
             else:
                 conv, recurrent = next(slots)
                 x = layer(x, conv, recurrent, states, next(kept, None), rows)
-        return rms_norm(x[:num_tokens], self.final_norm, self.config.rms_norm_eps)
+        return norm(x[:num_tokens], self.final_norm, self.config.rms_norm_eps, self.c_ops)

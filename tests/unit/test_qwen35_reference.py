@@ -57,13 +57,14 @@ def kvpark_model(loaded, mixing: str = "default") -> HybridModel:
         with mock.patch.object(delta_rule, "is_available", return_value=False), \
                 mock.patch.object(layer_ops, "is_available", return_value=False):
             model = HybridModel(loaded.config, loaded.weights)
-        assert not any(getattr(layer, "c_ops", True) or getattr(layer, "c_mix", False)
-                       for layer in model.layers)
+        assert not model.c_ops and not any(getattr(layer, "c_ops", True)
+                                           or getattr(layer, "c_mix", False)
+                                           for layer in model.layers)
         return model
     model = HybridModel(loaded.config, loaded.weights)
     delta_layers = [layer for layer in model.layers if isinstance(layer, DeltaNetLayer)]
     assert all(layer.c_mix for layer in delta_layers) == delta_rule.is_available()
-    assert all(layer.c_ops and layer.mlp.c_ops for layer in model.layers) == \
+    assert all(layer.c_ops and layer.mlp.c_ops for layer in model.layers) == model.c_ops == \
         layer_ops.is_available()
     return model
 
