@@ -6,7 +6,8 @@ or a decode row and whatever else shares the step: so a row's bits depend only o
 sequence's history, and a recompute replay rebuilds the first pass's state bit for bit. (The
 chunked form of the delta rule that long prompts usually take is faster but sums in another
 order; it would break that promise.) The C kernel (`delta_rule.c`, when built) computes the
-same recurrence per (sequence, head) with its own fixed order; this file is its reference.
+same recurrence per (sequence, head) with its own fixed order, and `delta_net_mix_c` a whole
+step's conv, norms and recurrence for every sequence in one call; this file is their reference.
 """
 
 from __future__ import annotations
