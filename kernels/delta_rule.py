@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -117,9 +119,30 @@ def gated_delta_rule_c(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: tor
 Span = tuple[int, int, int]  # one sequence's rows in a step: (state slot, first row, rows)
 
 
+@dataclass(frozen=True)
+class Spans:
+    """The sequences of a step's mixing call, checked and laid out once a step (every DeltaNet
+    layer reads the same): each slot inside the state pool and at most once (the C kernel runs
+    a slot's tasks at once)."""
+
+    spans: tuple[Span, ...]
+    table: torch.Tensor  # int32 [n, 3]: what the C kernel reads
+    num_slots: int
+    rows_end: int  # one past the last row a span reads
+
+
+def make_spans(spans: Sequence[Span], num_slots: int) -> Spans:
+    slots = [span[0] for span in spans]
+    assert len(set(slots)) == len(slots), "two spans of one slot in a call"
+    assert all(0 <= slot < num_slots and 0 <= start and 0 <= n for slot, start, n in spans), (
+        "a span outside the slots")
+    return Spans(tuple(spans), torch.tensor(spans, dtype=torch.int32).reshape(-1, 3), num_slots,
+                 max((start + n for _, start, n in spans), default=0))
+
+
 def delta_net_mix_c(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                     conv_weight: torch.Tensor, neg_a: torch.Tensor, dt_bias: torch.Tensor,
-                    conv_states: torch.Tensor, states: torch.Tensor, spans: list[Span],
+                    conv_states: torch.Tensor, states: torch.Tensor, spans: Spans,
                     out: torch.Tensor, num_k_heads: int, isa: Isa | None = None) -> None:
     """A step's token mixing in one C call: for each span, `causal_conv` of its rows from its
     slot's conv state, `l2_normalize` of q and k (q times Dk^-1/2) and `gated_delta_rule` from
@@ -129,10 +152,8 @@ def delta_net_mix_c(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     mixed: [rows, conv_dim] (q, k, v channels); a, b: [rows, H] (rows may be strided, as the
     views of one projection are); conv_weight: [conv_dim, K]; neg_a, dt_bias: [H];
     conv_states: [slots, conv_dim, K - 1]; states: [slots, H, Dk, Dv]; out: [rows, H, Dv]."""
-    if not spans:
+    if not spans.spans:
         return
-    slots = [span[0] for span in spans]
-    assert len(set(slots)) == len(slots), "two spans of one slot in a call"
     if a.stride(-1) != 1 or b.stride(-1) != 1 or a.stride(0) != b.stride(0):
         a, b = a.contiguous(), b.contiguous()
     dense = (conv_weight, neg_a, dt_bias, conv_states, states, out)
@@ -146,11 +167,9 @@ def delta_net_mix_c(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     assert conv_states.shape == (num_slots, conv_dim, kernel - 1)
     assert out.shape[1:] == (heads, dv) and neg_a.numel() == dt_bias.numel() == heads
     rows = min(mixed.shape[0], a.shape[0], b.shape[0], out.shape[0])
-    assert all(0 <= slot < num_slots and 0 <= start and start + n <= rows
-               for slot, start, n in spans), "a span outside the step or the slots"
-    table = torch.tensor(spans, dtype=torch.int32)
+    assert spans.num_slots == num_slots and spans.rows_end <= rows, "spans of another step"
     load_kernel(isa).kvpark_delta_net_mix(
         mixed.data_ptr(), mixed.stride(0), a.data_ptr(), b.data_ptr(), a.stride(0),
         conv_weight.data_ptr(), neg_a.data_ptr(), dt_bias.data_ptr(), conv_states.data_ptr(),
-        states.data_ptr(), out.data_ptr(), table.data_ptr(), len(spans), num_k_heads, heads, dk,
-        dv, kernel, dk ** -0.5, worker_pool.get_num_threads())
+        states.data_ptr(), out.data_ptr(), spans.table.data_ptr(), len(spans.spans), num_k_heads,
+        heads, dk, dv, kernel, dk ** -0.5, worker_pool.get_num_threads())

@@ -29,7 +29,7 @@ from .config import FULL_ATTENTION, DeltaNetConfig, ModelConfig
 from .decoder_base import DecoderBase
 from .layers import apply_rope, fused_blocks, plus_linear, rms_norm, rope_cos_sin
 from .linear import BlockRows, Linear, WeightFormat, linear, pad_rows
-from .step_states import StateChunk, StepStates
+from .step_states import StepStates
 
 log = logging.getLogger("kvpark.model")
 
@@ -203,17 +203,11 @@ class DeltaNetLayer(nn.Module):
             if chunk.fresh:
                 conv_states[chunk.slot].zero_()
                 states[chunk.slot].zero_()
-        # a speculative chunk goes a row at a time (the same bits: every row is the same
-        # per-token recurrence) and keeps the state after each row
-        def by_row(chunk: StateChunk) -> bool:
-            return chunk.keep_rows and chunk.num_rows > 1
-
-        self.mix_spans(mixed, a, b, conv_states, states, core,
-                       [(c.slot, c.start_row, c.num_rows) for c in step.chunks if not by_row(c)])
-        for chunk in filter(by_row, step.chunks):
+        self.mix_spans(mixed, a, b, conv_states, states, core, step.whole_spans)
+        for chunk in step.row_chunks:  # speculative: the state after each row is kept
             for row in range(chunk.num_rows):
-                self.mix_spans(mixed, a, b, conv_states, states, core,
-                               [(chunk.slot, chunk.start_row + row, 1)])
+                self.mix_spans(mixed, a, b, conv_states, states, core, delta_rule.make_spans(
+                    [(chunk.slot, chunk.start_row + row, 1)], step.num_slots))
                 if row < chunk.num_rows - 1:
                     kept[0][chunk.slot, row].copy_(conv_states[chunk.slot])
                     kept[1][chunk.slot, row].copy_(states[chunk.slot])
@@ -223,7 +217,7 @@ class DeltaNetLayer(nn.Module):
 
     def mix_spans(self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                   conv_states: torch.Tensor, states: torch.Tensor, core: torch.Tensor,
-                  spans: list[delta_rule.Span]) -> None:
+                  spans: delta_rule.Spans) -> None:
         """Each span's rows (one sequence's) through the conv and the delta rule into `core`:
         all in one C call where the rule is the C kernel and the step is float32, else a
         sequence at a time in torch around `self.rule`."""
@@ -231,7 +225,7 @@ class DeltaNetLayer(nn.Module):
             delta_rule.delta_net_mix_c(mixed, a, b, self.conv_weight, self.neg_a, self.dt_bias,
                                        conv_states, states, spans, core, self.shape.num_k_heads)
             return
-        for slot, start, num_rows in spans:
+        for slot, start, num_rows in spans.spans:
             span = slice(start, start + num_rows)
             core[span] = self.mix(mixed[span], a[span], b[span], conv_states[slot], states[slot])
 

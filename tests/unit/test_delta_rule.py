@@ -109,8 +109,8 @@ def torch_mix(mixed, a, b, conv_w, neg_a, dt_bias, conv_state, state):
 def c_mix(isa, inputs, spans, rows: int):
     mixed, a, b, conv_w, neg_a, dt_bias, conv_states, states = inputs
     out = torch.zeros(rows, HV, DV)
-    delta_rule.delta_net_mix_c(mixed, a, b, conv_w, neg_a, dt_bias, conv_states, states, spans,
-                               out, HK, isa=isa)
+    delta_rule.delta_net_mix_c(mixed, a, b, conv_w, neg_a, dt_bias, conv_states, states,
+                               delta_rule.make_spans(spans, SLOTS), out, HK, isa=isa)
     return out
 
 
@@ -163,8 +163,8 @@ def test_a_rows_bits_depend_only_on_its_own_sequence(c_isa):
             out = torch.zeros(3, HV, DV)
             delta_rule.delta_net_mix_c(
                 torch.cat(step), torch.cat([x for x, _ in ab]), torch.cat([y for _, y in ab]),
-                conv_w, neg_a, dt_bias, conv_states, states, [(0, 0, 1), (2, 1, 1), (5, 2, 1)],
-                out, HK, isa=c_isa)
+                conv_w, neg_a, dt_bias, conv_states, states,
+                delta_rule.make_spans([(0, 0, 1), (2, 1, 1), (5, 2, 1)], SLOTS), out, HK, isa=c_isa)
             decoded.append(out[1:2])
     finally:
         worker_pool.set_num_threads(before)
